@@ -1,0 +1,359 @@
+"""Pure tensor maths of PPO-max (Zheng et al., 2023, "Secrets of RLHF in Large Language Models Part I: PPO").
+
+No trainer state lives here: every function takes tensors and plain numbers, returns new tensors and never edits its
+inputs. Shapes use ``B`` for the batch and ``T`` for the response width. A ``mask`` is 1 (or True) on real response
+tokens and 0 on padding. Cross-process statistics take an optional ``reduce`` callable that sums a tensor over all
+processes (for example ``lambda t: accelerator.reduce(t, "sum")``); ``None`` means a single process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+KLEstimator = Literal["k1", "k2", "k3"]
+RewardNorm = Literal["none", "running", "scale"]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------------------------------------
+def masked_sum_and_count(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ x·m, Σ m)`` over all elements (and over processes when ``reduce`` is given). Both are 0-d float64."""
+    reduce = reduce or _identity
+    mask = mask.to(torch.float64)
+    totals = torch.stack([(x.to(torch.float64) * mask).sum(), mask.sum()])
+    totals = reduce(totals)
+    return totals[0], totals[1]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1: ``Σ x·m / Σ m`` (0-d, dtype of ``x``; NaN if the mask is empty)."""
+    total, count = masked_sum_and_count(x, mask, reduce)
+    return (total / count).to(x.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> torch.Tensor:
+    """Variance of ``x`` over masked positions, two-pass: ``Σ m·(x − μ)² / (n − 1)`` (``/ n`` when not unbiased).
+
+    Raises ``ValueError`` when ``unbiased`` and the mask holds fewer than two elements.
+    """
+    mean = masked_mean(x, mask, reduce)
+    sq_dev, count = masked_sum_and_count((x - mean) ** 2, mask, reduce)
+    if unbiased:
+        if count < 2:
+            raise ValueError(f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}.")
+        return (sq_dev / (count - 1)).to(x.dtype)
+    return (sq_dev / count).to(x.dtype)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce: Reduce | None = None, eps: float = 1e-8
+) -> torch.Tensor:
+    """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the masked (global when ``reduce``) mean and unbiased variance.
+
+    With ``shift_mean=False`` the mean is added back: ``x / sqrt(σ² + eps) − μ/sqrt(σ² + eps) + μ`` — only the scale
+    changes. Masked-out positions are returned as 0. Shapes: any, ``mask`` broadcastable to ``x``.
+    """
+    mean = masked_mean(x, mask, reduce)
+    var = masked_var(x, mask, unbiased=True, reduce=reduce)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running moments (reward normalisation, §5.3.1)
+# --------------------------------------------------------------------------------------------------------------------
+class RunningMoments:
+    """Running mean and unbiased std of every value ever passed to :meth:`update` (float64 state).
+
+    Batches are merged with the parallel-variance formula (Chan et al.): for the stored ``(n, μ, M2)`` and a batch
+    ``(n_b, μ_b, M2_b)``, ``δ = μ_b − μ``, ``n' = n + n_b``, ``μ' = μ + δ·n_b/n'``, ``M2' = M2 + M2_b + δ²·n·n_b/n'``;
+    ``std = sqrt(M2 / (n − 1))``. With ``reduce`` the batch moments are global over processes, so every rank holds the
+    same statistics as a single process that saw the union of the data.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    @property
+    def var(self) -> float:
+        """Unbiased variance; 0 before two values were seen."""
+        return self.m2 / (self.count - 1) if self.count > 1 else 0.0
+
+    @property
+    def std(self) -> float:
+        """Unbiased standard deviation; 1 before two values were seen, so dividing by it is always safe."""
+        return math.sqrt(self.var) if self.count > 1 else 1.0
+
+    def update(self, values: torch.Tensor, reduce: Reduce | None = None) -> tuple[float, float]:
+        """Merge ``values`` (any shape) into the running moments; returns the batch's ``(mean, std)`` (global)."""
+        ones = torch.ones_like(values, dtype=torch.float64)
+        total, batch_count = masked_sum_and_count(values, ones, reduce)
+        batch_count = float(batch_count)
+        if batch_count == 0:
+            return float("nan"), float("nan")
+        batch_mean = float(total) / batch_count
+        batch_m2 = float(masked_sum_and_count((values.to(torch.float64) - batch_mean) ** 2, ones, reduce)[0])
+        new_count = self.count + batch_count
+        delta = batch_mean - self.mean
+        self.mean += delta * batch_count / new_count
+        self.m2 += batch_m2 + delta**2 * self.count * batch_count / new_count
+        self.count = new_count
+        batch_std = math.sqrt(batch_m2 / (batch_count - 1)) if batch_count > 1 else 0.0
+        return batch_mean, batch_std
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+    def __repr__(self) -> str:
+        return f"RunningMoments(count={self.count:g}, mean={self.mean:.6g}, std={self.std:.6g})"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Log-probabilities, entropy, sequence lengths
+# --------------------------------------------------------------------------------------------------------------------
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32 or wider.
+
+    Rows are processed one at a time so only one ``(T, V)`` float32 copy exists at once.
+    """
+    rows = []
+    for row_logits, row_tokens in zip(logits, tokens, strict=True):
+        row_logits = row_logits.float() / temperature
+        picked = row_logits.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)
+        rows.append(picked - torch.logsumexp(row_logits, dim=-1))
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token entropy ``H = logsumexp(z) − Σ softmax(z)·z`` of ``z = logits / temperature``: ``(B, T, V)`` → ``(B, T)``."""
+    rows = []
+    for row_logits in logits:
+        z = row_logits.float() / temperature
+        rows.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+    return torch.stack(rows)
+
+
+def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
+    """Mask (B, T) of real response tokens: everything up to and including the first ``stop_token_id``.
+
+    With ``stop_token_id=None`` every token is real. Tokens after the stop token are not part of the response.
+    """
+    if stop_token_id is None:
+        return torch.ones_like(responses, dtype=torch.bool)
+    is_stop = responses == stop_token_id
+    stops_before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()  # stop tokens strictly before t
+    return stops_before == 0
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index (B,) of the last 1 in each row of a right-padded mask (B, T); 0 for an empty row."""
+    lengths = mask.long().sum(dim=1)
+    return (lengths - 1).clamp(min=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reward shaping (§5.3.1, §5.3.2)
+# --------------------------------------------------------------------------------------------------------------------
+def normalize_scores(
+    scores: torch.Tensor, mean: float, std: float, mode: RewardNorm, clip: float | None = None, eps: float = 1e-8
+) -> torch.Tensor:
+    """Reparameterise sequence scores (B,) with historical moments, then clip (§5.3.1, eq. 18).
+
+    - ``"running"``: ``r̃ = (r − μ_hist) / (σ_hist + eps)`` (PPO-max);
+    - ``"scale"``: ``r̃ = r / (σ_hist + eps)`` (reward scaling, no mean shift);
+    - ``"none"``: ``r̃ = r``.
+
+    ``clip=δ`` then applies ``clip(r̃, −δ, δ)``; ``None`` leaves it unclipped.
+    """
+    if mode == "running":
+        scores = (scores - mean) / (std + eps)
+    elif mode == "scale":
+        scores = scores / (std + eps)
+    elif mode != "none":
+        raise ValueError(f"Unknown reward normalisation {mode!r}; use 'running', 'scale' or 'none'.")
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (http://joschu.net/blog/kl-approx.html), (B, T).
+
+    With ``r = log π_ref − log π_θ``: ``k1 = −r``, ``k2 = r²/2``, ``k3 = (eʳ − 1) − r``.
+    """
+    logr = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -logr
+    if estimator == "k2":
+        return 0.5 * logr**2
+    if estimator == "k3":
+        return torch.expm1(logr) - logr
+    raise ValueError(f"Unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'.")
+
+
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level rewards (§5.3.2, eq. 19): ``r_t = −η·KL_t`` on every real token, plus the sequence score at the
+    **last real token** of each response (its stop token when it has one).
+
+    Shapes: ``scores`` (B,), ``kl`` and ``mask`` (B, T) right-padded. Returns ``(rewards, non_score_rewards)``, both
+    (B, T) and 0 on padding.
+    """
+    mask = mask.to(kl.dtype)
+    non_score = -kl_coef * kl * mask
+    last = last_token_index(mask)
+    score_at_last = torch.zeros_like(non_score)
+    score_at_last[torch.arange(len(scores), device=scores.device), last] = scores.to(non_score.dtype)
+    return non_score + score_at_last * mask, non_score
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Advantages (§3.2.2, §5.3.1)
+# --------------------------------------------------------------------------------------------------------------------
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over right-padded responses, (B, T) each.
+
+    ``δ_t = r_t + γ·V_{t+1} − V_t`` and ``A_t = δ_t + γλ·A_{t+1}``, where ``V_{t+1}`` and ``A_{t+1}`` are 0 past the
+    last real token (no bootstrap past the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0.
+    """
+    mask = mask.to(values.dtype)
+    rewards, values = rewards * mask, values * mask
+    width = rewards.shape[1]
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(width)):
+        next_mask = mask[:, t + 1] if t + 1 < width else torch.zeros_like(mask[:, 0])
+        next_value = values[:, t + 1] * next_mask if t + 1 < width else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage * next_mask
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1) * mask
+    return advantages, (advantages + values) * mask
+
+
+def normalize_advantages(
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    whiten: bool = True,
+    clip: float | None = None,
+    reduce: Reduce | None = None,
+) -> torch.Tensor:
+    """Whiten advantages over the real tokens of the (global) batch, then optionally clip to ``[−c, c]`` (§5.3.1)."""
+    if whiten:
+        advantages = masked_whiten(advantages, mask, shift_mean=True, reduce=reduce)
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    return advantages * mask
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats
+# --------------------------------------------------------------------------------------------------------------------
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` with ``ρ = exp(log π_θ − log π_old)``.
+
+    ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
+    tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``.
+    """
+    logratio = logprobs - old_logprobs
+    ratio = torch.exp(logratio)
+    pg_losses = -advantages * ratio
+    if cliprange is None:
+        pg_max = pg_losses
+        clipped = torch.zeros_like(pg_losses)
+    else:
+        pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+        pg_max = torch.max(pg_losses, pg_losses_clipped)
+        clipped = (pg_losses_clipped > pg_losses).to(pg_losses.dtype)
+    loss = masked_mean(pg_max, mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(clipped, mask),
+            "approxkl": 0.5 * masked_mean(logratio**2, mask),
+            "ratio": masked_mean(ratio, mask),
+            "ratio_var": masked_var(ratio, mask, unbiased=False),
+        }
+    return loss, stats
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped critic loss: masked mean of ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)``.
+
+    ``cliprange_value=None`` gives ``½·(V − R)²``. Inputs (B, T). Stats: ``clipfrac``, ``values``, ``error``.
+    """
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        worst = unclipped
+        clipped = torch.zeros_like(unclipped)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+        clipped_losses = (values_clipped - returns) ** 2
+        worst = torch.max(unclipped, clipped_losses)
+        clipped = (clipped_losses > unclipped).to(values.dtype)
+    loss = 0.5 * masked_mean(worst, mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean(clipped, mask), "values": masked_mean(values, mask)}
+    return loss, stats
+
+
+def entropy_loss(
+    entropy: torch.Tensor, mask: torch.Tensor, target: float | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entropy regulariser to be *added* to the loss (App. B.3), from per-token entropy (B, T).
+
+    ``target=None``: the plain bonus ``−mean(H)`` (maximises entropy). ``target=H*``: the release's clipped form
+    ``|mean(H) − H*|``, which pulls entropy towards ``H*`` instead of growing it without bound.
+    """
+    mean_entropy = masked_mean(entropy, mask)
+    loss = -mean_entropy if target is None else (mean_entropy - target).abs()
+    return loss, {"entropy": mean_entropy.detach()}
+
+
+def lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token cross-entropy (PPO-ptx, §3.2.3 eq. 17): logits (B, L, V) at position ``i`` predict ``labels[:, i+1]``;
+    ``mask`` (B, L) marks the label tokens that count. Stats: ``perplexity`` = ``exp(loss)``.
+    """
+    logprobs = logprobs_from_logits(logits[:, :-1], labels[:, 1:])
+    loss = -masked_mean(logprobs, mask[:, 1:])
+    return loss, {"perplexity": torch.exp(loss.detach())}
+
+
+def sequence_perplexity(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence perplexity ``exp(−mean_t log p(y_t))`` over real tokens: (B, T) → (B,)."""
+    mask = mask.to(logprobs.dtype)
+    mean_logprob = (logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return torch.exp(-mean_logprob)

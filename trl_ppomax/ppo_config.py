@@ -1,0 +1,302 @@
+"""PPOMaxConfig: every field of trl 1.12's ``PPOConfig`` (same names, defaults and meaning) plus the PPO-max fields.
+
+Fields whose default depends on the ``preset`` are declared with ``None`` and resolved once in ``__post_init__`` from
+:data:`PRESETS`; a value the user sets explicitly always wins. Their help text is generated from the same table, and
+the class docstring from the help texts, so documentation cannot drift from behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+from transformers import TrainingArguments
+
+PAPER = "Zheng et al. 2023, 'Secrets of RLHF in Large Language Models Part I: PPO'"
+
+# Defaults that differ between the paper's PPO-max and trl 1.12's PPO. Everything else has one default.
+PRESETS: dict[str, dict[str, Any]] = {
+    "ppo_max": {
+        "reward_norm": "running",
+        "reward_clip": 10.0,
+        "max_grad_norm": 1.0,
+        "critic_warmup_steps": 4,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "repetition_penalty": 1.1,
+    },
+    "vanilla": {
+        "reward_norm": "none",
+        "reward_clip": 0.0,
+        "max_grad_norm": 0.0,
+        "critic_warmup_steps": 0,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+    },
+}
+
+
+def _preset_help(name: str, text: str) -> str:
+    defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
+    return f"{text} Default: {defaults}."
+
+
+def _preset_field(name: str, text: str) -> Any:
+    return field(default=None, metadata={"help": _preset_help(name, text)})
+
+
+@dataclass
+class PPOMaxConfig(TrainingArguments):
+    r"""Configuration of [`PPOMaxTrainer`]: trl 1.12's ``PPOConfig`` plus PPO-max (see the field list below).
+
+    Works with [`~transformers.HfArgumentParser`] / [`trl.TrlParser`]. Defaults that differ from
+    [`~transformers.TrainingArguments`]: ``logging_steps=10``, activation (gradient) checkpointing on, ``bf16`` on
+    a GPU that supports it unless ``fp16``, ``learning_rate=3e-6``, and ``max_grad_norm`` from the preset.
+    """
+
+    # ---- preset ---------------------------------------------------------------------------------------------------
+    preset: Literal["ppo_max", "vanilla"] = field(
+        default="ppo_max",
+        metadata={
+            "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max) or 'vanilla' (trl 1.12's PPO maths, for "
+            "ablations). Fields set explicitly override the preset."
+        },
+    )
+
+    # ---- TrainingArguments overrides (as in TRL) ------------------------------------------------------------------
+    learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate of the policy (AdamW)."})
+    logging_steps: float = field(
+        default=10, metadata={"help": "Log every X PPO iterations (a float in (0, 1) is a ratio of all iterations)."}
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision; defaults to True on a GPU that supports it unless fp16 is set."},
+    )
+    max_grad_norm: float | None = _preset_field(
+        "max_grad_norm",
+        "Global gradient clipping (App. C.2 of the paper), applied separately to the policy's and the critic's "
+        "gradients; 0 disables it (trl 1.12 never clipped).",
+    )
+
+    # ---- trl 1.12 PPOConfig fields --------------------------------------------------------------------------------
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to prepare the dataset."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Minibatches each rollout batch is split into."})
+    total_episodes: int | None = field(
+        default=None, metadata={"help": "Episodes (prompts) to train on; default num_train_epochs × dataset size."}
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Per-process batch size of the no-grad forwards and generation in rollouts."}
+    )
+    num_sample_generations: int = field(
+        default=10, metadata={"help": "Number of `generate_completions` sample tables printed during training."}
+    )
+    response_length: int = field(default=53, metadata={"help": "Maximum number of generated response tokens."})
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={"help": "'eos' to stop responses at the tokenizer's eos token; exclusive with `stop_token_id`."},
+    )
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "Token id that ends a response; exclusive with `stop_token`."}
+    )
+    temperature: float | None = _preset_field(
+        "temperature", "Sampling temperature; log-probs are computed from logits / temperature (§5.4)."
+    )
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtracted from the score of a response that does not end with the stop token (≥ 0)."},
+    )
+    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the SFT model."})
+    reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the reward model."})
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "PEFT adapter trained as the policy, when the model has several."}
+    )
+    ref_adapter_name: str | None = field(
+        default=None, metadata={"help": "PEFT adapter used as the reference; default: adapters disabled."}
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    whiten_rewards: bool = field(
+        default=False, metadata={"help": "Scale the token rewards by their batch std (trl 1.12's option)."}
+    )
+    kl_coef: float = field(
+        default=0.05, metadata={"help": "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19)."}
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k1", metadata={"help": "KL estimator in the reward: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2)."}
+    )
+    cliprange: float | None = field(
+        default=0.2, metadata={"help": "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping."}
+    )
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    cliprange_value: float | None = field(
+        default=0.2, metadata={"help": "ε_v of the clipped value loss (§3.2.3); None disables value clipping."}
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE (§3.2.2)."})
+    lam: float = field(default=0.95, metadata={"help": "λ of GAE (§3.2.2, App. C.3)."})
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={"help": "Under DeepSpeed ZeRO-3, gather the policy's weights for generation (faster, more memory)."},
+    )
+
+    # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
+    world_size: int | None = field(default=None, metadata={"help": "Derived: number of processes."})
+    num_total_batches: int | None = field(
+        default=None, metadata={"help": "Derived by the trainer from total_episodes: number of PPO iterations."}
+    )
+    micro_batch_size: int | None = field(
+        default=None, metadata={"help": "Derived: per_device_train_batch_size × world_size."}
+    )
+    local_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Derived: rollout batch per process, per_device × gradient_accumulation × num_mini_batches."},
+    )
+    batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
+    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
+    mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch over all processes."})
+
+    # ---- PPO-max: sampling (§5.4) ---------------------------------------------------------------------------------
+    top_p: float | None = _preset_field("top_p", "Nucleus sampling threshold for rollouts (§5.4).")
+    repetition_penalty: float | None = _preset_field(
+        "repetition_penalty", "Repetition penalty for rollouts (§5.4 of the paper's release)."
+    )
+
+    # ---- PPO-max: score reparameterisation (§5.3.1) ---------------------------------------------------------------
+    reward_norm: Literal["running", "scale", "none"] | None = _preset_field(
+        "reward_norm",
+        "Reward normalisation with historical moments over all processes (§5.3.1, eq. 18): 'running' = (r − μ)/σ, "
+        "'scale' = r/σ, 'none'.",
+    )
+    reward_clip: float | None = _preset_field(
+        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); 0 disables it."
+    )
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={"help": "Advantage normalisation over the real tokens of the global batch (§5.3.1)."},
+    )
+    advantage_clip: float | None = field(
+        default=None,
+        metadata={"help": "Clip whitened advantages to [−c, c] (§5.3.1; the release used 0.5); None disables it."},
+    )
+
+    # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
+    importance_sampling: Literal["old_policy", "reference"] = field(
+        default="old_policy",
+        metadata={
+            "help": "Denominator of the PPO ratio: the rollout ('old') policy, or the reference model (§5.3.2, "
+            "'importance sampling' ablation)."
+        },
+    )
+    critic_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Separate critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."},
+    )
+    critic_warmup_steps: int | None = _preset_field(
+        "critic_warmup_steps",
+        "PPO iterations at the start that train only the critic (critic pre-training, §5.3.3).",
+    )
+
+    # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
+    ptx_coef: float = field(
+        default=0.0,
+        metadata={"help": "λ_ptx of PPO-ptx: weight of the LM loss on `ptx_dataset` (§3.2.3 eq. 17, §5.4); needs one."},
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default)."}
+    )
+    entropy_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "With entropy_coef > 0: None = plain bonus −H; a number H* = the release's clipped form |H − H*| "
+            "(App. B.3)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self._resolve_preset()
+        self._validate()
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # trl's default; `--gradient_checkpointing False` still turns it off
+        super().__post_init__()
+        self._derive_sizes()
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+    def _resolve_preset(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+    def _validate(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(self.response_length >= 1, f"response_length must be ≥ 1, got {self.response_length}.")
+        require(
+            not (self.stop_token is not None and self.stop_token_id is not None),
+            "Set either stop_token='eos' or stop_token_id, not both.",
+        )
+        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
+        require(self.num_ppo_epochs >= 1, f"num_ppo_epochs must be ≥ 1, got {self.num_ppo_epochs}.")
+        require(self.num_mini_batches >= 1, f"num_mini_batches must be ≥ 1, got {self.num_mini_batches}.")
+        require(
+            self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+            f"missing_eos_penalty must be ≥ 0 (it is subtracted), got {self.missing_eos_penalty}.",
+        )
+        require(self.reward_clip >= 0, f"reward_clip must be ≥ 0 (0 disables it), got {self.reward_clip}.")
+        require(self.max_grad_norm >= 0, f"max_grad_norm must be ≥ 0 (0 disables it), got {self.max_grad_norm}.")
+        require(
+            self.advantage_clip is None or self.advantage_clip > 0,
+            f"advantage_clip must be > 0, got {self.advantage_clip}.",
+        )
+        require(self.critic_warmup_steps >= 0, f"critic_warmup_steps must be ≥ 0, got {self.critic_warmup_steps}.")
+        require(self.ptx_coef >= 0, f"ptx_coef must be ≥ 0, got {self.ptx_coef}.")
+        require(self.entropy_coef >= 0, f"entropy_coef must be ≥ 0, got {self.entropy_coef}.")
+        require(
+            self.reward_norm in ("running", "scale", "none"),
+            f"reward_norm must be 'running', 'scale' or 'none', got {self.reward_norm!r}.",
+        )
+        require(
+            self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}."
+        )
+        require(
+            self.importance_sampling in ("old_policy", "reference"),
+            f"importance_sampling must be 'old_policy' or 'reference', got {self.importance_sampling!r}.",
+        )
+
+    def _derive_sizes(self) -> None:
+        self.world_size = self.distributed_state.num_processes if self.distributed_state is not None else 1
+        self.local_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        self.micro_batch_size = self.per_device_train_batch_size * self.world_size
+        self.batch_size = self.local_batch_size * self.world_size
+        self.mini_batch_size = self.batch_size // self.num_mini_batches
+        self.local_mini_batch_size = self.local_batch_size // self.num_mini_batches
+
+    @property
+    def effective_critic_learning_rate(self) -> float:
+        return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+    def num_iterations(self, dataset_size: int) -> tuple[int, int]:
+        """``(total_episodes, num_total_batches)`` for a prompt dataset of ``dataset_size`` prompts."""
+        total = self.total_episodes or int(self.num_train_epochs * dataset_size)
+        batches = self.num_total_batches or math.ceil(total / self.batch_size)
+        return total, batches
+
+
+def _render_field_docs(cls: type) -> str:
+    lines = ["", "    Fields (beyond ``TrainingArguments``):"]
+    base = {f.name for f in fields(TrainingArguments)}
+    for f in fields(cls):
+        if f.name in base and f.name not in PRESETS["ppo_max"]:
+            continue
+        lines.append(f"        {f.name}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+PPOMaxConfig.__doc__ = (PPOMaxConfig.__doc__ or "") + _render_field_docs(PPOMaxConfig)
