@@ -68,7 +68,9 @@ class PolicyAndCritic(nn.Module):
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+        flag = getattr(type(self.policy), "is_activation_checkpointing", None)
+        name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
+        return bool(getattr(self.policy, name, False))
 
     def gradient_checkpointing_disable(self) -> None:
         self.policy.gradient_checkpointing_disable()
