@@ -47,9 +47,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def model_config(arch: str, vocab_size: int, tokenizer):
-    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     if arch == "llama":
         return LlamaConfig(**common, num_key_value_heads=2)
     if arch == "gpt_neox":
@@ -70,7 +78,13 @@ def build_models(arch: str = "llama", seed: int = 0):
 
 def prompt_texts(n: int = 32) -> list[str]:
     g = torch.Generator().manual_seed(1)
-    return [" ".join(WORDS[j] for j in torch.randint(len(WORDS), (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()) for _ in range(n)]
+    return [
+        " ".join(
+            WORDS[j]
+            for j in torch.randint(len(WORDS), (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="session")

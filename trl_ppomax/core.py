@@ -26,7 +26,9 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------------
 # Masked statistics
 # --------------------------------------------------------------------------------------------------------------------
-def masked_sum_and_count(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_sum_and_count(
+    x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ x·m, Σ m)`` over all elements (and over processes when ``reduce`` is given). Both are 0-d float64."""
     reduce = reduce or _identity
     mask = mask.to(torch.float64)
@@ -41,7 +43,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = Non
     return (total / count).to(x.dtype)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce | None = None) -> torch.Tensor:
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce | None = None
+) -> torch.Tensor:
     """Variance of ``x`` over masked positions, two-pass: ``Σ m·(x − μ)² / (n − 1)`` (``/ n`` when not unbiased).
 
     Raises ``ValueError`` when ``unbiased`` and the mask holds fewer than two elements.

@@ -150,7 +150,9 @@ class PPOMaxConfig(TrainingArguments):
     )
     local_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Derived: rollout batch per process, per_device × gradient_accumulation × num_mini_batches."},
+        metadata={
+            "help": "Derived: rollout batch per process, per_device × gradient_accumulation × num_mini_batches."
+        },
     )
     batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
     local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
@@ -190,7 +192,9 @@ class PPOMaxConfig(TrainingArguments):
     )
     critic_learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Separate critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."},
+        metadata={
+            "help": "Separate critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."
+        },
     )
     critic_warmup_steps: int | None = _preset_field(
         "critic_warmup_steps",
@@ -200,7 +204,9 @@ class PPOMaxConfig(TrainingArguments):
     # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
     ptx_coef: float = field(
         default=0.0,
-        metadata={"help": "λ_ptx of PPO-ptx: weight of the LM loss on `ptx_dataset` (§3.2.3 eq. 17, §5.4); needs one."},
+        metadata={
+            "help": "λ_ptx of PPO-ptx: weight of the LM loss on `ptx_dataset` (§3.2.3 eq. 17, §5.4); needs one."
+        },
     )
     entropy_coef: float = field(
         default=0.0, metadata={"help": "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default)."}
@@ -272,7 +278,9 @@ class PPOMaxConfig(TrainingArguments):
 
     def _derive_sizes(self) -> None:
         self.world_size = self.distributed_state.num_processes if self.distributed_state is not None else 1
-        self.local_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        self.local_batch_size = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        )
         self.micro_batch_size = self.per_device_train_batch_size * self.world_size
         self.batch_size = self.local_batch_size * self.world_size
         self.mini_batch_size = self.batch_size // self.num_mini_batches

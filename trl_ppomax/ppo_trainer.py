@@ -127,7 +127,9 @@ class PPOMaxTrainer(Trainer):
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
         if args.ptx_coef > 0 and ptx_dataset is None:
-            raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
+            raise ValueError(
+                "ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0."
+            )
 
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         policy, self.ref_model = _policy_and_reference(model, ref_model, peft_config)
@@ -508,7 +510,11 @@ class PPOMaxTrainer(Trainer):
         logprobs = core.logprobs_from_logits(logits, responses, args.temperature)
 
         pg_loss, pg_stats = core.clipped_policy_loss(
-            logprobs, experience.old_logprobs[index, :width], experience.advantages[index, :width], mask, args.cliprange
+            logprobs,
+            experience.old_logprobs[index, :width],
+            experience.advantages[index, :width],
+            mask,
+            args.cliprange,
         )
         vf_loss, vf_stats = core.clipped_value_loss(
             values, rollout.values[:, :width], experience.returns[index, :width], mask, args.cliprange_value
@@ -675,7 +681,9 @@ def _policy_and_reference(model, ref_model, peft_config) -> tuple[nn.Module, nn.
         model = get_peft_model(model, peft_config)
     if _is_peft(model):
         if ref_model is not None:
-            raise ValueError("With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None.")
+            raise ValueError(
+                "With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None."
+            )
         return model, None
     if ref_model is None:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)

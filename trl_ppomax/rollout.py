@@ -71,9 +71,7 @@ def _accepts(module: nn.Module, argument: str) -> bool:
     return argument in inspect.signature(module.forward).parameters
 
 
-def response_logits(
-    model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int
-) -> torch.Tensor:
+def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
     """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2``.
 
     Asks the model for the last ``T + 1`` positions only (``logits_to_keep``) when it supports it.
