@@ -2,8 +2,8 @@
 
 __version__ = "0.1.0"
 
-from .core import RunningMoments  # noqa: E402
-from .ppo_config import PPOMaxConfig  # noqa: E402
-from .ppo_trainer import PPOMaxTrainer  # noqa: E402
+from .core import RunningMoments
+from .ppo_config import PPOMaxConfig
+from .ppo_trainer import PPOMaxTrainer
 
 __all__ = ["PPOMaxConfig", "PPOMaxTrainer", "RunningMoments", "__version__"]

@@ -102,7 +102,7 @@ class PPOMaxTrainer(Trainer):
         ptx_dataset: texts (``text``/``input_ids``) for the PPO-ptx loss, used when ``args.ptx_coef > 0``.
     """
 
-    _tag_names = ["trl", "trl-ppomax", "ppo", "ppo-max"]
+    _tag_names = ("trl", "trl-ppomax", "ppo", "ppo-max")
 
     def __init__(
         self,
