@@ -442,3 +442,28 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         build(processing_class=no_pad)
     with pytest.raises(ValueError, match="response_length"):
         PPOMaxConfig(output_dir=str(tmp_path), response_length=0)
+
+
+def test_value_model_must_not_be_the_reward_model(tmp_path):
+    tokenizer, policy, reward_model = build_models()
+    with pytest.raises(ValueError, match="same object as reward_model"):
+        PPOMaxTrainer(
+            args=PPOMaxConfig(output_dir=str(tmp_path), **TINY),
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=None,
+            reward_model=reward_model,
+            train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+            value_model=reward_model,
+        )
+
+
+def test_checkpoints_hold_a_loadable_policy(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = make_trainer(tmp_path, save_strategy="steps", save_steps=1, save_total_limit=1)
+    trainer.train()
+    checkpoints = sorted((tmp_path / "out").glob("checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-2"]  # save_total_limit keeps the newest
+    assert (checkpoints[0] / "optimizer.pt").exists()
+    AutoModelForCausalLM.from_pretrained(checkpoints[0])

@@ -31,8 +31,9 @@ def masked_sum_and_count(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ x·m, Σ m)`` over all elements (and over processes when ``reduce`` is given). Both are 0-d float64."""
     reduce = reduce or _identity
-    mask = mask.to(torch.float64)
-    totals = torch.stack([(x.to(torch.float64) * mask).sum(), mask.sum()])
+    mask = torch.broadcast_to(mask, x.shape).bool()
+    masked = torch.where(mask, x.to(torch.float64), 0.0)  # not x·m: inf or NaN on padding must not leak
+    totals = torch.stack([masked.sum(), mask.sum().to(torch.float64)])
     totals = reduce(totals)
     return totals[0], totals[1]
 
@@ -133,7 +134,7 @@ class RunningMoments:
 # Log-probabilities, entropy, sequence lengths
 # --------------------------------------------------------------------------------------------------------------------
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32 or wider.
+    """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32.
 
     Rows are processed one at a time so only one ``(T, V)`` float32 copy exists at once.
     """
@@ -150,7 +151,8 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     rows = []
     for row_logits in logits:
         z = row_logits.float() / temperature
-        rows.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1))
+        p = torch.softmax(z, dim=-1)
+        rows.append(torch.logsumexp(z, dim=-1) - torch.where(p > 0, p * z, 0.0).sum(-1))  # 0·(−inf) counts as 0
     return torch.stack(rows)
 
 
@@ -186,6 +188,7 @@ def normalize_scores(
 
     ``clip=δ`` then applies ``clip(r̃, −δ, δ)``; ``None`` leaves it unclipped.
     """
+    scores = scores.clone()
     if mode == "running":
         scores = (scores - mean) / (std + eps)
     elif mode == "scale":
@@ -315,7 +318,8 @@ def clipped_value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped critic loss: masked mean of ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)``.
 
-    ``cliprange_value=None`` gives ``½·(V − R)²``. Inputs (B, T). Stats: ``clipfrac``, ``values``, ``error``.
+    ``cliprange_value=None`` gives ``½·(V − R)²``. Inputs (B, T). Stats: ``clipfrac``, ``values`` and ``error``
+    (the unclipped mean squared error ``mean((V − R)²)``).
     """
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
@@ -328,7 +332,11 @@ def clipped_value_loss(
         clipped = (clipped_losses > unclipped).to(values.dtype)
     loss = 0.5 * masked_mean(worst, mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean(clipped, mask), "values": masked_mean(values, mask)}
+        stats = {
+            "clipfrac": masked_mean(clipped, mask),
+            "values": masked_mean(values, mask),
+            "error": masked_mean(unclipped, mask),
+        }
     return loss, stats
 
 

@@ -124,6 +124,11 @@ class PPOMaxTrainer(Trainer):
         if not isinstance(args, PPOMaxConfig):
             raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
         _check_tokenizer(processing_class)
+        if value_model is not None and value_model is reward_model:
+            raise ValueError(
+                "value_model is the same object as reward_model, so training the critic would change the reward; "
+                "pass a separate copy, or value_model=None to initialise the critic from the reward model."
+            )
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
         if args.ptx_coef > 0 and ptx_dataset is None:
@@ -531,6 +536,7 @@ class PPOMaxTrainer(Trainer):
             "policy/ratio": pg_stats["ratio"],
             "policy/ratio_var": pg_stats["ratio_var"],
             "critic/vf_clipfrac": vf_stats["clipfrac"],
+            "critic/error": vf_stats["error"],
         }
         if ptx_logits is not None:
             ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_inputs["attention_mask"])
@@ -565,12 +571,15 @@ class PPOMaxTrainer(Trainer):
         """Save the policy (and tokenizer) as a plain transformers (or PEFT adapter) checkpoint."""
         wrapper, wrapped = self.model, self.model_wrapped
         self.model = self.accelerator.unwrap_model(wrapper).policy
+        engine = getattr(self, "deepspeed", None)
         if self.is_deepspeed_enabled:
-            self.deepspeed = wrapped  # the engine holds the (possibly sharded) weights
+            self.deepspeed = self.model  # state dict of the policy alone, not of the policy-and-critic engine
         try:
             super().save_model(output_dir, _internal_call)
         finally:
             self.model, self.model_wrapped = wrapper, wrapped
+            if self.is_deepspeed_enabled:
+                self.deepspeed = engine
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.args.save_strategy == SaveStrategy.BEST and self.args.metric_for_best_model is None:
