@@ -19,7 +19,50 @@ from transformers import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-WORDS = ["hello", "hi", "how", "are", "you", "today", "the", "a", "cat", "dog", "sun", "moon", "good", "bad", "great", "nice", "please", "thanks", "tell", "me", "about", "write", "poem", "story", "short", "long", "happy", "sad", "yes", "no", "what", "why", "is", "it", "very", "much", "more", "less", "and", "or", "but", "so"]
+WORDS = [
+    "hello",
+    "hi",
+    "how",
+    "are",
+    "you",
+    "today",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "good",
+    "bad",
+    "great",
+    "nice",
+    "please",
+    "thanks",
+    "tell",
+    "me",
+    "about",
+    "write",
+    "poem",
+    "story",
+    "short",
+    "long",
+    "happy",
+    "sad",
+    "yes",
+    "no",
+    "what",
+    "why",
+    "is",
+    "it",
+    "very",
+    "much",
+    "more",
+    "less",
+    "and",
+    "or",
+    "but",
+    "so",
+]
 SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} </s> {% endfor %}"

@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, set_seed
 from datasets import Dataset
 from torch import nn
 from torch.utils.data import DataLoader
@@ -246,6 +246,7 @@ class PPOMaxTrainer(Trainer):
         if resume_from_checkpoint:
             raise NotImplementedError("Resuming a PPO-max run is not supported yet; start a new run.")
         args = self.args
+        set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
         self._begin_state()
         prompts = _forever(self.dataloader)
         pending: dict[str, list[float]] = defaultdict(list)

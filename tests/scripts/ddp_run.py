@@ -1,0 +1,50 @@
+"""Tiny PPO-max run for the 2-process test: writes each rank's running reward moments and a weight checksum."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accelerate import PartialState
+from conftest import build_models, prompt_texts
+from datasets import Dataset
+
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+
+output = Path(sys.argv[1])
+tokenizer, policy, reward = build_models("llama")
+args = PPOMaxConfig(
+    output_dir=str(output),
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    total_episodes=32,
+    response_length=6,
+    stop_token="eos",
+    report_to="none",
+    gradient_checkpointing=False,
+    critic_warmup_steps=1,
+    num_sample_generations=0,
+    learning_rate=1e-3,
+    save_strategy="no",
+    use_cpu=True,
+    disable_tqdm=True,
+)
+trainer = PPOMaxTrainer(
+    args=args,
+    processing_class=tokenizer,
+    model=policy,
+    ref_model=None,
+    reward_model=reward,
+    train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+    value_model=None,
+)
+trainer.train()
+rank = PartialState().process_index
+result = {
+    "world_size": args.world_size,
+    "steps": trainer.state.global_step,
+    "moments": trainer.running_reward.state_dict(),
+    "checksum": sum(p.double().sum().item() for p in trainer.model.policy.parameters()),
+}
+(output / f"rank{rank}.json").write_text(json.dumps(result))

@@ -1,0 +1,26 @@
+"""Two CPU processes (gloo): global reward statistics and synchronised weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_run.py"
+
+
+def test_two_process_run_shares_global_statistics(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        pytest.fail(result.stderr[-4000:])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
+    assert ranks[0]["steps"] == 2  # 32 episodes / (2 processes × 8 prompts)
+    # Every score of both processes entered the running moments, identically on both ranks.
+    assert ranks[0]["moments"]["count"] == 32
+    assert ranks[0]["moments"] == pytest.approx(ranks[1]["moments"])
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-12)
