@@ -28,7 +28,16 @@ TINY = dict(
 )
 
 
-def make_trainer(tmp_path, reward=None, value_model=None, ptx_dataset=None, dataset=None, arch="llama", **overrides):
+def make_trainer(
+    tmp_path,
+    reward=None,
+    value_model=None,
+    ptx_dataset=None,
+    dataset=None,
+    peft_config=None,
+    arch="llama",
+    **overrides,
+):
     tokenizer, policy, reward_model = build_models(arch)
     args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **{**TINY, **overrides})
     return PPOMaxTrainer(
@@ -40,6 +49,7 @@ def make_trainer(tmp_path, reward=None, value_model=None, ptx_dataset=None, data
         train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": prompt_texts(32)}),
         value_model=value_model,
         ptx_dataset=ptx_dataset,
+        peft_config=peft_config,
     )
 
 
@@ -118,18 +128,8 @@ def test_model_card_tags_and_cites_the_paper(tmp_path):
 def test_peft_policy_uses_adapter_disabled_reference(tmp_path):
     from peft import LoraConfig
 
-    tokenizer, policy, reward_model = build_models()
-    args = PPOMaxConfig(output_dir=str(tmp_path), **TINY)
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward_model,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-        value_model=None,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
-    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tmp_path, peft_config=lora)
     assert trainer.ref_model is None
     rollout = first_rollout(trainer)
     # Fresh LoRA (B = 0) makes the policy equal to the reference.
@@ -445,17 +445,9 @@ def test_bad_inputs_get_clear_errors(tmp_path):
 
 
 def test_value_model_must_not_be_the_reward_model(tmp_path):
-    tokenizer, policy, reward_model = build_models()
+    reward_model = build_models()[2]
     with pytest.raises(ValueError, match="same object as reward_model"):
-        PPOMaxTrainer(
-            args=PPOMaxConfig(output_dir=str(tmp_path), **TINY),
-            processing_class=tokenizer,
-            model=policy,
-            ref_model=None,
-            reward_model=reward_model,
-            train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-            value_model=reward_model,
-        )
+        make_trainer(tmp_path, reward=reward_model, value_model=reward_model)
 
 
 def test_checkpoints_hold_a_loadable_policy(tmp_path):
