@@ -459,3 +459,10 @@ def test_checkpoints_hold_a_loadable_policy(tmp_path):
     assert [c.name for c in checkpoints] == ["checkpoint-2"]  # save_total_limit keeps the newest
     assert (checkpoints[0] / "optimizer.pt").exists()
     AutoModelForCausalLM.from_pretrained(checkpoints[0])
+
+
+def test_counters_are_logged_as_current_values(tmp_path):
+    trainer = make_trainer(tmp_path, total_episodes=64, logging_steps=2)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "episode" in entry]
+    assert [entry["episode"] for entry in logs] == [32.0, 64.0]

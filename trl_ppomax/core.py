@@ -65,8 +65,7 @@ def masked_whiten(
 ) -> torch.Tensor:
     """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the masked (global when ``reduce``) mean and unbiased variance.
 
-    With ``shift_mean=False`` the mean is added back: ``x / sqrt(σ² + eps) − μ/sqrt(σ² + eps) + μ`` — only the scale
-    changes. Masked-out positions are returned as 0. Shapes: any, ``mask`` broadcastable to ``x``.
+    With ``shift_mean=False`` the mean is added back afterwards: ``(x − μ) / sqrt(σ² + eps) + μ``. Masked-out positions are returned as 0. Shapes: any, ``mask`` broadcastable to ``x``.
     """
     mean = masked_mean(x, mask, reduce)
     var = masked_var(x, mask, unbiased=True, reduce=reduce)

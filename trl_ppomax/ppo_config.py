@@ -102,7 +102,7 @@ class PPOMaxConfig(TrainingArguments):
         default=None, metadata={"help": "Token id that ends a response; exclusive with `stop_token`."}
     )
     temperature: float | None = _preset_field(
-        "temperature", "Sampling temperature; log-probs are computed from logits / temperature (§5.4)."
+        "temperature", "Sampling temperature (§5.4); log-probs are computed from logits / temperature."
     )
     missing_eos_penalty: float | None = field(
         default=None,
@@ -118,7 +118,8 @@ class PPOMaxConfig(TrainingArguments):
     )
     num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
     whiten_rewards: bool = field(
-        default=False, metadata={"help": "Scale the token rewards by their batch std (trl 1.12's option)."}
+        default=False,
+        metadata={"help": "Whiten the token rewards per batch without removing their mean, (r − μ)/σ + μ (trl 1.12)."},
     )
     kl_coef: float = field(
         default=0.05, metadata={"help": "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19)."}

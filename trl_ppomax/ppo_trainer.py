@@ -139,6 +139,8 @@ class PPOMaxTrainer(Trainer):
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         policy, self.ref_model = _policy_and_reference(model, ref_model, peft_config)
         self.is_peft_model = _is_peft(policy)
+        if self.is_peft_model and args.model_adapter_name:
+            policy.set_adapter(args.model_adapter_name)
         self.reward_model = reward_model
         critic = _critic_from(value_model, reward_model)
         for module in (policy, critic, self.ref_model, reward_model):
@@ -261,11 +263,10 @@ class PPOMaxTrainer(Trainer):
             self.state.global_step = iteration
             self.state.episode = iteration * args.batch_size
             self.state.epoch = self.state.episode / len(self.train_dataset)
-            metrics.update(self._schedule_metrics(start))
             for name, value in metrics.items():
                 pending[name].append(value)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._maybe_log_save(pending, iteration)
+            self._maybe_log_save(pending, iteration, start)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
@@ -281,9 +282,11 @@ class PPOMaxTrainer(Trainer):
             setattr(self.state, attribute, value)
         self.sample_every = max(1, self.num_total_batches // max(1, self.args.num_sample_generations))
 
-    def _maybe_log_save(self, pending: dict[str, list[float]], iteration: int) -> None:
+    def _maybe_log_save(self, pending: dict[str, list[float]], iteration: int, start: float) -> None:
+        """Log the mean of each metric since the last log, with the current counters and learning rates."""
         if self.control.should_log or iteration == self.num_total_batches:
-            self.log({name: sum(values) / len(values) for name, values in pending.items()})
+            means = {name: sum(values) / len(values) for name, values in pending.items()}
+            self.log({**means, **self._schedule_metrics(start)})
             pending.clear()
         if self.args.num_sample_generations > 0 and iteration % self.sample_every == 0:
             self.generate_completions(sampling=True)
@@ -396,10 +399,13 @@ class PPOMaxTrainer(Trainer):
                 query_ids.device,
             )
         if self.args.missing_eos_penalty is not None:
-            stop_id = self.stop_token_id if self.stop_token_id is not None else self.processing_class.eos_token_id
-            ended = (responses == stop_id).logical_and(mask).any(dim=1)
-            scores = scores - self.args.missing_eos_penalty * (~ended).float()
+            scores = scores - self.args.missing_eos_penalty * (1.0 - self._ends_with_stop(responses, mask))
         return scores
+
+    def _ends_with_stop(self, responses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """1.0 (B,) where the response holds the stop token (eos when none is configured), else 0.0."""
+        stop_id = self.stop_token_id if self.stop_token_id is not None else self.processing_class.eos_token_id
+        return ((responses == stop_id) & mask.bool()).any(dim=1).float()
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 2: rewards and advantages
@@ -409,7 +415,7 @@ class PPOMaxTrainer(Trainer):
         """Shape rewards (normalise + clip, token KL) and compute GAE advantages and returns (§5.3)."""
         args, mask = self.args, rollout.response_mask
         reduce = self._reduce_sum
-        batch_mean, batch_std = self.running_reward.update(rollout.scores, reduce=reduce)
+        self.running_reward.update(rollout.scores, reduce=reduce)
         scores = core.normalize_scores(
             rollout.scores,
             self.running_reward.mean,
@@ -427,9 +433,7 @@ class PPOMaxTrainer(Trainer):
         )
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout=rollout, old_logprobs=old, advantages=normalised, returns=returns)
-        metrics = self._rollout_metrics(rollout, scores, kl, non_score, advantages, returns)
-        metrics.update({"objective/scores_batch_mean": batch_mean, "objective/scores_batch_std": batch_std})
-        return experience, metrics
+        return experience, self._rollout_metrics(rollout, scores, kl, non_score, advantages, returns)
 
     def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
@@ -446,7 +450,7 @@ class PPOMaxTrainer(Trainer):
             "policy/perplexity": rollout.policy_perplexity,
             "policy/ref_perplexity": rollout.ref_perplexity,
             "response/length": mask.sum(1),
-            "response/stop_token_missing": 1.0 - _ends_with_stop(rollout, self.stop_token_id),
+            "response/stop_token_missing": 1.0 - self._ends_with_stop(rollout.response_ids, rollout.response_mask),
         }
         metrics = {name: self._global_mean(value) for name, value in per_sequence.items()}
         all_scores = self.accelerator.gather(rollout.scores).float()
@@ -728,12 +732,6 @@ def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
             "The tokenizer has no pad token; add one, e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and "
             "resize the models' embeddings, or set tokenizer.pad_token to an unused token."
         )
-
-
-def _ends_with_stop(rollout: Rollout, stop_token_id: int | None) -> torch.Tensor:
-    if stop_token_id is None:
-        return torch.zeros(len(rollout.scores), device=rollout.scores.device)
-    return ((rollout.response_ids == stop_token_id) & rollout.response_mask.bool()).any(1).float()
 
 
 def _print_table(rows: list[dict[str, object]], title: str) -> None:
