@@ -141,6 +141,20 @@ class PPOMaxConfig(TrainingArguments):
         metadata={"help": "Under DeepSpeed ZeRO-3, gather the policy's weights for generation (faster, more memory)."},
     )
 
+    # ---- prompts and evaluation ----------------------------------------------------------------------------------
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Longest prompt in tokens; default: the policy's context minus response_length."},
+    )
+    truncate_long_prompts: bool = field(
+        default=True,
+        metadata={"help": "Keep the last max_prompt_length tokens of longer prompts (with a warning), or raise."},
+    )
+    eval_do_sample: bool = field(
+        default=False,
+        metadata={"help": "Evaluation responses are sampled like rollouts (True) or greedy (False)."},
+    )
+
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
     world_size: int | None = field(default=None, metadata={"help": "Derived: number of processes."})
     num_total_batches: int | None = field(
@@ -225,6 +239,8 @@ class PPOMaxConfig(TrainingArguments):
         self._validate()
         if self.bf16 is None:
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "objective/scores"  # the release kept the best policy by validation reward
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # trl's default; `--gradient_checkpointing False` still turns it off
         super().__post_init__()
@@ -244,6 +260,12 @@ class PPOMaxConfig(TrainingArguments):
                 raise ValueError(message)
 
         require(self.response_length >= 1, f"response_length must be ≥ 1, got {self.response_length}.")
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "local_rollout_forward_batch_size"):
+            require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}.")
+        require(
+            self.max_prompt_length is None or self.max_prompt_length >= 1,
+            f"max_prompt_length must be ≥ 1, got {self.max_prompt_length}.",
+        )
         require(
             not (self.stop_token is not None and self.stop_token_id is not None),
             "Set either stop_token='eos' or stop_token_id, not both.",

@@ -8,25 +8,43 @@ gradient accumulation) → log. The maths lives in :mod:`trl_ppomax.core`; this 
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from accelerate.utils import gather_object, set_seed
 from datasets import Dataset
 from torch import nn
-from torch.utils.data import DataLoader
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
-from transformers.trainer_utils import SaveStrategy
-from trl import maybe_apply_chat_template
-from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
-from trl.trainer.utils import disable_dropout_in_model, pad
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint, rotate_checkpoints
+from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.trainer.utils import disable_dropout_in_model
 
 from . import core
+from .checkpoint import (
+    CRITIC_DIR,
+    PPO_STATE_NAME,
+    atomic_directory,
+    load_weights,
+    read_json,
+    sub_state_dict,
+    write_json,
+)
+from .data import (
+    PromptCollator,
+    ShuffledBatches,
+    prepare_prompt_dataset,
+    prepare_text_dataset,
+    prompt_length_limit,
+)
 from .hub import create_model_card
 from .ppo_config import PPOMaxConfig
 from .rollout import (
@@ -41,6 +59,8 @@ from .rollout import (
     sequence_scores,
     token_values,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class PolicyAndCritic(nn.Module):
@@ -149,14 +169,22 @@ class PPOMaxTrainer(Trainer):
         for scorer in (reward_model, critic):
             _check_single_label(scorer)
 
-        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
+        limit = prompt_length_limit(args.max_prompt_length, policy, args.response_length)
+        prepare = partial(
+            prepare_prompt_dataset,
+            tokenizer=processing_class,
+            num_proc=args.dataset_num_proc,
+            max_prompt_length=limit,
+            truncate=args.truncate_long_prompts,
+        )
+        train_dataset = prepare(train_dataset)
         if isinstance(eval_dataset, Dataset):
-            eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
-        if len(train_dataset) < args.local_batch_size:
+            eval_dataset = prepare(eval_dataset)
+        if len(train_dataset) < args.batch_size:
             raise ValueError(
-                f"The training dataset has {len(train_dataset)} prompts, fewer than one rollout batch per process "
-                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
-                f"{args.local_batch_size}); add prompts or lower those sizes."
+                f"The training dataset has {len(train_dataset)} prompts, fewer than one rollout batch "
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes = "
+                f"{args.batch_size}); add prompts or lower those sizes."
             )
         self.total_episodes, self.num_total_batches = args.num_iterations(len(train_dataset))
         self.ptx_dataset = ptx_dataset
@@ -172,6 +200,7 @@ class PPOMaxTrainer(Trainer):
             optimizers=optimizers,
         )
         self.running_reward = core.RunningMoments()
+        self.counters = {"skipped_iterations": 0, "skipped_updates": 0, "ptx_batches": 0}
         self._prepare_models()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -182,30 +211,34 @@ class PPOMaxTrainer(Trainer):
         self.create_optimizer_and_scheduler(num_training_steps=num_updates)
         if self.args.activation_checkpointing:
             self.model.gradient_checkpointing_enable(self.args.activation_checkpointing_kwargs)
-        self.dataloader = self.get_train_dataloader()
-        self.model_wrapped, self.optimizer, self.dataloader = self.accelerator.prepare(
-            self.model, self.optimizer, self.dataloader
-        )
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         for name in ("ref_model", "reward_model"):
             module = getattr(self, name)
             if isinstance(module, nn.Module):
-                module.eval()
-                if self.is_deepspeed_enabled:
-                    setattr(self, name, prepare_deepspeed(module, self.accelerator))
-                else:
-                    module.to(self.accelerator.device)
-        self.ptx_batches = self._ptx_batches() if self.ptx_dataset is not None and self.args.ptx_coef > 0 else None
-
-    def get_train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.args.local_batch_size,
-            shuffle=True,
-            collate_fn=self.data_collator,
-            drop_last=True,
+                setattr(self, name, self._prepare_frozen(module))
+        batches = partial(
+            ShuffledBatches,
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
         )
+        self.prompt_batches = batches(self.train_dataset, self.args.local_batch_size, collate=self.data_collator)
+        self.ptx_batches = None
+        if self.ptx_dataset is not None and self.args.ptx_coef > 0:
+            ptx = prepare_text_dataset(self.ptx_dataset, self.processing_class, self.args.dataset_num_proc)
+            collate = PromptCollator(self.processing_class.pad_token_id, padding_side="right")
+            self.ptx_batches = batches(ptx, self.args.per_device_train_batch_size, collate=collate)
+
+    def _prepare_frozen(self, module: nn.Module) -> nn.Module:
+        """Reference and reward models: inference only, sharded under DeepSpeed ZeRO-3 or FSDP."""
+        module.eval().requires_grad_(False)
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(module, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(module, self.accelerator)
+        return module.to(self.accelerator.device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW (or ``args.optim``) with separate learning rates for the policy and the critic (§5.4)."""
@@ -226,50 +259,47 @@ class PPOMaxTrainer(Trainer):
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
-    def _ptx_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        dataset = prepare_text_dataset(self.ptx_dataset, self.processing_class, self.args.dataset_num_proc)
-        loader = self.accelerator.prepare(
-            DataLoader(
-                dataset,
-                batch_size=self.args.per_device_train_batch_size,
-                shuffle=True,
-                collate_fn=PromptCollator(self.processing_class.pad_token_id, padding_side="right"),
-                drop_last=True,
-            )
-        )
-        while True:
-            yield from loader
-
     # ------------------------------------------------------------------------------------------------------------
     # The loop
     # ------------------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> None:
-        """Run ``num_total_batches`` PPO-max iterations."""
-        if resume_from_checkpoint:
-            raise NotImplementedError("Resuming a PPO-max run is not supported yet; start a new run.")
+        """Run ``num_total_batches`` PPO-max iterations; ``resume_from_checkpoint`` (a path, or True for the newest
+        checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped."""
         args = self.args
         set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
         self._begin_state()
-        prompts = _forever(self.dataloader)
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
         pending: dict[str, list[float]] = defaultdict(list)
         start = time.time()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        for iteration in range(1, self.num_total_batches + 1):
+        for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            batch = next(prompts)
-            rollout = self.rollout(batch["input_ids"], batch["attention_mask"])
-            experience, metrics = self.make_experience(rollout)
-            metrics.update(self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps))
+            for name, value in self.training_iteration(iteration).items():
+                pending[name].append(value)
             self.state.global_step = iteration
             self.state.episode = iteration * args.batch_size
             self.state.epoch = self.state.episode / len(self.train_dataset)
-            for name, value in metrics.items():
-                pending[name].append(value)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._maybe_log_save(pending, iteration, start)
+            self._log_evaluate_save(pending, iteration, start)
+            if self.control.should_training_stop:
+                break
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
+        if args.load_best_model_at_end and self.state.best_model_checkpoint and not self.control.should_training_stop:
+            self._load_weights_from(self.state.best_model_checkpoint)
+
+    def training_iteration(self, iteration: int) -> dict[str, float]:
+        """One PPO-max iteration on rollout batch ``iteration``; a batch with non-finite numbers is skipped."""
+        batch = {k: v.to(self.accelerator.device) for k, v in self.prompt_batches[iteration - 1].items()}
+        rollout = self.rollout(batch["input_ids"], batch["attention_mask"])
+        experience, metrics = self.make_experience(rollout)
+        if experience is None:
+            self.counters["skipped_iterations"] += 1
+            logger.warning("Iteration %d skipped: non-finite rewards, values or log-probs.", iteration)
+        else:
+            metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
+        metrics.update({f"skipped/{name}": float(value) for name, value in self.counters.items() if "skipped" in name})
+        return metrics
 
     def _begin_state(self) -> None:
         self.state.max_steps = self.num_total_batches
@@ -282,12 +312,17 @@ class PPOMaxTrainer(Trainer):
             setattr(self.state, attribute, value)
         self.sample_every = max(1, self.num_total_batches // max(1, self.args.num_sample_generations))
 
-    def _maybe_log_save(self, pending: dict[str, list[float]], iteration: int, start: float) -> None:
-        """Log the mean of each metric since the last log, with the current counters and learning rates."""
+    def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: float) -> None:
+        """Log the mean of each metric since the last log (with the current counters and learning rates), then
+        evaluate, print samples and save as the callbacks ask."""
         if self.control.should_log or iteration == self.num_total_batches:
             means = {name: sum(values) / len(values) for name, values in pending.items()}
             self.log({**means, **self._schedule_metrics(start)})
             pending.clear()
+        if self.control.should_evaluate:
+            is_best = self._determine_best_metric(self.evaluate(), trial=None)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = is_best
         if self.args.num_sample_generations > 0 and iteration % self.sample_every == 0:
             self.generate_completions(sampling=True)
         if self.control.should_save:
@@ -411,47 +446,70 @@ class PPOMaxTrainer(Trainer):
     # Phase 2: rewards and advantages
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def make_experience(self, rollout: Rollout) -> tuple[Experience, dict[str, float]]:
-        """Shape rewards (normalise + clip, token KL) and compute GAE advantages and returns (§5.3)."""
+    def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float]]:
+        """Shape rewards (normalise + clip, token KL) and compute GAE advantages and returns (§5.3).
+
+        Returns ``(None, {})`` on every process when any process saw a non-finite score, log-prob or value, so
+        that such a batch neither trains nor enters the running reward moments.
+        """
         args, mask = self.args, rollout.response_mask
         reduce = self._reduce_sum
+        if not self._all_finite(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.values):
+            return None, {}
         self.running_reward.update(rollout.scores, reduce=reduce)
-        scores = core.normalize_scores(
-            rollout.scores,
-            self.running_reward.mean,
-            self.running_reward.std,
-            args.reward_norm,
-            clip=args.reward_clip or None,
-        )
-        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * mask
-        rewards, non_score = core.token_rewards(scores, kl, mask, args.kl_coef)
+        scores, kl = self._shape_scores(rollout)
+        rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
             rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
         advantages, returns = core.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
         normalised = core.normalize_advantages(
             advantages, mask, whiten=args.whiten_advantages, clip=args.advantage_clip, reduce=reduce
         )
+        if not self._all_finite(normalised, returns):
+            return None, {}
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout=rollout, old_logprobs=old, advantages=normalised, returns=returns)
-        return experience, self._rollout_metrics(rollout, scores, kl, non_score, advantages, returns)
+        return experience, self._rollout_metrics(rollout, scores, kl, advantages, returns)
 
-    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
+    def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised and clipped scores (B,) with the current running moments, and the per-token KL (B, T)."""
+        args = self.args
+        scores = core.normalize_scores(
+            rollout.scores,
+            self.running_reward.mean,
+            self.running_reward.std,
+            args.reward_norm,
+            args.reward_clip or None,
+        )
+        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
+        return scores, kl
 
-    def _rollout_metrics(self, rollout, scores, kl, non_score, advantages, returns) -> dict[str, float]:
-        mask = rollout.response_mask.float()
-        kl_sum, non_score_sum = kl.sum(1), non_score.sum(1)
-        per_sequence = {
-            "objective/kl": kl_sum,
-            "objective/non_score_reward": non_score_sum,
-            "objective/rlhf_reward": scores + non_score_sum,
+    def _sequence_metrics(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-response monitoring values (B,) — the collapse signals of §5.2."""
+        non_score = -self.args.kl_coef * kl.sum(1)
+        return {
+            "objective/kl": kl.sum(1),
+            "objective/non_score_reward": non_score,
+            "objective/rlhf_reward": scores + non_score,
             "objective/scores": rollout.scores,
             "objective/scores_normalized": scores,
             "policy/perplexity": rollout.policy_perplexity,
             "policy/ref_perplexity": rollout.ref_perplexity,
-            "response/length": mask.sum(1),
+            "response/length": rollout.response_mask.float().sum(1),
             "response/stop_token_missing": 1.0 - self._ends_with_stop(rollout.response_ids, rollout.response_mask),
         }
+
+    def _all_finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether every tensor is finite on every process (one reduction)."""
+        bad = sum((~torch.isfinite(t)).sum() for t in tensors).float()
+        return self._reduce_sum(bad.reshape(1)).item() == 0
+
+    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
+
+    def _rollout_metrics(self, rollout, scores, kl, advantages, returns) -> dict[str, float]:
+        mask = rollout.response_mask.float()
+        per_sequence = self._sequence_metrics(rollout, scores, kl)
         metrics = {name: self._global_mean(value) for name, value in per_sequence.items()}
         all_scores = self.accelerator.gather(rollout.scores).float()
         metrics.update(
@@ -469,7 +527,8 @@ class PPOMaxTrainer(Trainer):
         return metrics
 
     def _global_mean(self, per_sequence: torch.Tensor) -> float:
-        total = self._reduce_sum(torch.stack([per_sequence.float().sum(), torch.tensor(float(len(per_sequence)))]))
+        count = torch.tensor(float(len(per_sequence)), device=per_sequence.device)
+        total = self._reduce_sum(torch.stack([per_sequence.float().sum(), count]))
         return (total[0] / total[1]).item()
 
     def _masked_global_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -515,7 +574,7 @@ class PPOMaxTrainer(Trainer):
         mask = rollout.response_mask[:, :width]
         responses = rollout.response_ids[:, :width]
         inputs = sequence_inputs(rollout.query_ids, rollout.query_mask, responses, mask)
-        ptx_inputs = next(self.ptx_batches) if self.ptx_batches is not None else None
+        ptx_inputs = self._next_ptx_batch() if self.ptx_batches is not None else None
         logits, values, ptx_logits = self.model_wrapped(inputs, width, ptx_inputs=ptx_inputs)
         logprobs = core.logprobs_from_logits(logits, responses, args.temperature)
 
@@ -551,11 +610,17 @@ class PPOMaxTrainer(Trainer):
         loss = (0.0 if critic_only else 1.0) * policy_loss + args.vf_coef * vf_loss
         return loss, stats
 
+    def _next_ptx_batch(self) -> dict[str, torch.Tensor]:
+        batch = self.ptx_batches[self.counters["ptx_batches"]]
+        self.counters["ptx_batches"] += 1
+        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
+
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
-        """Clip the policy's and the critic's gradients separately (App. C.2), then step."""
+        """Clip the policy's and the critic's gradients separately (App. C.2), then step — unless a gradient is
+        non-finite, in which case the step is skipped and counted (the gradients are identical on every process)."""
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
         stats = {}
-        if not self.is_deepspeed_enabled:
+        if not self.is_deepspeed_enabled:  # DeepSpeed clips (gradient_clipping = max_grad_norm) inside its engine
             if critic_only:
                 for parameter in wrapper.policy.parameters():
                     parameter.grad = None  # the optimizer skips parameters without gradients
@@ -564,8 +629,13 @@ class PPOMaxTrainer(Trainer):
                 params = [p for p in module.parameters() if p.grad is not None]
                 if params:
                     stats[f"{name}/grad_norm"] = self.accelerator.clip_grad_norm_(params, max_norm).detach()
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        if stats and not torch.isfinite(torch.stack(list(stats.values()))).all():
+            self.counters["skipped_updates"] += 1
+            logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
+            stats = {}
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return stats
 
@@ -573,23 +643,129 @@ class PPOMaxTrainer(Trainer):
     # Saving, samples, model card
     # ------------------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the policy (and tokenizer) as a plain transformers (or PEFT adapter) checkpoint."""
-        wrapper, wrapped = self.model, self.model_wrapped
-        self.model = self.accelerator.unwrap_model(wrapper).policy
-        engine = getattr(self, "deepspeed", None)
-        if self.is_deepspeed_enabled:
-            self.deepspeed = self.model  # state dict of the policy alone, not of the policy-and-critic engine
+        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
+        from every shard under DeepSpeed ZeRO-3 or FSDP."""
+        output_dir = output_dir or self.args.output_dir
+        self._save_weights(output_dir, with_critic=False)
+
+    def _save_weights(self, folder: str, with_critic: bool) -> None:
         try:
-            super().save_model(output_dir, _internal_call)
-        finally:
-            self.model, self.model_wrapped = wrapper, wrapped
-            if self.is_deepspeed_enabled:
-                self.deepspeed = engine
+            state = self.accelerator.get_state_dict(self.model_wrapped)  # a collective under ZeRO-3 / FSDP
+        except ValueError as error:
+            raise ValueError(
+                f"Could not gather the full weights to save them: {error}. Under DeepSpeed ZeRO-3 set "
+                "`zero3_save_16bit_model: true` in the accelerate config."
+            ) from error
+        if not self.args.should_save:
+            return
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        wrapper.policy.save_pretrained(folder, state_dict=sub_state_dict(state, "policy."))
+        if with_critic:
+            wrapper.critic.save_pretrained(
+                os.path.join(folder, CRITIC_DIR), state_dict=sub_state_dict(state, "critic.")
+            )
+        self.processing_class.save_pretrained(folder)
+        torch.save(self.args, os.path.join(folder, TRAINING_ARGS_NAME))
 
     def _save_checkpoint(self, model, trial) -> None:
-        if self.args.save_strategy == SaveStrategy.BEST and self.args.metric_for_best_model is None:
+        """Write ``checkpoint-N`` atomically: everything needed to continue the run exactly (see checkpoint.py)."""
+        self._check_finite_weights()
+        run_dir, step = self.args.output_dir, self.state.global_step
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if self.state.best_global_step == step or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        with atomic_directory(final, self.accelerator) as folder:
+            self._save_weights(folder, with_critic=True)
+            if not self.args.save_only_model:
+                self._save_optimizer_and_scheduler(folder)
+                self._save_rng_state(folder)
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+                write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _ppo_state(self) -> dict:
+        return {
+            "global_step": self.state.global_step,
+            "episode": self.state.episode,
+            "running_reward": self.running_reward.state_dict(),
+            "counters": dict(self.counters),
+        }
+
+    def _check_finite_weights(self) -> None:
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        bad = [name for name, p in wrapper.named_parameters() if p.numel() and not torch.isfinite(p).all()]
+        if bad:
+            raise RuntimeError(
+                f"Refusing to write a checkpoint: non-finite weights in {bad[:3]}. Lower the learning rate or "
+                "max_grad_norm, and resume from the last checkpoint."
+            )
+
+    def _resume(self, resume_from_checkpoint: str | bool) -> None:
+        """Restore weights, optimizer, scheduler, counters, running moments, data position and RNG states."""
+        path = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+        if path is None or not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
+            raise ValueError(
+                f"No complete trl-ppomax checkpoint at {path or self.args.output_dir!r}: expected a checkpoint-N "
+                f"folder holding {PPO_STATE_NAME}. Pass the path of one, or resume_from_checkpoint=None to start over."
+            )
+        self._load_weights_from(path)
+        self._load_optimizer_and_scheduler(path)
+        self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
+        saved = read_json(os.path.join(path, PPO_STATE_NAME))
+        self.state.episode = saved["episode"]
+        self.running_reward.load_state_dict(saved["running_reward"])
+        self.counters.update(saved["counters"])
+        self._load_rng_state(path)
+        logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
+
+    def _load_weights_from(self, path: str) -> None:
+        if self.is_deepspeed_enabled:  # the engine checkpoint holds the weights (and optimizer)
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model_wrapped, path)
             return
-        super()._save_checkpoint(model, trial)
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        load_weights(wrapper.policy, path)
+        load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation, samples, model card
+    # ------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(
+        self, eval_dataset: Dataset | None = None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
+        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``)."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, Dataset):
+            raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
+        if "input_ids" not in dataset.column_names:
+            dataset = prepare_prompt_dataset(dataset, self.processing_class, self.args.dataset_num_proc)
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.accelerator.device))
+        for rows, weights in _shard_in_chunks(
+            len(dataset), self.accelerator, self.args.local_rollout_forward_batch_size
+        ):
+            batch = self.data_collator([dataset[i] for i in rows])
+            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+            rollout = self.rollout(batch["input_ids"], batch["attention_mask"], sampling=self.args.eval_do_sample)
+            weights = weights.to(self.accelerator.device)
+            for name, values in self._sequence_metrics(rollout, *self._shape_scores(rollout)).items():
+                totals[name] += (values.float() * weights).sum()
+            totals["count"] += weights.sum()
+        names = list(totals)
+        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
+        count = sums[names.index("count")]
+        metrics = {
+            f"{metric_key_prefix}_{n}": (v / count).item() for n, v in zip(names, sums, strict=True) if n != "count"
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
         if not self.is_world_process_zero():
@@ -624,60 +800,6 @@ class PPOMaxTrainer(Trainer):
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------
-class PromptCollator:
-    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask."""
-
-    def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
-        self.pad_token_id, self.padding_side = pad_token_id, padding_side
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
-        masks = [torch.ones_like(i) for i in ids]
-        return {
-            "input_ids": pad(ids, padding_value=self.pad_token_id, padding_side=self.padding_side),
-            "attention_mask": pad(masks, padding_value=0, padding_side=self.padding_side),
-        }
-
-
-def prepare_prompt_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None) -> Dataset:
-    """Keep a tokenized ``input_ids`` column, or tokenize ``prompt`` (text, or a conversation with the chat template)."""
-    if len(dataset) == 0:
-        raise ValueError("The prompt dataset is empty.")
-    columns = dataset.column_names
-    if "input_ids" in columns:
-        return dataset.select_columns(["input_ids"])
-    if "prompt" not in columns:
-        raise ValueError(
-            f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
-            f"conversation); this one has {columns}."
-        )
-
-    def tokenize(example: dict) -> dict:
-        text = maybe_apply_chat_template({"prompt": example["prompt"]}, tokenizer)["prompt"]
-        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
-
-    return dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing prompts")
-
-
-def prepare_text_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None) -> Dataset:
-    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids`` or ``text`` columns."""
-    if "input_ids" in dataset.column_names:
-        return dataset.select_columns(["input_ids"])
-    if "text" not in dataset.column_names:
-        raise ValueError(f"ptx_dataset needs an 'input_ids' or 'text' column; it has {dataset.column_names}.")
-    return dataset.map(
-        lambda e: {"input_ids": tokenizer(e["text"])["input_ids"]},
-        remove_columns=dataset.column_names,
-        num_proc=num_proc,
-        desc="Tokenizing ptx texts",
-    )
-
-
-def _forever(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
-    while True:
-        yield from loader
-
-
 def _is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -732,6 +854,13 @@ def _check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
             "The tokenizer has no pad token; add one, e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and "
             "resize the models' embeddings, or set tokenizer.pad_token to an unused token."
         )
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        logger.warning(
+            "The pad token is the eos token (%r). Responses are cut after their first stop token, so this is safe "
+            "here, but models that find their last token by the pad id misread such sequences; a dedicated pad "
+            "token is safer.",
+            tokenizer.eos_token,
+        )
 
 
 def _print_table(rows: list[dict[str, object]], title: str) -> None:
@@ -744,3 +873,14 @@ def _print_table(rows: list[dict[str, object]], title: str) -> None:
     for row in rows:
         table.add_row(str(row["query"]), str(row["response"]), f"{row['score']:.3f}")
     Console().print(table)
+
+
+def _shard_in_chunks(num_rows: int, accelerator, chunk: int) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """This process's rows ``process_index :: num_processes`` in chunks, padded (with weight 0) so that every
+    process runs the same number of chunks — generation may be a collective (ZeRO-3)."""
+    rows = list(range(accelerator.process_index, num_rows, accelerator.num_processes))
+    per_process = math.ceil(num_rows / accelerator.num_processes)
+    weights = [1.0] * len(rows) + [0.0] * (per_process - len(rows))
+    rows = rows + [rows[-1] if rows else 0] * (per_process - len(rows))
+    for start in range(0, per_process, chunk):
+        yield rows[start : start + chunk], torch.tensor(weights[start : start + chunk])

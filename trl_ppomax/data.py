@@ -1,0 +1,133 @@
+"""Prompt and ptx datasets: preparation, padding, and a resumable shuffled batch order."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+from trl import maybe_apply_chat_template
+from trl.trainer.utils import pad
+
+logger = logging.getLogger(__name__)
+
+
+class PromptCollator:
+    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
+        self.pad_token_id, self.padding_side = pad_token_id, padding_side
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
+        masks = [torch.ones_like(i) for i in ids]
+        return {
+            "input_ids": pad(ids, padding_value=self.pad_token_id, padding_side=self.padding_side),
+            "attention_mask": pad(masks, padding_value=0, padding_side=self.padding_side),
+        }
+
+
+class ShuffledBatches:
+    """The ``i``-th batch of a reshuffled-every-epoch stream, as a pure function of ``(seed, i)``.
+
+    Epoch ``e`` uses ``randperm(n)`` seeded with ``seed + e``; batch ``i`` is the ``i mod (n // global_batch)``-th
+    slice of ``global_batch`` indices of epoch ``i // (n // global_batch)``, of which each process takes its own
+    ``local_batch`` share. No global random state is used, so a resumed run continues the exact data order by
+    restarting from the saved batch counter.
+    """
+
+    def __init__(
+        self, dataset: Dataset, local_batch: int, num_processes: int, process_index: int, seed: int, collate: Callable
+    ) -> None:
+        self.dataset, self.local_batch, self.seed, self.collate = dataset, local_batch, seed, collate
+        self.global_batch = local_batch * num_processes
+        self.offset = process_index * local_batch
+        self.batches_per_epoch = len(dataset) // self.global_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"The dataset has {len(dataset)} rows, fewer than one batch over all processes ({self.global_batch}); "
+                "add rows or lower the batch size."
+            )
+        self._epoch, self._order = -1, None
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        epoch, position = divmod(index, self.batches_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(len(self.dataset), generator=generator)
+        start = position * self.global_batch + self.offset
+        rows = self._order[start : start + self.local_batch].tolist()
+        return self.collate([self.dataset[i] for i in rows])
+
+
+def _context_limit(max_length: int | None, context: int | None, response_length: int) -> int | None:
+    if max_length is not None:
+        return max_length
+    return None if context is None else context - response_length
+
+
+def prepare_prompt_dataset(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    num_proc: int | None = None,
+    max_prompt_length: int | None = None,
+    truncate: bool = True,
+) -> Dataset:
+    """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12) or ``prompt`` (text or conversation,
+    with the chat template applied). Prompts longer than ``max_prompt_length`` keep their last tokens (with a
+    warning that counts them) or raise, as ``truncate`` says."""
+    if len(dataset) == 0:
+        raise ValueError("The prompt dataset is empty; pass a dataset with at least one rollout batch of prompts.")
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        dataset = dataset.select_columns(["input_ids"])
+    elif "prompt" in columns:
+
+        def tokenize(example: dict) -> dict:
+            text = maybe_apply_chat_template({"prompt": example["prompt"]}, tokenizer)["prompt"]
+            return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+        dataset = dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing prompts")
+    else:
+        raise ValueError(
+            f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
+            f"conversation); this one has {columns}."
+        )
+    return _limit_prompt_length(dataset, max_prompt_length, truncate) if max_prompt_length else dataset
+
+
+def _limit_prompt_length(dataset: Dataset, max_length: int, truncate: bool) -> Dataset:
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    too_long = sum(length > max_length for length in lengths)
+    if too_long == 0:
+        return dataset
+    message = f"{too_long} of {len(lengths)} prompts are longer than {max_length} tokens (longest: {max(lengths)})"
+    if not truncate:
+        raise ValueError(
+            f"{message}. Shorten them, raise max_prompt_length (the model's context minus response_length by "
+            "default), or set truncate_long_prompts=True to keep their last tokens."
+        )
+    logger.warning("%s; they were truncated to their last %d tokens.", message, max_length)
+    return dataset.map(lambda e: {"input_ids": e["input_ids"][-max_length:]}, desc="Truncating long prompts")
+
+
+def prepare_text_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None) -> Dataset:
+    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids`` or ``text`` columns."""
+    if "input_ids" in dataset.column_names:
+        return dataset.select_columns(["input_ids"])
+    if "text" not in dataset.column_names:
+        raise ValueError(f"ptx_dataset needs an 'input_ids' or 'text' column; it has {dataset.column_names}.")
+    return dataset.map(
+        lambda e: {"input_ids": tokenizer(e["text"])["input_ids"]},
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc="Tokenizing ptx texts",
+    )
+
+
+def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
+    """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return _context_limit(max_prompt_length, context, response_length)
