@@ -200,7 +200,8 @@ class PPOMaxTrainer(Trainer):
             optimizers=optimizers,
         )
         self.running_reward = core.RunningMoments()
-        self.counters = {"skipped_iterations": 0, "skipped_updates": 0, "ptx_batches": 0}
+        self.counters = {"skipped/iterations": 0, "skipped/updates": 0}  # logged as metrics
+        self.ptx_batches_used = 0
         self._prepare_models()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -285,7 +286,8 @@ class PPOMaxTrainer(Trainer):
             if self.control.should_training_stop:
                 break
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if args.load_best_model_at_end and self.state.best_model_checkpoint and not self.control.should_training_stop:
+        finished = self.state.global_step >= self.num_total_batches
+        if args.load_best_model_at_end and self.state.best_model_checkpoint and finished:
             self._load_weights_from(self.state.best_model_checkpoint)
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
@@ -294,11 +296,11 @@ class PPOMaxTrainer(Trainer):
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"])
         experience, metrics = self.make_experience(rollout)
         if experience is None:
-            self.counters["skipped_iterations"] += 1
+            self.counters["skipped/iterations"] += 1
             logger.warning("Iteration %d skipped: non-finite rewards, values or log-probs.", iteration)
         else:
             metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
-        metrics.update({f"skipped/{name}": float(value) for name, value in self.counters.items() if "skipped" in name})
+        metrics.update({name: float(value) for name, value in self.counters.items()})
         return metrics
 
     def _begin_state(self) -> None:
@@ -611,8 +613,8 @@ class PPOMaxTrainer(Trainer):
         return loss, stats
 
     def _next_ptx_batch(self) -> dict[str, torch.Tensor]:
-        batch = self.ptx_batches[self.counters["ptx_batches"]]
-        self.counters["ptx_batches"] += 1
+        batch = self.ptx_batches[self.ptx_batches_used]
+        self.ptx_batches_used += 1
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
@@ -630,7 +632,7 @@ class PPOMaxTrainer(Trainer):
                 if params:
                     stats[f"{name}/grad_norm"] = self.accelerator.clip_grad_norm_(params, max_norm).detach()
         if stats and not torch.isfinite(torch.stack(list(stats.values()))).all():
-            self.counters["skipped_updates"] += 1
+            self.counters["skipped/updates"] += 1
             logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
             stats = {}
         else:
@@ -693,6 +695,7 @@ class PPOMaxTrainer(Trainer):
             "episode": self.state.episode,
             "running_reward": self.running_reward.state_dict(),
             "counters": dict(self.counters),
+            "ptx_batches_used": self.ptx_batches_used,
         }
 
     def _check_finite_weights(self) -> None:
@@ -719,6 +722,7 @@ class PPOMaxTrainer(Trainer):
         self.state.episode = saved["episode"]
         self.running_reward.load_state_dict(saved["running_reward"])
         self.counters.update(saved["counters"])
+        self.ptx_batches_used = saved["ptx_batches_used"]
         self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 
