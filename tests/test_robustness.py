@@ -215,7 +215,7 @@ def test_long_prompts_are_truncated_with_a_count(tmp_path, caplog):
 
 
 def test_long_prompts_can_be_an_error(tmp_path):
-    long_prompts = [" ".join(["hello"] * 50)] + prompt_texts(31)
+    long_prompts = [" ".join(["hello"] * 50), *prompt_texts(31)]
     with pytest.raises(ValueError, match="1 of 32 prompts are longer than 20 tokens"):
         make_trainer(
             tmp_path,
