@@ -13,7 +13,16 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_run.py"
 
 def test_two_process_run_shares_global_statistics(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        str(tmp_path),
+        "--cpu",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         pytest.fail(result.stderr[-4000:])
@@ -24,3 +33,4 @@ def test_two_process_run_shares_global_statistics(tmp_path):
     assert ranks[0]["moments"]["count"] == 32
     assert ranks[0]["moments"] == pytest.approx(ranks[1]["moments"])
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-12)
+    assert (tmp_path / "policy" / "model.safetensors").exists()

@@ -466,3 +466,12 @@ def test_counters_are_logged_as_current_values(tmp_path):
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "episode" in entry]
     assert [entry["episode"] for entry in logs] == [32.0, 64.0]
+
+
+def test_training_with_activation_checkpointing(tmp_path):
+    trainer = make_trainer(tmp_path, total_episodes=16, gradient_checkpointing=True)
+    assert trainer.model.is_gradient_checkpointing
+    before = snapshot(trainer.model.policy)
+    trainer.train()
+    assert changed(before, trainer.model.policy) > 0
+    assert trainer.model.is_gradient_checkpointing  # restored after generation

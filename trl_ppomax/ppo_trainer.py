@@ -84,7 +84,10 @@ class PolicyAndCritic(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
         for model in (self.policy, self.critic):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if hasattr(type(model), "activation_checkpointing_enable"):  # transformers ≥ 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -93,8 +96,9 @@ class PolicyAndCritic(nn.Module):
         return bool(getattr(self.policy, name, False))
 
     def gradient_checkpointing_disable(self) -> None:
-        self.policy.gradient_checkpointing_disable()
-        self.critic.gradient_checkpointing_disable()
+        for model in (self.policy, self.critic):
+            name = "activation_checkpointing_disable"
+            getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
 
 
 @dataclass

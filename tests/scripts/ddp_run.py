@@ -1,4 +1,5 @@
-"""Tiny PPO-max run for the 2-process test: writes each rank's running reward moments and a weight checksum."""
+"""Tiny PPO-max run under a launcher: writes each rank's running reward moments and a weight checksum, and the
+final policy. Usage: ddp_run.py OUTPUT_DIR [--cpu] [--no-ds3-gather]."""
 
 import json
 import sys
@@ -13,6 +14,7 @@ from datasets import Dataset
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 
 output = Path(sys.argv[1])
+on_cpu = "--cpu" in sys.argv
 tokenizer, policy, reward = build_models("llama")
 args = PPOMaxConfig(
     output_dir=str(output),
@@ -27,7 +29,9 @@ args = PPOMaxConfig(
     num_sample_generations=0,
     learning_rate=1e-3,
     save_strategy="no",
-    use_cpu=True,
+    use_cpu=on_cpu,
+    bf16=not on_cpu,
+    ds3_gather_for_generation="--no-ds3-gather" not in sys.argv,
     disable_tqdm=True,
 )
 trainer = PPOMaxTrainer(
@@ -45,6 +49,9 @@ result = {
     "world_size": args.world_size,
     "steps": trainer.state.global_step,
     "moments": trainer.running_reward.state_dict(),
-    "checksum": sum(p.double().sum().item() for p in trainer.model.policy.parameters()),
+    "checksum": sum(
+        p.double().sum().item() for p in trainer.accelerator.unwrap_model(trainer.model).policy.parameters()
+    ),
 }
 (output / f"rank{rank}.json").write_text(json.dumps(result))
+trainer.save_model(str(output / "policy"))
