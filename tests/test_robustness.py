@@ -148,36 +148,19 @@ def scheduled_reward(schedule, calls_per_evaluation):
 def test_evaluation_metrics_and_best_checkpoint(tmp_path):
     eval_prompts = Dataset.from_dict({"prompt": [f"{EVAL_MARK} {p}" for p in prompt_texts(6)]})
     train_prompts = Dataset.from_dict({"prompt": [p.replace(EVAL_MARK, "sun") for p in prompt_texts(32)]})
-    tokenizer, policy, _ = build_models()
-    args = PPOMaxConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_mini_batches=2,
+    trainer = make_trainer(
+        tmp_path,
+        reward=scheduled_reward([1.0, 5.0, 2.0], calls_per_evaluation=2),
+        value_model=build_models()[2],
+        dataset=train_prompts,
+        eval_dataset=eval_prompts,
         total_episodes=48,
-        response_length=6,
-        learning_rate=1e-3,
-        stop_token="eos",
-        report_to="none",
-        gradient_checkpointing=False,
-        num_sample_generations=0,
-        critic_warmup_steps=0,
         eval_strategy="steps",
         eval_steps=1,
         save_strategy="steps",
         save_steps=1,
         load_best_model_at_end=True,
         local_rollout_forward_batch_size=4,  # 6 evaluation prompts in two chunks
-    )
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=scheduled_reward([1.0, 5.0, 2.0], calls_per_evaluation=2),
-        train_dataset=train_prompts,
-        value_model=build_models()[2],
-        eval_dataset=eval_prompts,
     )
     trainer.train()
     evals = [entry for entry in trainer.state.log_history if "eval_objective/scores" in entry]

@@ -35,6 +35,7 @@ def make_trainer(
     ptx_dataset=None,
     dataset=None,
     peft_config=None,
+    eval_dataset=None,
     arch="llama",
     **overrides,
 ):
@@ -50,6 +51,7 @@ def make_trainer(
         value_model=value_model,
         ptx_dataset=ptx_dataset,
         peft_config=peft_config,
+        eval_dataset=eval_dataset,
     )
 
 
