@@ -5,5 +5,7 @@ __version__ = "0.1.0"
 from .core import RunningMoments
 from .ppo_config import PPOMaxConfig
 from .ppo_trainer import PPOMaxTrainer
+from .reward_config import PPOMaxRewardConfig
+from .reward_trainer import PPOMaxRewardTrainer
 
-__all__ = ["PPOMaxConfig", "PPOMaxTrainer", "RunningMoments", "__version__"]
+__all__ = ["PPOMaxConfig", "PPOMaxRewardConfig", "PPOMaxRewardTrainer", "PPOMaxTrainer", "RunningMoments", "__version__"]

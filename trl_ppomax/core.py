@@ -355,12 +355,16 @@ def entropy_loss(
 def lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Next-token cross-entropy (PPO-ptx, §3.2.3 eq. 17): logits (B, L, V) at position ``i`` predict ``labels[:, i+1]``;
-    ``mask`` (B, L) marks the label tokens that count. Stats: ``perplexity`` = ``exp(loss)``.
+    """Next-token cross-entropy (PPO-ptx §3.2.3 eq. 17; the reward model's imitation loss §3.1 eq. 2): logits
+    (B, L, V) at position ``i`` predict ``labels[:, i+1]``; ``mask`` (B, L) marks the label tokens that count.
+    Stats: ``perplexity`` = ``exp(loss)`` and ``accuracy`` (share of label tokens that are the argmax).
     """
     logprobs = logprobs_from_logits(logits[:, :-1], labels[:, 1:])
     loss = -masked_mean(logprobs, mask[:, 1:])
-    return loss, {"perplexity": torch.exp(loss.detach())}
+    with torch.no_grad():
+        correct = (logits[:, :-1].argmax(-1) == labels[:, 1:]).to(logprobs.dtype)
+        stats = {"perplexity": torch.exp(loss.detach()), "accuracy": masked_mean(correct, mask[:, 1:])}
+    return loss, stats
 
 
 def sequence_perplexity(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

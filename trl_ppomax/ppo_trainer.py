@@ -47,6 +47,7 @@ from .data import (
 )
 from .hub import create_model_card
 from .ppo_config import PPOMaxConfig
+from .reward_trainer import running_moments_from_config
 from .rollout import (
     RewardFunction,
     Rollout,
@@ -203,7 +204,7 @@ class PPOMaxTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self.running_reward = core.RunningMoments()
+        self.running_reward = self._initial_reward_moments()
         self.counters = {"skipped/iterations": 0, "skipped/updates": 0}  # logged as metrics
         self.ptx_batches_used = 0
         self._prepare_models()
@@ -211,6 +212,14 @@ class PPOMaxTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------------------------
+    def _initial_reward_moments(self) -> core.RunningMoments:
+        """Empty, or seeded with the statistics PPOMaxRewardTrainer stored in the reward model's config."""
+        config = getattr(self.reward_model, "config", None)
+        seeded = running_moments_from_config(config) if self.args.reward_norm != "none" else None
+        if seeded is not None:
+            logger.info("Reward normalisation starts from the reward model's stored statistics: %s", seeded)
+        return seeded or core.RunningMoments()
+
     def _prepare_models(self) -> None:
         num_updates = self.num_total_batches * self.args.num_ppo_epochs * self.args.num_mini_batches
         self.create_optimizer_and_scheduler(num_training_steps=num_updates)

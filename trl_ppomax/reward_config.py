@@ -1,0 +1,42 @@
+"""PPOMaxRewardConfig: trl's ``RewardConfig`` plus the PPO-max reward-model options (§3.1 of the paper)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import RewardConfig
+
+
+@dataclass
+class PPOMaxRewardConfig(RewardConfig):
+    r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`], plus:
+
+    Fields:
+        lm_loss_coef: β_rm, weight of the imitation (language-model) loss on the chosen response (§3.1, eq. 2).
+        fold_reward_stats: fold the evaluation reward statistics into the saved score head.
+        reward_histogram: write the histogram of r(chosen) − r(rejected) (the paper's Fig. 2) after evaluation.
+    """
+
+    lm_loss_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "β_rm: weight of the imitation (LM) loss on the chosen response, added to the pairwise loss "
+            "(§3.1, eq. 2; the paper uses 1). 0 gives trl's RewardTrainer exactly. > 0 needs a causal-LM start."
+        },
+    )
+    fold_reward_stats: bool = field(
+        default=False,
+        metadata={
+            "help": "Fold the evaluation reward mean/std into the saved score head, so that it outputs rewards with "
+            "std 1 (and mean 0 when the head has a bias). The statistics are stored in the config either way."
+        },
+    )
+    reward_histogram: bool = field(
+        default=True,
+        metadata={"help": "After each evaluation, save the histogram of r(chosen) − r(rejected) as a PNG (Fig. 2)."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.lm_loss_coef < 0:
+            raise ValueError(f"lm_loss_coef (β_rm) must be ≥ 0, got {self.lm_loss_coef}.")
+        super().__post_init__()

@@ -1,0 +1,304 @@
+"""PPOMaxRewardTrainer: trl's RewardTrainer plus the imitation (LM) loss of PPO-max reward models (§3.1, eq. 2).
+
+``L = −E[log σ(r(x, y_w) − r(x, y_l))] + β_rm · E[−log p_LM(y_w | x)]``
+
+The model trained is a standard ``*ForSequenceClassification`` (``num_labels=1``) whose body is shared with the
+causal LM's head, attached as the submodule ``lm_head``; the LM logits come from the same forward pass (the last
+hidden state, which also feeds the score head). The saved checkpoint leaves ``lm_head`` out, so it is a plain
+sequence-classification model that TRL, ``PPOMaxTrainer`` and ``transformers.pipeline`` load without custom code.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
+from trl import RewardTrainer
+
+from . import core
+from .reward_config import PPOMaxRewardConfig
+
+logger = logging.getLogger(__name__)
+
+STATS_KEYS = ("reward_mean", "reward_std", "reward_stats_count")
+HISTOGRAM_NAME = "reward_margin_histogram.png"
+
+
+def with_lm_head(causal_lm: PreTrainedModel) -> PreTrainedModel:
+    """A ``*ForSequenceClassification`` (one label) sharing ``causal_lm``'s body, with its LM head as ``lm_head``.
+
+    No weights are copied: body and LM head are the causal LM's own modules; only the score head is new (initialised
+    like transformers does, ``N(0, initializer_range)``).
+    """
+    head = causal_lm.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(causal_lm).__name__} has no LM head to compute the imitation loss with.")
+    config = copy.deepcopy(causal_lm.config)
+    config.num_labels = 1
+    config.architectures = None
+    with torch.device("meta"):
+        reward_model = AutoModelForSequenceClassification.from_config(config)
+    setattr(reward_model, reward_model.base_model_prefix, getattr(causal_lm, causal_lm.base_model_prefix))
+    weight = head.weight
+    reward_model.score = nn.Linear(weight.shape[1], 1, bias=False, device=weight.device, dtype=weight.dtype)
+    nn.init.normal_(reward_model.score.weight, std=getattr(config, "initializer_range", 0.02))
+    reward_model.lm_head = head
+    leftover = [name for name, p in reward_model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ValueError(f"Could not build a reward model from {type(causal_lm).__name__}: {leftover[:3]} unset.")
+    return reward_model
+
+
+def _causal_lm_with_reward_head(model: str | PreTrainedModel, args: PPOMaxRewardConfig) -> PreTrainedModel:
+    """The model to train when ``lm_loss_coef > 0``: from a causal-LM id/path or instance, with ``lm_head``."""
+    if isinstance(model, str):
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    if hasattr(model, "lm_head") and hasattr(model, "score"):
+        return model  # already built by with_lm_head
+    if getattr(model, "score", None) is not None or model.get_output_embeddings() is None:
+        raise ValueError(
+            f"lm_loss_coef = {args.lm_loss_coef} > 0 needs a model with a language-model head (start from the SFT "
+            f"causal LM, e.g. a model id or AutoModelForCausalLM), but {type(model).__name__} has none. Pass the "
+            "causal LM, or set lm_loss_coef=0 to train with the pairwise loss alone."
+        )
+    return with_lm_head(model)
+
+
+class PPOMaxRewardTrainer(RewardTrainer):
+    """Reward-model trainer of PPO-max: trl's ``RewardTrainer`` (all its inputs, formats, margin and centering
+    options) with the imitation loss on the chosen response (``lm_loss_coef``), reward statistics stored in the saved
+    config (``reward_mean``, ``reward_std``), optional folding of them into the head, and the margin histogram."""
+
+    _tag_names = ("trl", "reward-trainer", "trl-ppomax", "ppo-max")
+
+    def __init__(self, model: str | PreTrainedModel, args: PPOMaxRewardConfig | None = None, *pargs, **kwargs) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = PPOMaxRewardConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-Reward")
+        if not isinstance(args, PPOMaxRewardConfig):
+            raise TypeError(f"args must be a PPOMaxRewardConfig, got {type(args).__name__}.")
+        if args.lm_loss_coef > 0:
+            model = _causal_lm_with_reward_head(model, args)
+        super().__init__(model, args, *pargs, **kwargs)
+        self.data_collator = ChosenResponseCollator(self.data_collator)
+        self.reward_stats: dict[str, float] | None = None
+        self._eval_rewards: list[torch.Tensor] = []
+        self._heads_checked = False
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        columns = set(dataset.column_names or [])
+        if not ({"chosen", "rejected"} <= columns or {"chosen_ids", "rejected_ids"} <= columns):
+            raise ValueError(
+                f"The {dataset_name} dataset needs 'chosen' and 'rejected' columns (any trl preference format, with "
+                f"or without 'prompt'), or tokenized 'chosen_ids'/'rejected_ids'; it has {sorted(columns)}. For raw "
+                "Anthropic HH-RLHF rows use trl_ppomax.hh_rlhf.convert_hh_rlhf first."
+            )
+        dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        if "response_start" in (dataset.column_names or []):
+            return dataset
+        return dataset.map(
+            lambda e: {"response_start": _common_prefix_length(e["chosen_ids"], e["rejected_ids"])},
+            desc=f"Locating chosen responses in {dataset_name} dataset",
+        )
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if "response_start" not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, "response_start"]
+
+    # -- loss ----------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """trl's pairwise loss (margin, centering) + ``lm_loss_coef`` · CE of the LM head on chosen responses."""
+        mode = "train" if self.model.training else "eval"
+        response_mask = inputs.pop("chosen_response_mask")
+        use_lm = self.args.lm_loss_coef > 0
+        if use_lm:
+            inputs["output_hidden_states"] = True
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        chosen, rejected = torch.chunk(outputs.logits.squeeze(-1).detach(), chunks=2)
+        metrics = {"chosen_reward": chosen.mean(), "rejected_reward": rejected.mean()}
+        if use_lm:
+            lm_loss, lm_stats = self._imitation_loss(outputs, inputs, response_mask)
+            loss = loss + self.args.lm_loss_coef * lm_loss
+            metrics.update({"lm_loss": lm_loss.detach(), "lm_token_accuracy": lm_stats["accuracy"]})
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value).mean().item())
+        if mode == "eval":
+            self._eval_rewards.append(self.accelerator.gather_for_metrics(torch.stack([chosen, rejected], dim=1)))
+        return (loss, outputs) if return_outputs else loss
+
+    def _imitation_loss(self, outputs, inputs, response_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Next-token CE of the LM head on the chosen half of the batch, over response tokens only."""
+        hidden = outputs.hidden_states[-1]
+        half = response_mask.shape[0]
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not self._heads_checked:
+            self._check_last_hidden_state_feeds_score(unwrapped, hidden, inputs, outputs)
+        logits = unwrapped.lm_head(hidden[:half])
+        return core.lm_loss(logits, inputs["input_ids"][:half], response_mask)
+
+    def _check_last_hidden_state_feeds_score(self, model, hidden, inputs, outputs) -> None:
+        """The LM head must read the same hidden state as the score head; verified once, on the first batch."""
+        with torch.no_grad():
+            last = (inputs["attention_mask"].sum(1) - 1).clamp(min=0)
+            scores = model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
+            if not torch.allclose(scores.float(), outputs.logits.squeeze(-1).float(), atol=1e-3, rtol=1e-3):
+                raise RuntimeError(
+                    f"{type(model).__name__}: the last hidden state does not feed the score head, so the imitation "
+                    "loss cannot share the forward pass; train this architecture with lm_loss_coef=0."
+                )
+        self._heads_checked = True
+
+    # -- evaluation and statistics -------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """trl's evaluation, plus the mean/std of every chosen and rejected reward and the margin histogram."""
+        self._eval_rewards = []
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if not self._eval_rewards:
+            return metrics
+        pairs = torch.cat(self._eval_rewards).float().cpu()
+        self._eval_rewards = []
+        self.reward_stats = reward_statistics(pairs)
+        extra = {f"{metric_key_prefix}_{name}": value for name, value in self.reward_stats.items()}
+        self.log(extra)
+        metrics.update(extra)
+        if self.args.reward_histogram and self.accelerator.is_main_process:
+            save_margin_histogram(pairs[:, 0] - pairs[:, 1], os.path.join(self.args.output_dir, HISTOGRAM_NAME))
+        return metrics
+
+    def train(self, *args, **kwargs):
+        """Train, then measure the reward statistics (on the evaluation set, else the training set), store them in
+        the model config and, with ``fold_reward_stats``, fold them into the score head."""
+        output = super().train(*args, **kwargs)
+        dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
+        self.evaluate(dataset, metric_key_prefix="eval" if dataset is self.eval_dataset else "train_set")
+        model = self.accelerator.unwrap_model(self.model)
+        if self.args.fold_reward_stats:
+            self.reward_stats = fold_reward_stats(_score_head(model), self.reward_stats)
+        store_reward_stats(model.config, self.reward_stats)
+        return output
+
+    # -- saving --------------------------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """Save without the training-only ``lm_head``: a plain sequence-classification checkpoint."""
+        if state_dict is None:
+            state_dict = self.accelerator.unwrap_model(self.model).state_dict()
+        state_dict = {k: v for k, v in state_dict.items() if not _is_lm_head_key(k)}
+        super()._save(output_dir, state_dict=state_dict)
+
+    def create_model_card(self, *args, **kwargs):
+        kwargs.setdefault("tags", list(self._tag_names))
+        return super().create_model_card(*args, **kwargs)
+
+
+class ChosenResponseCollator:
+    """Wraps trl's preference collator: adds ``chosen_response_mask`` (B, L), 1 on the chosen response tokens (those
+    after the longest common prefix of chosen and rejected, i.e. after the prompt)."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collator([{k: v for k, v in e.items() if k != "response_start"} for e in examples])
+        width = batch["input_ids"].shape[1]
+        positions = torch.arange(width)
+        starts = torch.tensor([e["response_start"] for e in examples])
+        ends = torch.tensor([len(e["chosen_ids"]) for e in examples])
+        batch["chosen_response_mask"] = (
+            (positions >= starts[:, None]) & (positions < ends[:, None])
+        ).long()
+        return batch
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return min(n, len(a) - 1)  # at least the last chosen token is a response token
+
+
+def _is_lm_head_key(key: str) -> bool:
+    return key.startswith("lm_head.") or ".lm_head." in key
+
+
+def _score_head(model: nn.Module) -> nn.Linear:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(base, "score", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(base).__name__} has no linear `score` head to fold the reward statistics into.")
+    return head
+
+
+def reward_statistics(pairs: torch.Tensor) -> dict[str, float]:
+    """Mean and unbiased std of every reward in ``pairs`` (N, 2) = (chosen, rejected), and how many there were."""
+    values = pairs.flatten().double()
+    std = values.std().item() if values.numel() > 1 else 1.0
+    return {"reward_mean": values.mean().item(), "reward_std": std, "reward_stats_count": float(values.numel())}
+
+
+@torch.no_grad()
+def fold_reward_stats(head: nn.Linear, stats: dict[str, float]) -> dict[str, float]:
+    """Rescale ``head`` so it outputs ``(r − μ) / σ``: ``w ← w/σ``, ``b ← (b − μ)/σ``. Without a bias only the scale
+    can be folded, and the outputs keep the mean ``μ/σ``. Returns the statistics of the folded head's outputs."""
+    mean, std = stats["reward_mean"], stats["reward_std"]
+    if not math.isfinite(std) or std <= 0:
+        raise ValueError(f"Cannot fold a reward std of {std}; evaluate on more than one distinct reward first.")
+    head.weight.div_(std)
+    if head.bias is not None:
+        head.bias.sub_(mean).div_(std)
+        folded_mean = 0.0
+    else:
+        folded_mean = mean / std
+        logger.warning(
+            "The score head has no bias, so only the reward scale was folded; the mean (%.4g after scaling) stays in "
+            "the outputs and is stored in the config as reward_mean.",
+            folded_mean,
+        )
+    return {**stats, "reward_mean": folded_mean, "reward_std": 1.0}
+
+
+def store_reward_stats(config, stats: dict[str, float] | None) -> None:
+    """Write ``reward_mean``, ``reward_std`` and ``reward_stats_count`` into a model config (saved with it)."""
+    if stats is not None:
+        for key in STATS_KEYS:
+            setattr(config, key, float(stats[key]))
+
+
+def running_moments_from_config(config) -> core.RunningMoments | None:
+    """RunningMoments seeded with the reward statistics stored by PPOMaxRewardTrainer, or None if there are none."""
+    if not all(isinstance(getattr(config, key, None), (int, float)) for key in STATS_KEYS):
+        return None
+    count, std = config.reward_stats_count, config.reward_std
+    moments = core.RunningMoments()
+    moments.load_state_dict({"count": count, "mean": config.reward_mean, "m2": std**2 * max(count - 1, 0)})
+    return moments
+
+
+def save_margin_histogram(margins: torch.Tensor, path: str) -> None:
+    """The paper's Fig. 2: histogram of ``r(chosen) − r(rejected)`` over the evaluation pairs, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.hist(margins.numpy(), bins=min(50, max(10, len(margins) // 5)), color="tab:blue", alpha=0.8)
+    axis.axvline(0.0, color="black", linewidth=1)
+    accuracy = (margins > 0).float().mean().item()
+    axis.set(xlabel="r(chosen) − r(rejected)", ylabel="pairs", title=f"Reward margins (accuracy {accuracy:.1%})")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
