@@ -8,4 +8,11 @@ from .ppo_trainer import PPOMaxTrainer
 from .reward_config import PPOMaxRewardConfig
 from .reward_trainer import PPOMaxRewardTrainer
 
-__all__ = ["PPOMaxConfig", "PPOMaxRewardConfig", "PPOMaxRewardTrainer", "PPOMaxTrainer", "RunningMoments", "__version__"]
+__all__ = [
+    "PPOMaxConfig",
+    "PPOMaxRewardConfig",
+    "PPOMaxRewardTrainer",
+    "PPOMaxTrainer",
+    "RunningMoments",
+    "__version__",
+]

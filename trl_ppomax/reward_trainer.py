@@ -214,9 +214,7 @@ class ChosenResponseCollator:
         positions = torch.arange(width)
         starts = torch.tensor([e["response_start"] for e in examples])
         ends = torch.tensor([len(e["chosen_ids"]) for e in examples])
-        batch["chosen_response_mask"] = (
-            (positions >= starts[:, None]) & (positions < ends[:, None])
-        ).long()
+        batch["chosen_response_mask"] = ((positions >= starts[:, None]) & (positions < ends[:, None])).long()
         return batch
 
 
