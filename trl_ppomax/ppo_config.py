@@ -39,6 +39,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def default_bf16(fp16: bool) -> bool:
+    """bf16 by default only where it runs: on a GPU that supports it, and not together with fp16."""
+    return not fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def _preset_help(name: str, text: str) -> str:
     defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
     return f"{text} Default: {defaults}."
@@ -238,7 +243,7 @@ class PPOMaxConfig(TrainingArguments):
         self._resolve_preset()
         self._validate()
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            self.bf16 = default_bf16(self.fp16)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "objective/scores"  # the release kept the best policy by validation reward
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:

@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 
 from trl import RewardConfig
 
+from .ppo_config import default_bf16
+
 
 @dataclass
 class PPOMaxRewardConfig(RewardConfig):
-    r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`], plus:
+    r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`] (``bf16`` defaults to True
+    only on a GPU that supports it), plus:
 
     Fields:
         lm_loss_coef: β_rm, weight of the imitation (language-model) loss on the chosen response (§3.1, eq. 2).
@@ -39,4 +42,6 @@ class PPOMaxRewardConfig(RewardConfig):
     def __post_init__(self) -> None:
         if self.lm_loss_coef < 0:
             raise ValueError(f"lm_loss_coef (β_rm) must be ≥ 0, got {self.lm_loss_coef}.")
+        if self.bf16 is None:
+            self.bf16 = default_bf16(self.fp16)
         super().__post_init__()
