@@ -1,4 +1,4 @@
-"""The ``trl-ppomax`` command line: ``trl-ppomax env``, ``trl-ppomax presets`` and ``trl-ppomax tiny``."""
+"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny`` and ``push``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 PACKAGES = (
     "trl-ppomax",
@@ -63,6 +64,54 @@ def save_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError  # unreachable
+
+
+def push_model(args: argparse.Namespace) -> int:
+    """Upload a model folder (converted or trained) to the Hub with a generated model card, in one commit."""
+    from . import hub
+
+    try:
+        card = hub.moss_model_card(
+            args.folder, args.repo_id, model_type=args.model_type, lang=args.lang, base_model=args.base_model
+        )
+        result = hub.push(
+            args.folder,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            dry_run=args.dry_run,
+            card=card,
+        )
+    except Exception as err:  # invalid folder / repo id, or any Hub or network error: one line, exit 2
+        message = " ".join(str(err).split())
+        if not isinstance(err, (ValueError, OSError)):
+            message = f"{type(err).__name__}: {message}"
+        print(hub.redact_token(f"trl-ppomax push: error: {message}"), file=sys.stderr)
+        return 2
+    root = Path(args.folder).expanduser()
+    if args.dry_run:
+        sizes = {rel: (root / rel).stat().st_size for rel in result.files[:-1]}
+        where = f"{args.repo_id} ({'private' if args.private else 'public'}, revision {args.revision or 'main'})"
+        print(f"Dry run: would upload {len(result.files)} files ({_size(sum(sizes.values()))}) to {where}:")
+        for rel, size in sizes.items():
+            print(f"  {rel:<40} {_size(size):>10}")
+        print(f"  {'README.md':<40} {'(card)':>10}")
+        print("\n--- README.md ---")
+        print(hub.redact_token(str(result.card)))
+        return 0
+    print(f"Pushed {len(result.files)} files to {result.repo_url}")
+    if result.commit_url:
+        print(f"Commit: {result.commit_url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ppomax", description="PPO-max for the Hugging Face stack.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default: 0)")
     tiny.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR even if it is not empty")
     tiny.set_defaults(run=save_tiny)
+    push = commands.add_parser(
+        "push",
+        help=push_model.__doc__,
+        description=push_model.__doc__
+        + " The token comes from the HF_TOKEN environment variable or `hf auth login`, never the command line.",
+    )
+    push.add_argument("folder", metavar="DIR", help="model folder with config.json (or adapter_config.json)")
+    push.add_argument("--repo-id", required=True, metavar="NAME", help="Hub model repo, e.g. user/my-model")
+    push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist yet)")
+    push.add_argument("--revision", metavar="REV", help="branch to commit to (created if missing; default: main)")
+    push.add_argument("--commit-message", metavar="MSG", help="commit message")
+    push.add_argument("--dry-run", action="store_true", help="print the files and the card, upload nothing")
+    push.add_argument("--model-type", choices=["reward", "sft", "policy"], help="override the card's model type")
+    push.add_argument("--lang", choices=["en", "zh"], help="override the card's language")
+    push.add_argument("--base-model", metavar="REPO", help="override the card's base_model")
+    push.set_defaults(run=push_model)
     return parser
 
 
