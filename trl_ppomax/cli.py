@@ -1,4 +1,4 @@
-"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny`` and ``push``."""
+"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny``, ``push`` and ``moss recover``."""
 
 from __future__ import annotations
 
@@ -112,6 +112,34 @@ def push_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def recover_moss(args: argparse.Namespace) -> int:
+    """Recover a MOSS-RLHF release model from its weight diff and LLaMA-7B, as a standard transformers model."""
+    from .moss.recovery import recover, resolve_source
+
+    if args.expected_sum is not None and args.skip_integrity_check:
+        print(
+            "trl-ppomax moss recover: error: use --expected-sum or --skip-integrity-check, not both", file=sys.stderr
+        )
+        return 2
+    try:
+        output = recover(
+            resolve_source(args.raw),
+            resolve_source(args.diff),
+            args.output,
+            args.model_type,
+            lang=args.lang,
+            expected_sum=args.expected_sum,
+            check=not args.skip_integrity_check,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+        )
+    except (ValueError, OSError, KeyError) as err:
+        print(f"trl-ppomax moss recover: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"Recovered {args.lang} {args.model_type} model: {output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ppomax", description="PPO-max for the Hugging Face stack.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--lang", choices=["en", "zh"], help="override the card's language")
     push.add_argument("--base-model", metavar="REPO", help="override the card's base_model")
     push.set_defaults(run=push_model)
+    moss = commands.add_parser("moss", help="the paper's released models (MOSS-RLHF)").add_subparsers(
+        dest="moss_command", required=True
+    )
+    recover = moss.add_parser("recover", help=recover_moss.__doc__, description=recover_moss.__doc__)
+    recover.add_argument("--raw", required=True, help="LLaMA-7B in Hugging Face format: a folder or a Hub id")
+    recover.add_argument("--diff", required=True, help="the release's diff: a folder or a Hub id")
+    recover.add_argument("--output", required=True, help="folder to write (must be absent or empty)")
+    recover.add_argument("--model-type", required=True, choices=["reward", "sft", "policy"])
+    recover.add_argument("--lang", choices=["en", "zh"], default="en")
+    recover.add_argument("--expected-sum", type=float, help="override the published parameter sum")
+    recover.add_argument("--skip-integrity-check", action="store_true", help="do not check the parameter sum")
+    recover.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    recover.add_argument("--max-shard-size", default="2GB", help="size of the output shards (default: 2GB)")
+    recover.set_defaults(run=recover_moss)
     return parser
 
 

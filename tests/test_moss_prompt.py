@@ -1,0 +1,341 @@
+import logging
+
+import pytest
+from jinja2.exceptions import TemplateError
+from transformers import AutoTokenizer
+
+from trl_ppomax.moss.prompt import (
+    SPEAKER_TAGS,
+    build_prompt,
+    chat_template,
+    format_dialogue,
+    setup_tokenizer,
+    truncate_dialogue,
+)
+from trl_ppomax.tiny import build_llama_style_tokenizer, build_tokenizer
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+SINGLE = [user("Hi")]
+MULTI = [user("Hi"), assistant("Hello"), user("How?")]
+ZH_MULTI = [user("你好"), assistant("你好！"), user("在吗？")]
+DIALOGUES = [
+    SINGLE,
+    MULTI,
+    ZH_MULTI,
+    [user(" spaces  kept \n"), assistant("\nyes "), user("")],
+    [user("Hi"), assistant("Hello")],
+]
+
+
+@pytest.fixture
+def tok_en():
+    return setup_tokenizer(build_llama_style_tokenizer("en"), "en")
+
+
+@pytest.fixture
+def tok_zh():
+    return setup_tokenizer(build_llama_style_tokenizer("zh"), "zh")
+
+
+def n_tokens(tokenizer, messages, lang="en"):
+    return len(tokenizer(format_dialogue(messages, lang, tokenizer.eos_token)).input_ids)
+
+
+# ---------------------------------------------------------------- format_dialogue
+
+
+def test_format_dialogue_exact_strings():
+    assert SPEAKER_TAGS == {"en": ("Human:", "Assistant:"), "zh": ("<|Human|>", "<|MOSS|>")}
+    assert format_dialogue(SINGLE) == "Human:Hi</s>Assistant:"
+    assert format_dialogue(MULTI) == "Human:Hi</s>Assistant:Hello</s>Human:How?</s>Assistant:"
+    assert format_dialogue(SINGLE, "zh") == "<|Human|>Hi</s><|MOSS|>"
+    assert format_dialogue(ZH_MULTI, "zh") == "<|Human|>你好</s><|MOSS|>你好！</s><|Human|>在吗？</s><|MOSS|>"
+
+
+def test_format_dialogue_without_generation_prompt_and_custom_eos():
+    dialogue = [user("Hi"), assistant("Hello")]
+    assert format_dialogue(dialogue, add_generation_prompt=False) == "Human:Hi</s>Assistant:Hello</s>"
+    assert format_dialogue(dialogue, "zh", add_generation_prompt=False) == "<|Human|>Hi</s><|MOSS|>Hello</s>"
+    assert format_dialogue(SINGLE, add_generation_prompt=False) == "Human:Hi</s>"
+    assert format_dialogue(SINGLE, eos_token="<eos>") == "Human:Hi<eos>Assistant:"
+    # contents are used verbatim: no stripping, no space after the tag
+    assert format_dialogue([user(" a \n")]) == "Human: a \n</s>Assistant:"
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "match"),
+    [
+        ([], ValueError, "empty"),
+        ([{"role": "system", "content": "Be nice."}, user("Hi")], ValueError, "no system turn"),
+        ([user("Hi"), user("Again")], ValueError, "alternate.*message 1 has role 'user'"),
+        ([assistant("Hello"), user("Hi")], ValueError, "starting with a user"),
+        ([user("Hi"), assistant("a"), assistant("b")], ValueError, "alternate"),
+        ([{"role": "tool", "content": "x"}], ValueError, "only knows 'user' and 'assistant'"),
+        ([user("Hi"), assistant("Hello")], ValueError, "add_generation_prompt=False"),
+        ([{"role": "user"}], TypeError, "'role' and 'content'"),
+        ([user(["Hi"])], TypeError, "must be a str"),
+        (user("Hi"), TypeError, "list of"),
+    ],
+)
+def test_format_dialogue_errors(messages, error, match):
+    with pytest.raises(error, match=match):
+        format_dialogue(messages)
+
+
+def test_format_dialogue_bad_lang_and_eos():
+    with pytest.raises(ValueError, match="Unknown language"):
+        format_dialogue(SINGLE, lang="fr")
+    with pytest.raises(ValueError, match="eos_token"):
+        format_dialogue(SINGLE, eos_token="")
+
+
+# ---------------------------------------------------------------- chat template
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize(
+    ("messages", "add_generation_prompt"),
+    # an assistant last turn with a generation prompt is an error, see test_chat_template_errors
+    [(m, g) for m in DIALOGUES for g in (True, False) if not (g and m[-1]["role"] == "assistant")],
+)
+def test_chat_template_matches_format_dialogue(lang, messages, add_generation_prompt):
+    tokenizer = setup_tokenizer(build_llama_style_tokenizer(lang), lang)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert rendered == format_dialogue(messages, lang, tokenizer.eos_token, add_generation_prompt)
+    assert not rendered.startswith(tokenizer.bos_token)
+
+
+def test_chat_template_uses_the_tokenizers_eos(tok_en):
+    tok_en.eos_token = "hi"
+    assert tok_en.apply_chat_template(MULTI, add_generation_prompt=True, tokenize=False) == format_dialogue(
+        MULTI, eos_token="hi"
+    )
+
+
+def test_chat_template_continue_final_message(tok_en):
+    rendered = tok_en.apply_chat_template([user("Hi"), assistant("Hel")], continue_final_message=True, tokenize=False)
+    assert rendered == "Human:Hi</s>Assistant:Hel"
+
+
+def test_chat_template_tokenized_has_no_bos_but_tokenizer_call_has(tok_en):
+    text = format_dialogue(MULTI)
+    ids = tok_en.apply_chat_template(MULTI, add_generation_prompt=True, return_dict=False)
+    assert ids == tok_en(text, add_special_tokens=False).input_ids
+    assert tok_en(text).input_ids == [tok_en.bos_token_id, *ids]
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "match"),
+    [
+        ([{"role": "system", "content": "x"}, user("Hi")], {}, "no system turn"),
+        ([user("Hi"), user("Again")], {}, "alternate"),
+        ([assistant("Hello")], {}, "alternate"),
+        ([{"role": "tool", "content": "x"}], {}, "Unknown role"),
+        ([user("Hi"), assistant("Hello")], {"add_generation_prompt": True}, "assistant turn"),
+    ],
+)
+def test_chat_template_errors(tok_en, messages, kwargs, match):
+    with pytest.raises(TemplateError, match=match):
+        tok_en.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def test_chat_template_empty_conversation_raises(tok_en):
+    with pytest.raises(ValueError):
+        tok_en.apply_chat_template([], add_generation_prompt=True, tokenize=False)
+
+
+def test_chat_template_unknown_lang():
+    with pytest.raises(ValueError, match="Unknown language"):
+        chat_template("fr")
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_llama_style_tokenizer_shape():
+    tokenizer = build_llama_style_tokenizer()
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert 200 <= len(tokenizer) <= 500
+    ids = tokenizer("Human:Hi</s>Assistant:Hello, Qwerty 42 你好").input_ids
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    assert ids[-1] != tokenizer.eos_token_id
+    assert tokenizer.unk_token_id not in ids  # any ASCII word falls back to letters
+    assert tokenizer.convert_ids_to_tokens(ids)[:5] == ["<s>", "Human", ":", "Hi", "</s>"]
+    assert build_llama_style_tokenizer("zh").get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(ValueError, match="Unknown language"):
+        build_llama_style_tokenizer("fr")
+
+
+def test_setup_tokenizer_en(tok_en):
+    assert tok_en.pad_token == "<unk>" and tok_en.pad_token_id == 0
+    assert tok_en.padding_side == "left"
+    assert tok_en.chat_template == chat_template("en")
+    batch = tok_en(["hi", "how are you"], padding=True).input_ids
+    assert batch[0][:2] == [0, 0] and batch[0][2:] == tok_en("hi").input_ids
+    assert "<|Human|>" not in tok_en.get_vocab()
+
+
+def test_setup_tokenizer_zh_adds_unsplit_special_tokens():
+    tokenizer = build_llama_style_tokenizer("zh")
+    n = len(tokenizer)
+    assert len(tokenizer("<|Human|>hi").input_ids) > 3  # split into pieces before setup
+    assert setup_tokenizer(tokenizer, "zh") is tokenizer
+    assert len(tokenizer) == n + 2
+    assert tokenizer.convert_tokens_to_ids(["<|Human|>", "<|MOSS|>"]) == [n, n + 1]
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer("<|Human|>hi").input_ids)
+    assert tokens == ["<s>", "<|Human|>", "hi"]
+    ids = tokenizer(format_dialogue(ZH_MULTI, "zh")).input_ids
+    assert ids.count(n) == 2 and ids.count(n + 1) == 2
+    assert {"<|Human|>", "<|MOSS|>"} <= set(tokenizer.all_special_tokens)
+    assert tokenizer.decode(tokenizer("<|Human|>hi<|MOSS|>").input_ids, skip_special_tokens=True) == "hi"
+    assert tokenizer.pad_token_id == 0 and tokenizer.padding_side == "left"
+
+
+def test_setup_tokenizer_is_idempotent(tok_zh):
+    before = (len(tok_zh), tok_zh.get_vocab(), list(tok_zh.all_special_tokens), tok_zh.chat_template)
+    setup_tokenizer(tok_zh, "zh")
+    assert (len(tok_zh), tok_zh.get_vocab(), list(tok_zh.all_special_tokens), tok_zh.chat_template) == before
+    en = build_llama_style_tokenizer()
+    setup_tokenizer(setup_tokenizer(en, "en"), "en")
+    assert len(en) == len(build_llama_style_tokenizer()) and en.pad_token_id == 0
+
+
+def test_setup_tokenizer_survives_save_and_load(tok_zh, tmp_path):
+    tok_zh.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.pad_token_id == 0 and loaded.padding_side == "left"
+    assert loaded.chat_template == chat_template("zh")
+    assert loaded("<|Human|>hi").input_ids == tok_zh("<|Human|>hi").input_ids
+    assert loaded.apply_chat_template(ZH_MULTI, add_generation_prompt=True, tokenize=False) == format_dialogue(
+        ZH_MULTI, "zh"
+    )
+
+
+def test_setup_tokenizer_needs_unk():
+    with pytest.raises(ValueError, match="<unk>"):
+        setup_tokenizer(build_tokenizer())  # the other tiny tokenizer has [UNK], not <unk>
+
+
+def test_setup_tokenizer_warns_on_other_eos(caplog):
+    tokenizer = build_llama_style_tokenizer()
+    tokenizer.eos_token = "hi"
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.moss.prompt"):
+        setup_tokenizer(tokenizer)
+    assert "eos token is 'hi'" in caplog.text
+    with pytest.raises(ValueError, match="Unknown language"):
+        setup_tokenizer(tokenizer, "fr")
+
+
+# ---------------------------------------------------------------- truncation
+
+LONG = [
+    user("hello"),
+    assistant("hi"),
+    user("how are you today"),
+    assistant("good thanks"),
+    user("tell me a story about the cat"),
+]
+
+
+def test_truncate_keeps_everything_when_it_fits(tok_en):
+    full = n_tokens(tok_en, LONG)
+    assert truncate_dialogue(LONG, tok_en, full) == LONG
+    assert truncate_dialogue(LONG, tok_en, 10_000) == LONG
+
+
+def test_truncate_drops_oldest_exchanges_first(tok_en):
+    sizes = [n_tokens(tok_en, LONG[k:]) for k in (0, 2, 4)]
+    assert sizes[0] > sizes[1] > sizes[2]
+    for budget in range(sizes[2], sizes[0] + 2):
+        kept = truncate_dialogue(LONG, tok_en, budget)
+        k = next(k for k, size in zip((0, 2, 4), sizes, strict=True) if size <= budget)  # fewest dropped that fit
+        assert kept == LONG[k:]
+        assert kept[0]["role"] == "user" and kept[-1] is LONG[-1]
+        assert n_tokens(tok_en, kept) <= budget
+    assert truncate_dialogue(LONG, tok_en, sizes[1]) == LONG[2:]
+    assert truncate_dialogue(LONG, tok_en, sizes[1] - 1) == LONG[4:]
+
+
+def test_truncate_cuts_the_last_turn_from_the_left(tok_en, caplog):
+    bare = n_tokens(tok_en, [user("")])  # <s> Human : </s> Assistant :
+    assert bare == 6
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.moss.prompt"):
+        kept = truncate_dialogue(LONG, tok_en, bare + 3)
+    assert kept == [user("about the cat")]
+    assert "does not fit" in caplog.text
+    assert LONG[-1]["content"] == "tell me a story about the cat"  # input untouched
+    for budget in range(bare, n_tokens(tok_en, LONG[4:])):
+        (turn,) = truncate_dialogue(LONG, tok_en, budget)
+        assert LONG[-1]["content"].endswith(turn["content"])
+        assert n_tokens(tok_en, [turn]) == budget  # one word = one token here, so it fills the budget exactly
+    assert truncate_dialogue(LONG, tok_en, bare) == [user("")]
+    with pytest.raises(ValueError, match="cannot hold even an empty user turn"):
+        truncate_dialogue(LONG, tok_en, bare - 1)
+
+
+def test_truncate_counts_bos_unless_told(tok_en):
+    size = n_tokens(tok_en, LONG)
+    assert truncate_dialogue(LONG, tok_en, size - 1) == LONG[2:]
+    assert truncate_dialogue(LONG, tok_en, size - 1, add_special_tokens=False) == LONG
+
+
+def test_truncate_zh(tok_zh):
+    dialogue = [user("你好"), assistant("你好！"), user("今天猫在吗？")]
+    assert n_tokens(tok_zh, [user("")], "zh") == 4  # <s> <|Human|> </s> <|MOSS|>
+    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue, "zh"), "zh") == dialogue
+    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue, "zh") - 1, "zh") == dialogue[2:]
+    assert truncate_dialogue(dialogue, tok_zh, 4 + 3, "zh") == [user("在吗？")]
+
+
+def test_truncate_without_offsets_cuts_characters():
+    class CharTokenizer:  # a "slow" tokenizer: one token per character, no offsets
+        is_fast = False
+        eos_token = "|"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": list(range(len(text)))}
+
+    tokenizer = CharTokenizer()
+    bare = len("Human:|Assistant:")
+    assert truncate_dialogue([user("abcdef")], tokenizer, bare + 6) == [user("abcdef")]
+    assert truncate_dialogue([user("abcdef")], tokenizer, bare + 4) == [user("cdef")]
+    assert truncate_dialogue([user("ab  cdef")], tokenizer, bare + 5) == [user("cdef")]  # leading spaces dropped
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, None])
+def test_truncate_bad_budget(tok_en, bad):
+    with pytest.raises(ValueError, match="positive int"):
+        truncate_dialogue(LONG, tok_en, bad)
+
+
+def test_truncate_validates_messages(tok_en):
+    with pytest.raises(ValueError, match="assistant turn"):
+        truncate_dialogue(LONG[:4], tok_en, 100)
+    with pytest.raises(ValueError, match="no system turn"):
+        truncate_dialogue([{"role": "system", "content": "x"}, *LONG], tok_en, 100)
+    with pytest.raises(ValueError, match="empty"):
+        truncate_dialogue([], tok_en, 100)
+
+
+# ---------------------------------------------------------------- build_prompt
+
+
+def test_build_prompt(tok_en, tok_zh):
+    assert build_prompt(LONG, tok_en) == format_dialogue(LONG)
+    assert build_prompt(LONG, tok_en, max_tokens=n_tokens(tok_en, LONG[2:])) == (
+        "Human:how are you today</s>Assistant:good thanks</s>Human:tell me a story about the cat</s>Assistant:"
+    )
+    assert build_prompt(LONG, tok_en, max_tokens=9) == "Human:about the cat</s>Assistant:"
+    assert (
+        build_prompt(ZH_MULTI, tok_zh, lang="zh") == "<|Human|>你好</s><|MOSS|>你好！</s><|Human|>在吗？</s><|MOSS|>"
+    )
+    prompt = build_prompt(LONG, tok_en, max_tokens=12)
+    assert len(tok_en(prompt).input_ids) <= 12
