@@ -68,8 +68,13 @@ def write_config_and_tokenizer(folder: Path, layers: int, hidden: int, intermedi
     from trl_ppomax.tiny import build_llama_style_tokenizer
 
     LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        architectures=["LlamaForCausalLM"],
     ).save_pretrained(folder)
     build_llama_style_tokenizer().save_pretrained(folder)
 
@@ -94,12 +99,17 @@ def peak_memory_of(code: str) -> tuple[dict[str, int], float]:
     anonymous memory (RssAnon: what the process allocated) and of file-backed mapped pages (RssFile: memory-mapped
     checkpoint shards, which the kernel can drop under pressure), sampled every 5 ms. Measured inside the child:
     ru_maxrss would be inherited from this (large) parent process."""
-    script = f"{PROBE}\n{code}\ntime.sleep(0.02)\nprint('PEAKS', peaks)"
+    script = f"{PROBE}\n{code}\ntime.sleep(0.02)\nimport json; print('PEAKS', json.dumps(peaks))"
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
-                         env={**os.environ, "TQDM_DISABLE": "1"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    ).stdout
     seconds = time.perf_counter() - start
-    return eval(out.rsplit("PEAKS", 1)[1]), seconds  # noqa: S307 - our own child's dict literal
+    return json.loads(out.rsplit("PEAKS", 1)[1]), seconds
 
 
 def main() -> None:
@@ -128,8 +138,20 @@ def main() -> None:
         largest_diff_shard = max(p.stat().st_size for p in (root / "diff").glob("*.bin"))
 
         argv = [
-            "moss", "recover", "--raw", str(root / "raw"), "--diff", str(root / "diff"), "--output", str(root / "out"),
-            "--model-type", "reward", "--expected-sum", repr(expected), "--max-shard-size", args.max_shard_size,
+            "moss",
+            "recover",
+            "--raw",
+            str(root / "raw"),
+            "--diff",
+            str(root / "diff"),
+            "--output",
+            str(root / "out"),
+            "--model-type",
+            "reward",
+            "--expected-sum",
+            repr(expected),
+            "--max-shard-size",
+            args.max_shard_size,
         ]
         baseline, _ = peak_memory_of("import torch, transformers, trl_ppomax.moss.recovery")
         peak, seconds = peak_memory_of(f"from trl_ppomax.cli import main; assert main({argv!r}) == 0")
