@@ -32,5 +32,12 @@ def test_two_process_run_shares_global_statistics(tmp_path):
     # Every score of both processes entered the running moments, identically on both ranks.
     assert ranks[0]["moments"]["count"] == 32
     assert ranks[0]["moments"] == pytest.approx(ranks[1]["moments"])
+    # … and they equal the single-process statistics of the union of both processes' scores.
+    moments = ranks[0]["moments"]
+    assert moments["mean"] == pytest.approx(ranks[0]["union_mean"], rel=1e-9, abs=1e-12)
+    assert (moments["m2"] / (moments["count"] - 1)) ** 0.5 == pytest.approx(ranks[0]["union_std"], rel=1e-9)
+    # Advantages are whitened over the global batch: mean 0 and variance 1 over both processes' tokens.
+    for mean, var in ranks[0]["whitening"]:
+        assert mean == pytest.approx(0.0, abs=1e-5) and var == pytest.approx(1.0, abs=1e-3)
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-12)
     assert (tmp_path / "policy" / "model.safetensors").exists()

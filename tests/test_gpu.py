@@ -18,6 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 SCRIPTS = Path(__file__).parent / "scripts"
+ACCELERATE = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
 
 
 def launch(config: str, output: Path, *extra: str) -> dict:
@@ -47,7 +48,7 @@ def assert_full_policy_saved(folder: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs pip install trl-ppomax[deepspeed]")
 @pytest.mark.parametrize("gather", [True, False])
 def test_zero3_trains_and_saves_full_weights(tmp_path, gather):
-    result = launch("zero3.yaml", tmp_path, *([] if gather else ["--no-ds3-gather"]))
+    result = launch("deepspeed_zero3.yaml", tmp_path, *([] if gather else ["--no-ds3-gather"]))
     assert result["steps"] == 4
     assert_full_policy_saved(tmp_path / "policy")
 

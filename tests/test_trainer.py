@@ -477,3 +477,9 @@ def test_training_with_activation_checkpointing(tmp_path):
     trainer.train()
     assert changed(before, trainer.model.policy) > 0
     assert trainer.model.is_gradient_checkpointing  # restored after generation
+
+
+def test_plan_summarises_the_run(tmp_path):
+    plan = make_trainer(tmp_path).plan()
+    assert "LlamaForCausalLM" in plan and "32 episodes = 2 iterations" in plan
+    assert "16 prompts per iteration" in plan and "preset=ppo_max" in plan

@@ -131,3 +131,76 @@ def prompt_length_limit(max_prompt_length: int | None, model, response_length: i
     """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return _context_limit(max_prompt_length, context, response_length)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Prompt sources for the recipes
+# --------------------------------------------------------------------------------------------------------------------
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+
+def load_any_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
+    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt)."""
+    import os
+
+    from datasets import load_dataset
+
+    extension = os.path.splitext(name)[1]
+    if os.path.isfile(name) and extension == ".json" and _is_release_prompt_list(name):
+        return _release_prompt_list(name)
+    if os.path.isfile(name) and extension in FILE_BUILDERS:
+        return load_dataset(FILE_BUILDERS[extension], data_files={split: name}, split=split)
+    return load_dataset(name, name=config, split=split)
+
+
+def _is_release_prompt_list(path: str) -> bool:
+    import json
+
+    with open(path, encoding="utf-8") as file:
+        head = file.read(1)
+        if head != "[":
+            return False
+        file.seek(0)
+        data = json.load(file)
+    return isinstance(data, list) and all(isinstance(d, list) and all(isinstance(t, str) for t in d) for d in data)
+
+
+def _release_prompt_list(path: str) -> Dataset:
+    """The MOSS-RLHF release's prompt files: a JSON list of dialogues, each a list of turns (user first)."""
+    import json
+
+    with open(path, encoding="utf-8") as file:
+        dialogues = json.load(file)
+    roles = ("user", "assistant")
+    prompts = [[{"role": roles[i % 2], "content": turn} for i, turn in enumerate(dialogue)] for dialogue in dialogues]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def to_prompt_dataset(dataset: Dataset) -> Dataset:
+    """Keep (or make) one ``prompt`` column from the common formats: prompt-only and preference datasets with
+    ``prompt``; conversational ``messages`` (everything up to the last user turn); raw HH-RLHF (``chosen``/``rejected``
+    dialogues); tokenized ``input_ids`` is kept as is."""
+    from .hh_rlhf import convert_hh_rlhf, is_hh_rlhf
+
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        return dataset.select_columns(["input_ids"])
+    if "prompt" in columns:
+        return dataset.select_columns(["prompt"])
+    if is_hh_rlhf(dataset):
+        return convert_hh_rlhf(dataset).select_columns(["prompt"])
+    if "messages" in columns:
+        return dataset.map(
+            lambda e: {"prompt": _up_to_last_user_turn(e["messages"])}, remove_columns=columns, desc="Prompts"
+        )
+    raise ValueError(
+        f"Cannot find prompts in a dataset with columns {columns}: expected 'prompt', 'messages', 'input_ids', or "
+        "Anthropic HH-RLHF 'chosen'/'rejected' dialogues."
+    )
+
+
+def _up_to_last_user_turn(messages: list[dict]) -> list[dict]:
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("A conversation in 'messages' has no user turn to use as a prompt.")
+    return messages[: last_user + 1]

@@ -273,6 +273,45 @@ class PPOMaxTrainer(Trainer):
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
+    def plan(self) -> str:
+        """What this run will do: models, batch sizes, episodes, devices, precision and the PPO-max settings."""
+        args, wrapper = self.args, self.accelerator.unwrap_model(self.model_wrapped)
+
+        def size(module) -> str:
+            if not isinstance(module, nn.Module):
+                return "a Python function" if module is not None else "policy with adapter disabled"
+            total = sum(p.numel() for p in module.parameters())
+            trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+            def count(n: int) -> str:
+                return f"{n / 1e6:,.1f}M" if n >= 100_000 else f"{n:,}"
+
+            return f"{type(module).__name__}, {count(total)} params" + (
+                f" ({count(trainable)} trainable)" if 0 < trainable < total else ""
+            )
+
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        backend = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else "DDP/single"
+        return "\n".join(
+            [
+                "PPO-max plan",
+                f"  policy    : {size(wrapper.policy)}",
+                f"  reference : {size(self.ref_model)}",
+                f"  critic    : {size(wrapper.critic)}",
+                f"  reward    : {size(self.reward_model)}",
+                f"  devices   : {self.accelerator.num_processes} × {self.accelerator.device.type} ({backend}), {precision}",
+                f"  rollout   : {args.batch_size} prompts per iteration ({args.local_batch_size} per process), "
+                f"responses ≤ {args.response_length} tokens",
+                f"  update    : {args.num_ppo_epochs} epochs × {args.num_mini_batches} minibatches of "
+                f"{args.mini_batch_size} ({args.per_device_train_batch_size} per device × "
+                f"{args.gradient_accumulation_steps} accumulation)",
+                f"  length    : {self.total_episodes} episodes = {self.num_total_batches} iterations",
+                f"  ppo-max   : preset={args.preset}, reward_norm={args.reward_norm}, reward_clip={args.reward_clip}, "
+                f"kl_coef={args.kl_coef}, critic_warmup_steps={args.critic_warmup_steps}, "
+                f"max_grad_norm={args.max_grad_norm}, ptx_coef={args.ptx_coef}",
+            ]
+        )
+
     # ------------------------------------------------------------------------------------------------------------
     # The loop
     # ------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import PartialState
@@ -43,12 +45,36 @@ trainer = PPOMaxTrainer(
     train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
     value_model=None,
 )
+seen: list[tuple] = []  # (scores, advantages, mask) of every iteration on this process
+make_experience = trainer.make_experience
+
+
+def recording_make_experience(rollout):
+    experience, metrics = make_experience(rollout)
+    seen.append((rollout.scores, experience.advantages, rollout.response_mask))
+    return experience, metrics
+
+
+trainer.make_experience = recording_make_experience
 trainer.train()
 rank = PartialState().process_index
+accelerator = trainer.accelerator
+union_scores = torch.cat([accelerator.gather(scores) for scores, _, _ in seen])
+whitening = []
+for _, advantages, mask in seen:  # whitening statistics over the union of both processes' tokens
+    width = accelerator.gather(torch.tensor([advantages.shape[1]])).max().item()
+    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (advantages, mask.float())]
+    all_advantages, all_mask = (accelerator.gather(t) for t in padded)
+    valid = all_advantages[all_mask.bool()]
+    whitening.append([valid.mean().item(), valid.var().item()])
 result = {
     "world_size": args.world_size,
     "steps": trainer.state.global_step,
     "moments": trainer.running_reward.state_dict(),
+    "union_mean": union_scores.double().mean().item(),
+    "union_std": union_scores.double().std().item(),
+    "union_count": len(union_scores),
+    "whitening": whitening,
     "checksum": sum(
         p.double().sum().item() for p in trainer.accelerator.unwrap_model(trainer.model).policy.parameters()
     ),
