@@ -324,7 +324,7 @@ class PPOMaxTrainer(Trainer):
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
         pending: dict[str, list[float]] = defaultdict(list)
-        start = time.time()
+        start = (time.time(), self.state.episode)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -366,7 +366,7 @@ class PPOMaxTrainer(Trainer):
             setattr(self.state, attribute, value)
         self.sample_every = max(1, self.num_total_batches // max(1, self.args.num_sample_generations))
 
-    def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: float) -> None:
+    def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: tuple[float, int]) -> None:
         """Log the mean of each metric since the last log (with the current counters and learning rates), then
         evaluate, print samples and save as the callbacks ask."""
         if self.control.should_log or iteration == self.num_total_batches:
@@ -383,14 +383,18 @@ class PPOMaxTrainer(Trainer):
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _schedule_metrics(self, start: float) -> dict[str, float]:
+    def _schedule_metrics(self, start: tuple[float, int]) -> dict[str, float]:
+        """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
         lrs = self.lr_scheduler.get_last_lr()
-        return {
+        metrics = {
             "episode": float(self.state.episode),
-            "eps": self.state.episode / max(time.time() - start, 1e-9),
+            "eps": (self.state.episode - start[1]) / max(time.time() - start[0], 1e-9),
             "lr": lrs[0],
             "critic/lr": lrs[-1],
         }
+        if torch.cuda.is_available():
+            metrics["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        return metrics
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 1: rollout
