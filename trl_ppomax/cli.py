@@ -1,4 +1,4 @@
-"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny``, ``push`` and ``moss recover``."""
+"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny``, ``push``, ``moss recover`` and ``plot``."""
 
 from __future__ import annotations
 
@@ -140,6 +140,33 @@ def recover_moss(args: argparse.Namespace) -> int:
     return 0
 
 
+def plot_run(args: argparse.Namespace) -> int:
+    """Draw a run's training dynamics (reward, KL, perplexity, length, losses, collapses) as a PNG."""
+    from .plotting import load_log_history, plot_training_dynamics
+
+    try:
+        extra = {}
+        for item in args.compare:
+            name, sep, run_dir = item.partition("=")
+            if not sep or not name.strip() or not run_dir:
+                raise ValueError(f"--compare takes NAME=RUN_DIR, got {item!r}")
+            if name.strip() in extra:
+                raise ValueError(f"--compare name {name.strip()!r} is used twice")
+            extra[name.strip()] = load_log_history(run_dir)
+        run_dir = Path(args.run_dir).expanduser()
+        history = load_log_history(run_dir)
+        name = run_dir.resolve().name or str(run_dir)
+        if name in extra:
+            raise ValueError(f"--compare name {name!r} is the name of RUN_DIR; choose another")
+        output = args.output or run_dir / "training_dynamics.png"
+        path = plot_training_dynamics(history, output, title=args.title or name, extra=extra or None, name=name)
+    except (ValueError, OSError) as err:
+        print(f"trl-ppomax plot: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ppomax", description="PPO-max for the Hugging Face stack.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     recover.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     recover.add_argument("--max-shard-size", default="2GB", help="size of the output shards (default: 2GB)")
     recover.set_defaults(run=recover_moss)
+    plot = commands.add_parser("plot", help=plot_run.__doc__, description=plot_run.__doc__)
+    plot.add_argument(
+        "run_dir", metavar="RUN_DIR", help="output folder with trainer_state.json (or checkpoint-N folders)"
+    )
+    plot.add_argument("--output", metavar="FILE.png", help="PNG to write (default: RUN_DIR/training_dynamics.png)")
+    plot.add_argument(
+        "--compare",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=RUN_DIR",
+        help="other runs to overlay on the same panels, named in the legend",
+    )
+    plot.add_argument("--title", help="figure title (default: the name of RUN_DIR)")
+    plot.set_defaults(run=plot_run)
     return parser
 
 

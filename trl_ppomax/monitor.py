@@ -1,0 +1,415 @@
+"""Early warning of pattern collapse (PPO-max §5.2, Fig. 4) from the metrics the trainer logs.
+
+A rising reward does not mean the policy is getting better: an over-optimised policy learns to cheat the reward
+model. :class:`CollapseMonitor` watches the paper's early-warning signals on every training log and warns (and, if
+asked, stops the run) before the collapse has spoiled many checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import re
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+logger = logging.getLogger(__name__)
+
+KL, PERPLEXITY, LENGTH, REWARD_TAIL = "kl", "perplexity", "length", "reward_tail"
+SIGNALS = (KL, PERPLEXITY, LENGTH, REWARD_TAIL)
+#: Metrics whose warm-up mean is the reference; ``reward_tail`` is ``objective/scores_p95 − objective/scores``.
+REFERENCE_METRICS = ("policy/perplexity", "response/length", REWARD_TAIL)
+ADVICE = "raise kl_coef, enable reward normalisation/clipping (preset='ppo_max'), lower the learning rate"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class CollapseMonitor(TrainerCallback, ExportableState):
+    """Warn when the training metrics show the early signs of pattern collapse (PPO-max §5.2).
+
+    Only training logs are watched: a log without ``objective/kl`` (an evaluation log, the end-of-training summary)
+    is ignored. The first ``warmup_logs`` training logs set the reference values (the mean of each metric over
+    them); nothing is checked before. From then on every training log is checked against these thresholds:
+
+    ===============  ========================  =========  ==================================================
+    signal           argument                  default    holds when
+    ===============  ========================  =========  ==================================================
+    ``kl``           ``max_kl``                ``20.0``   ``objective/kl`` (mean per-response KL sum, nats)
+                                                          is above it, **or**
+    ``kl``           ``max_kl_rise``           ``5.0``    ``objective/kl`` rose by more than it (nats)
+                     ``window``                ``5``      over the last ``window`` logs
+    ``perplexity``   ``min_perplexity_ratio``  ``0.5``    ``policy/perplexity`` < ratio × reference
+    ``length``       ``max_length_ratio``      ``1.5``    ``response/length`` > ratio × reference, **or**
+    ``length``       ``min_length_ratio``      ``0.5``    ``response/length`` < ratio × reference
+    ``reward_tail``  ``max_tail_ratio``        ``3.0``    tail = ``objective/scores_p95 − objective/scores``
+                                                          > ratio × max(reference tail, 1e-6), **and**
+    ``reward_tail``  ``min_tail_growth``       ``0.5``    tail − reference tail > it (reward units; guards
+                                                          against a reference tail near zero)
+    (all)            ``patience``              ``2``      a signal fires once it holds on this many
+                                                          consecutive training logs
+    (all)            ``warmup_logs``           ``3``      training logs averaged into the reference values
+    (all)            ``stop_training``         ``False``  stop the run when a signal fires
+    ===============  ========================  =========  ==================================================
+
+    When a signal fires, the monitor
+
+    - logs a warning naming the signal, its value, the threshold and what to do (raise ``kl_coef``, enable reward
+      normalisation/clipping with ``preset='ppo_max'``, lower the learning rate);
+    - appends ``{"step", "signal", "value", "threshold", "since_step", "message"}`` to :attr:`events` (``since_step``:
+      the first log of the streak that fired);
+    - on the first event, sets :attr:`last_healthy_checkpoint`: the newest ``checkpoint-N`` folder in
+      ``args.output_dir`` with ``N`` below the ``since_step`` of that event (``None`` if there is none);
+    - with ``stop_training=True``, sets ``control.should_training_stop`` and names that checkpoint in the warning.
+
+    A signal stays active, without a new event, while it keeps holding; it fires again (a new event) only after a log
+    where it did not hold. After the warm-up every training log gains ``collapse/any`` (1.0 while any signal is
+    active, else 0.0) and ``collapse/<signal> = 1.0`` for each active signal. They are added to the ``logs`` dict
+    itself, which transformers' ``CallbackHandler`` passes unchanged from callback to callback, so callbacks *after*
+    the monitor (reporting integrations included) see them, and to the matching ``state.log_history`` entry. The
+    integrations that ``report_to`` adds come before callbacks passed to the trainer or added with
+    ``trainer.add_callback``; use :meth:`attach` to put the monitor first so that they also report these keys.
+
+    State: :meth:`state_dict` / :meth:`load_state_dict` hold the reference values, streaks, KL history and events;
+    :meth:`state` implements transformers' ``ExportableState``. The monitor also keeps its state in
+    ``state.stateful_callbacks`` at every log, so it is written into each checkpoint's ``trainer_state.json``; a
+    resumed run (``state.global_step > 0`` at ``on_train_begin``) restores it from there, keeping its own thresholds.
+
+    Example::
+
+        monitor = CollapseMonitor(stop_training=True)
+        monitor.attach(trainer)  # or trainer.add_callback(monitor)
+        trainer.train()
+        if not monitor.healthy:
+            print(monitor.events, monitor.last_healthy_checkpoint)
+    """
+
+    def __init__(
+        self,
+        max_kl: float = 20.0,
+        max_kl_rise: float = 5.0,
+        window: int = 5,
+        min_perplexity_ratio: float = 0.5,
+        max_length_ratio: float = 1.5,
+        min_length_ratio: float = 0.5,
+        max_tail_ratio: float = 3.0,
+        min_tail_growth: float = 0.5,
+        patience: int = 2,
+        warmup_logs: int = 3,
+        stop_training: bool = False,
+    ) -> None:
+        for name, value in (("window", window), ("patience", patience), ("warmup_logs", warmup_logs)):
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        for name, value in (
+            ("max_kl", max_kl),
+            ("max_kl_rise", max_kl_rise),
+            ("min_perplexity_ratio", min_perplexity_ratio),
+            ("max_length_ratio", max_length_ratio),
+            ("max_tail_ratio", max_tail_ratio),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}.")
+        if not 0 <= min_length_ratio < max_length_ratio:
+            raise ValueError(
+                f"Need 0 <= min_length_ratio < max_length_ratio, got {min_length_ratio!r} and {max_length_ratio!r}."
+            )
+        if min_tail_growth < 0:
+            raise ValueError(f"min_tail_growth must be >= 0, got {min_tail_growth!r}.")
+        self.max_kl = float(max_kl)
+        self.max_kl_rise = float(max_kl_rise)
+        self.window = int(window)
+        self.min_perplexity_ratio = float(min_perplexity_ratio)
+        self.max_length_ratio = float(max_length_ratio)
+        self.min_length_ratio = float(min_length_ratio)
+        self.max_tail_ratio = float(max_tail_ratio)
+        self.min_tail_growth = float(min_tail_growth)
+        self.patience = int(patience)
+        self.warmup_logs = int(warmup_logs)
+        self.stop_training = bool(stop_training)
+        # ---- state (see state_dict) ----
+        self.reference: dict[str, float | None] | None = None  # set once the warm-up is over
+        self.events: list[dict[str, Any]] = []
+        self.last_healthy_checkpoint: str | None = None
+        self._logs_seen = 0  # training logs seen (warm-up included)
+        self._warmup: dict[str, list[float]] = {}  # metric -> [sum, count] over the warm-up logs
+        self._kl_history: list[float] = []  # the last window + 1 values of objective/kl
+        self._streaks: dict[str, int] = dict.fromkeys(SIGNALS, 0)
+        self._onsets: dict[str, int | None] = dict.fromkeys(SIGNALS)
+        self._active: list[str] = []
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """True while no signal has fired."""
+        return not self.events
+
+    def attach(self, trainer) -> CollapseMonitor:
+        """Add the monitor to ``trainer`` *first* in its callback list, so that the reporting integrations (which run
+        after it) also log the ``collapse/*`` keys. Returns the monitor."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    _STATE_KEYS = (
+        "reference",
+        "events",
+        "last_healthy_checkpoint",
+        "_logs_seen",
+        "_warmup",
+        "_kl_history",
+        "_streaks",
+        "_onsets",
+        "_active",
+    )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Reference values, counters, KL history and events (JSON-serialisable copies)."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in self._STATE_KEYS}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the thresholds of this instance are kept."""
+        unknown = set(state_dict) - set(self._STATE_KEYS)
+        if unknown:
+            raise KeyError(f"Unknown CollapseMonitor state keys: {sorted(unknown)}.")
+        for key, value in state_dict.items():
+            setattr(self, key, copy.deepcopy(value))
+
+    def state(self) -> dict[str, Any]:
+        """transformers' ``ExportableState``: constructor arguments and state attributes."""
+        return {
+            "args": {
+                "max_kl": self.max_kl,
+                "max_kl_rise": self.max_kl_rise,
+                "window": self.window,
+                "min_perplexity_ratio": self.min_perplexity_ratio,
+                "max_length_ratio": self.max_length_ratio,
+                "min_length_ratio": self.min_length_ratio,
+                "max_tail_ratio": self.max_tail_ratio,
+                "min_tail_growth": self.min_tail_growth,
+                "patience": self.patience,
+                "warmup_logs": self.warmup_logs,
+                "stop_training": self.stop_training,
+            },
+            "attributes": self.state_dict(),
+        }
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Callback events
+    # ------------------------------------------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        stored = state.stateful_callbacks.get(type(self).__name__) if state.stateful_callbacks else None
+        if state.global_step > 0 and self._logs_seen == 0 and isinstance(stored, dict) and "attributes" in stored:
+            self.load_state_dict(stored["attributes"])
+            logger.info(
+                "CollapseMonitor: restored %d logs of history and %d event(s) from the checkpoint.",
+                self._logs_seen,
+                len(self.events),
+            )
+        self._export(state)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if not logs or "objective/kl" not in logs:
+            return
+        self._logs_seen += 1
+        kl = _finite(logs.get("objective/kl"))
+        if kl is not None:
+            self._kl_history = [*self._kl_history, kl][-(self.window + 1) :]
+        values = self._reference_values(logs)
+        if self.reference is None:
+            for name, value in values.items():
+                if value is not None:
+                    total = self._warmup.setdefault(name, [0.0, 0])
+                    total[0] += value
+                    total[1] += 1
+            if self._logs_seen >= self.warmup_logs:
+                self.reference = {
+                    name: (self._warmup[name][0] / self._warmup[name][1] if name in self._warmup else None)
+                    for name in REFERENCE_METRICS
+                }
+            self._export(state)
+            return
+
+        step = state.global_step
+        for signal, check in (
+            (KL, self._check_kl(kl)),
+            (PERPLEXITY, self._check_perplexity(values["policy/perplexity"])),
+            (LENGTH, self._check_length(values["response/length"])),
+            (REWARD_TAIL, self._check_tail(values[REWARD_TAIL])),
+        ):
+            if check is None:
+                self._streaks[signal], self._onsets[signal] = 0, None
+                if signal in self._active:
+                    self._active.remove(signal)
+                continue
+            self._streaks[signal] += 1
+            if self._onsets[signal] is None:
+                self._onsets[signal] = step
+            if self._streaks[signal] >= self.patience and signal not in self._active:
+                self._active.append(signal)
+                self._fire(signal, *check, args, state, control)
+
+        added = {f"collapse/{signal}": 1.0 for signal in SIGNALS if signal in self._active}
+        added["collapse/any"] = 1.0 if self._active else 0.0
+        logs.update(added)
+        history = state.log_history
+        if history and history[-1].get("step") == step and history[-1].get("objective/kl") == logs["objective/kl"]:
+            history[-1].update(added)  # Trainer.log appended a copy of logs before calling the callbacks
+        self._export(state)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Signals: each check returns None (does not hold) or (value, threshold, description)
+    # ------------------------------------------------------------------------------------------------------------
+    def _reference_values(self, logs: dict[str, float]) -> dict[str, float | None]:
+        p95, mean = _finite(logs.get("objective/scores_p95")), _finite(logs.get("objective/scores"))
+        return {
+            "policy/perplexity": _finite(logs.get("policy/perplexity")),
+            "response/length": _finite(logs.get("response/length")),
+            REWARD_TAIL: None if p95 is None or mean is None else p95 - mean,
+        }
+
+    def _check_kl(self, kl: float | None) -> tuple[float, float, str] | None:
+        if kl is None:
+            return None
+        if kl > self.max_kl:
+            return kl, self.max_kl, f"objective/kl = {kl:.4g} nats > max_kl = {self.max_kl:g}"
+        if len(self._kl_history) > self.window:
+            rise = self._kl_history[-1] - self._kl_history[0]
+            if rise > self.max_kl_rise:
+                return (
+                    rise,
+                    self.max_kl_rise,
+                    f"objective/kl rose by {rise:.4g} nats over the last {self.window} logs "
+                    f"(to {kl:.4g}) > max_kl_rise = {self.max_kl_rise:g}",
+                )
+        return None
+
+    def _check_perplexity(self, perplexity: float | None) -> tuple[float, float, str] | None:
+        reference = self.reference.get("policy/perplexity")
+        if perplexity is None or reference is None:
+            return None
+        threshold = self.min_perplexity_ratio * reference
+        if perplexity < threshold:
+            return (
+                perplexity,
+                threshold,
+                f"policy/perplexity = {perplexity:.4g} < {threshold:.4g} "
+                f"(min_perplexity_ratio {self.min_perplexity_ratio:g} × reference {reference:.4g})",
+            )
+        return None
+
+    def _check_length(self, length: float | None) -> tuple[float, float, str] | None:
+        reference = self.reference.get("response/length")
+        if length is None or reference is None or reference <= 0:
+            return None
+        high, low = self.max_length_ratio * reference, self.min_length_ratio * reference
+        if length > high:
+            return (
+                length,
+                high,
+                f"response/length = {length:.4g} > {high:.4g} "
+                f"(max_length_ratio {self.max_length_ratio:g} × reference {reference:.4g}): responses got longer",
+            )
+        if length < low:
+            return (
+                length,
+                low,
+                f"response/length = {length:.4g} < {low:.4g} "
+                f"(min_length_ratio {self.min_length_ratio:g} × reference {reference:.4g}): responses got shorter",
+            )
+        return None
+
+    def _check_tail(self, tail: float | None) -> tuple[float, float, str] | None:
+        reference = self.reference.get(REWARD_TAIL)
+        if tail is None or reference is None:
+            return None
+        threshold = max(self.max_tail_ratio * max(reference, 1e-6), reference + self.min_tail_growth)
+        if tail > threshold:
+            return (
+                tail,
+                threshold,
+                f"objective/scores_p95 − objective/scores = {tail:.4g} > {threshold:.4g} "
+                f"(max_tail_ratio {self.max_tail_ratio:g} × reference {reference:.4g}, and at least "
+                f"min_tail_growth {self.min_tail_growth:g} above it): a long tail of high rewards",
+            )
+        return None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Helpers
+    # ------------------------------------------------------------------------------------------------------------
+    def _fire(
+        self,
+        signal: str,
+        value: float,
+        threshold: float,
+        description: str,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+    ) -> None:
+        since = self._onsets[signal]
+        if not self.events:
+            self.last_healthy_checkpoint = last_checkpoint_before(getattr(args, "output_dir", None), since)
+        message = (
+            f"Possible pattern collapse at step {state.global_step}: signal '{signal}', {description}, for "
+            f"{self._streaks[signal]} consecutive logs since step {since}. The policy may be over-optimising the "
+            f"reward model (PPO-max §5.2): {ADVICE}."
+        )
+        checkpoint = self.last_healthy_checkpoint
+        where = f"the last checkpoint before the first collapse signal is {checkpoint}" if checkpoint else None
+        if self.stop_training:
+            control.should_training_stop = True
+            message += " Stopping training; " + (
+                f"{where}: resume from it with safer settings." if where else "no checkpoint precedes the collapse."
+            )
+        elif where:
+            message += f" ({where}.)"
+        self.events.append(
+            {
+                "step": state.global_step,
+                "signal": signal,
+                "value": value,
+                "threshold": threshold,
+                "since_step": since,
+                "message": message,
+            }
+        )
+        if state.is_world_process_zero:
+            logger.warning(message)
+
+    def _export(self, state: TrainerState) -> None:
+        """Keep this monitor's state in ``state.stateful_callbacks`` so checkpoints carry it (several monitors of
+        this class are left to transformers)."""
+        if state.stateful_callbacks is None:
+            state.stateful_callbacks = {}
+        name = type(self).__name__
+        if not isinstance(state.stateful_callbacks.get(name), list):
+            state.stateful_callbacks[name] = self.state()
+
+
+def last_checkpoint_before(output_dir: str | os.PathLike | None, step: int | None) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` with ``N < step`` (by name), or None."""
+    if output_dir is None or step is None or not os.path.isdir(output_dir):
+        return None
+    found = [
+        (int(match.group(1)), entry)
+        for entry in os.listdir(output_dir)
+        if (match := _CHECKPOINT.match(entry)) and os.path.isdir(os.path.join(output_dir, entry))
+    ]
+    found = [(n, entry) for n, entry in found if n < step]
+    return os.path.join(output_dir, max(found)[1]) if found else None
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None

@@ -1,0 +1,255 @@
+"""Training-dynamics figures in the style of the paper (Fig. 4 and 9), from a run's ``log_history``.
+
+One panel per group of metrics that the logs contain (reward, gold reward, KL, perplexity, response length, policy
+and value loss), over ``episode`` (or ``step`` when no log has an episode). Evaluation values (``eval_…``) are drawn
+as markers on the matching panel, and logs with ``collapse/any == 1`` as vertical red lines. Other runs can be
+overlaid, with a legend, to compare methods.
+
+Matplotlib's Agg canvas is used directly, so plotting never touches pyplot's global state or needs a display.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "PANELS",
+    "Panel",
+    "load_log_history",
+    "panels_for",
+    "plot_training_dynamics",
+    "training_dynamics_figure",
+]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A panel of the figure: ``train`` keys drawn as lines, ``eval`` keys as markers, as ``(key, label)`` pairs."""
+
+    title: str
+    train: tuple[tuple[str, str], ...]
+    eval: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(key for key, _ in self.train + self.eval)
+
+
+PANELS: dict[str, Panel] = {
+    "reward": Panel(
+        "Reward",
+        (("objective/scores", "score (raw)"), ("objective/scores_normalized", "score (normalised)")),
+        (("eval_objective/scores", "eval score (raw)"),),
+    ),
+    "gold_reward": Panel(
+        "Gold reward", (("gold/reward", "gold reward"),), (("eval_gold/reward", "eval gold reward"),)
+    ),
+    "kl": Panel("KL to reference", (("objective/kl", "KL"),), (("eval_objective/kl", "eval KL"),)),
+    "perplexity": Panel(
+        "Perplexity",
+        (("policy/perplexity", "policy"), ("policy/ref_perplexity", "reference")),
+        (("eval_policy/perplexity", "eval policy"),),
+    ),
+    "response_length": Panel(
+        "Response length", (("response/length", "length"),), (("eval_response/length", "eval length"),)
+    ),
+    "policy_loss": Panel("Policy loss", (("loss/policy", "policy loss"),)),
+    "value_loss": Panel("Value loss", (("loss/value", "value loss"),)),
+}
+
+COLLAPSE_KEY = "collapse/any"
+_LINESTYLES = ("-", "--", ":", "-.")
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None for anything else (missing, bool, str, NaN, inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def panels_for(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Names of the :data:`PANELS` (in figure order) for which ``log_history`` has at least one finite value."""
+    present = {key for entry in log_history for key, value in entry.items() if _number(value) is not None}
+    return [name for name, panel in PANELS.items() if present.intersection(panel.keys)]
+
+
+def _x_key(histories: Sequence[Sequence[Mapping[str, Any]]]) -> str:
+    """``episode`` when every history logs it, else ``step``."""
+    has_episode = all(any(_number(e.get("episode")) is not None for e in h) for h in histories if h)
+    return "episode" if has_episode else "step"
+
+
+def _x_values(log_history: Sequence[Mapping[str, Any]], x_key: str) -> list[float | None]:
+    """The x of each log. With ``episode``, a log without one (evaluation logs) gets it from its ``step``, using the
+    step → episode pairs of the other logs (the episodes per step are fixed by the batch size)."""
+    if x_key == "step":
+        return [_number(e.get("step")) for e in log_history]
+    pairs = {}
+    for entry in log_history:
+        step, episode = _number(entry.get("step")), _number(entry.get("episode"))
+        if step is not None and episode is not None:
+            pairs[step] = episode
+    xs = []
+    for entry in log_history:
+        episode, step = _number(entry.get("episode")), _number(entry.get("step"))
+        if episode is None and step is not None and pairs:
+            if step in pairs:
+                episode = pairs[step]
+            else:  # nearest known step, scaled by its episodes per step
+                near = min(pairs, key=lambda s: abs(s - step))
+                episode = pairs[near] + (step - near) * (pairs[near] / near if near else 0.0)
+        xs.append(episode)
+    return xs
+
+
+def _series(log_history, xs, key) -> tuple[list[float], list[float]]:
+    points = [(x, _number(e.get(key))) for e, x in zip(log_history, xs, strict=True)]
+    points = [(x, y) for x, y in points if x is not None and y is not None]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _collapses(log_history, xs) -> list[float]:
+    return sorted(
+        {x for e, x in zip(log_history, xs, strict=True) if x is not None and _number(e.get(COLLAPSE_KEY)) == 1}
+    )
+
+
+def training_dynamics_figure(
+    log_history: Sequence[Mapping[str, Any]],
+    title: str | None = None,
+    extra: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    name: str = "run",
+) -> Figure:
+    """The figure drawn by :func:`plot_training_dynamics`, one axes per panel of :func:`panels_for` (of this run and
+    the ``extra`` runs together). Raises ValueError when no log has any of the plotted metrics."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    runs: dict[str, Sequence[Mapping[str, Any]]] = {name: list(log_history)}
+    for other, history in (extra or {}).items():
+        if other in runs:
+            raise ValueError(f"run name {other!r} is used twice")
+        runs[other] = list(history)
+    names = panels_for([entry for history in runs.values() for entry in history])
+    if not names:
+        keys = ", ".join(key for panel in PANELS.values() for key, _ in panel.train)
+        raise ValueError(f"the log history has none of the metrics to plot ({keys})")
+
+    x_key = _x_key(list(runs.values()))
+    xs = {run: _x_values(history, x_key) for run, history in runs.items()}
+    compare = len(runs) > 1
+    colors = {run: f"C{i % 10}" for i, run in enumerate(runs)}
+
+    ncols = min(3, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig = Figure(figsize=(4.8 * ncols, 3.4 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(names) :]:
+        fig.delaxes(ax)
+
+    for ax, panel_name in zip(axes, names, strict=False):
+        panel = PANELS[panel_name]
+        for run, history in runs.items():
+            color = colors[run]
+            prefix = f"{run}: " if compare else ""
+            for i, (key, label) in enumerate(panel.train):
+                x, y = _series(history, xs[run], key)
+                if x:
+                    ax.plot(
+                        x,
+                        y,
+                        linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+                        color=color if compare else f"C{i}",
+                        linewidth=1.4,
+                        label=prefix + label,
+                    )
+            for i, (key, label) in enumerate(panel.eval):
+                x, y = _series(history, xs[run], key)
+                if x:
+                    ax.plot(
+                        x,
+                        y,
+                        linestyle="none",
+                        marker="os^D"[i % 4],
+                        markersize=5,
+                        markeredgecolor="black",
+                        markeredgewidth=0.5,
+                        color=color if compare else f"C{len(panel.train) + i}",
+                        label=prefix + label,
+                    )
+            for x in _collapses(history, xs[run]):
+                ax.axvline(x, color="red", linewidth=1.0, alpha=0.6, linestyle="-" if run == name else "--")
+        ax.set_title(panel.title)
+        ax.set_xlabel(x_key)
+        ax.grid(True, alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if any(_collapses(history, xs[run]) for run, history in runs.items()):
+            handles.append(Line2D([], [], color="red", alpha=0.6, linewidth=1.0))
+            labels.append("collapse")
+        if len(handles) > 1:
+            ax.legend(handles, labels, fontsize="small")
+    fig.suptitle(title or "Training dynamics")
+    return fig
+
+
+def plot_training_dynamics(
+    log_history: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    title: str | None = None,
+    extra: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    name: str = "run",
+) -> str:
+    """Draw the training-dynamics figure of ``log_history`` (a trainer's ``state.log_history``) to the PNG ``path``
+    (parent folders are created) and return the path.
+
+    ``extra`` maps names to the log histories of other runs, overlaid on the same panels with a legend in which this
+    run is called ``name``. Only panels with data are drawn; see :func:`panels_for`.
+    """
+    fig = training_dynamics_figure(log_history, title=title, extra=extra, name=name)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return str(path)
+
+
+def load_log_history(run_dir: str | Path) -> list[dict]:
+    """The ``log_history`` of ``RUN_DIR/trainer_state.json`` or, when there is none, of the newest ``checkpoint-N``
+    folder in RUN_DIR (by N) that has one."""
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run folder not found: {run_dir}")
+    state_file = run_dir / "trainer_state.json"
+    if not state_file.is_file():
+        checkpoints = sorted(
+            (int(m.group(1)), p)
+            for p in run_dir.iterdir()
+            if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()
+        )
+        if not checkpoints:
+            raise FileNotFoundError(
+                f"no trainer_state.json in {run_dir} nor in a checkpoint-N folder of it (looked for "
+                f"{state_file} and {run_dir / 'checkpoint-N' / 'trainer_state.json'})"
+            )
+        state_file = checkpoints[-1][1] / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{state_file} is not valid JSON: {err}") from err
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(f"{state_file} has no log_history list")
+    return [entry for entry in history if isinstance(entry, dict)]
