@@ -1,5 +1,7 @@
 """Train a policy with PPO-max: one command from a laptop CPU to many GPUs.
 
+    # no arguments: the toy world (SFT → reward model → PPO-max, with a known gold reward), CPU, a few minutes
+    accelerate launch recipes/ppo_max.py
     # tiny CPU run (builds its own tiny models on first use)
     accelerate launch recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml
     # two CPU processes (accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, gloo on CPU)
@@ -18,6 +20,7 @@ prompt lists.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -158,4 +161,9 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 1:
+        from trl_ppomax.toyworld.demo import run_demo
+
+        run_demo()
+    else:
+        main()

@@ -110,12 +110,14 @@ def test_perplexity_dropping_fires(args):
     assert monitor.events[0]["threshold"] == pytest.approx(4.0)  # 0.5 × reference 8
 
 
-@pytest.mark.parametrize("lengths", [[150.0, 200.0, 200.0], [60.0, 45.0, 40.0]], ids=["doubling", "shrinking"])
+@pytest.mark.parametrize(
+    "lengths", [[150.0, 250.0, 250.0], [60.0, 45.0, 40.0]], ids=["more than doubling", "shrinking"]
+)
 def test_length_jumping_or_shrinking_fires(args, lengths):
     monitor = CollapseMonitor()
     feed(monitor, args, [*warmup(), *(log(response_length=n) for n in lengths)])
     assert [(e["signal"], e["step"], e["since_step"]) for e in monitor.events] == [("length", 6, 5)]
-    assert monitor.events[0]["threshold"] == (150.0 if lengths[0] > 100 else 50.0)
+    assert monitor.events[0]["threshold"] == (200.0 if lengths[0] > 100 else 50.0)
 
 
 def test_reward_long_tail_fires(args):

@@ -483,3 +483,14 @@ def test_plan_summarises_the_run(tmp_path):
     plan = make_trainer(tmp_path).plan()
     assert "LlamaForCausalLM" in plan and "32 episodes = 2 iterations" in plan
     assert "16 prompts per iteration" in plan and "preset=ppo_max" in plan
+
+
+def test_rollout_metrics_are_logged_for_training_and_evaluation(tmp_path):
+    def words(prompts, completions):
+        return [float(len(c.split())) for c in completions]
+
+    trainer = make_trainer(tmp_path, total_episodes=16)
+    trainer.rollout_metrics = {"custom/words": words}
+    trainer.train()
+    assert trainer.state.log_history[-1]["custom/words"] > 0
+    assert trainer.evaluate(Dataset.from_dict({"prompt": prompt_texts(4)}))["eval_custom/words"] > 0

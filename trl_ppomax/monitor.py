@@ -43,7 +43,7 @@ class CollapseMonitor(TrainerCallback, ExportableState):
     ``kl``           ``max_kl_rise``           ``5.0``    ``objective/kl`` rose by more than it (nats)
                      ``window``                ``5``      over the last ``window`` logs
     ``perplexity``   ``min_perplexity_ratio``  ``0.5``    ``policy/perplexity`` < ratio × reference
-    ``length``       ``max_length_ratio``      ``1.5``    ``response/length`` > ratio × reference, **or**
+    ``length``       ``max_length_ratio``      ``2.0``    ``response/length`` > ratio × reference, **or**
     ``length``       ``min_length_ratio``      ``0.5``    ``response/length`` < ratio × reference
     ``reward_tail``  ``max_tail_ratio``        ``3.0``    tail = ``objective/scores_p95 − objective/scores``
                                                           > ratio × max(reference tail, 1e-6), **and**
@@ -93,7 +93,7 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         max_kl_rise: float = 5.0,
         window: int = 5,
         min_perplexity_ratio: float = 0.5,
-        max_length_ratio: float = 1.5,
+        max_length_ratio: float = 2.0,
         min_length_ratio: float = 0.5,
         max_tail_ratio: float = 3.0,
         min_tail_growth: float = 0.5,

@@ -125,6 +125,8 @@ class PPOMaxTrainer(Trainer):
         train_dataset: prompts, as ``input_ids`` (trl 1.12 style) or ``prompt`` (text or conversation).
         value_model: the critic; ``None`` initialises it from the reward model (§5.3.3).
         ptx_dataset: texts (``text``/``input_ids``) for the PPO-ptx loss, used when ``args.ptx_coef > 0``.
+        rollout_metrics: extra per-response measurements to log, ``{name: f(prompts, completions) -> list[float]}``
+            on the decoded texts (e.g. a gold reward, a rule-based check); logged as ``name`` (and ``eval_name``).
     """
 
     _tag_names = ("trl", "trl-ppomax", "ppo", "ppo-max")
@@ -145,6 +147,7 @@ class PPOMaxTrainer(Trainer):
         peft_config=None,
         *,
         ptx_dataset: Dataset | None = None,
+        rollout_metrics: dict[str, RewardFunction] | None = None,
     ) -> None:
         if not isinstance(args, PPOMaxConfig):
             raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
@@ -193,6 +196,7 @@ class PPOMaxTrainer(Trainer):
             )
         self.total_episodes, self.num_total_batches = args.num_iterations(len(train_dataset))
         self.ptx_dataset = ptx_dataset
+        self.rollout_metrics = dict(rollout_metrics or {})
 
         super().__init__(
             model=PolicyAndCritic(policy, critic),
@@ -546,6 +550,7 @@ class PPOMaxTrainer(Trainer):
         """Per-response monitoring values (B,) — the collapse signals of §5.2."""
         non_score = -self.args.kl_coef * kl.sum(1)
         return {
+            **self._custom_metrics(rollout),
             "objective/kl": kl.sum(1),
             "objective/non_score_reward": non_score,
             "objective/rlhf_reward": scores + non_score,
@@ -555,6 +560,18 @@ class PPOMaxTrainer(Trainer):
             "policy/ref_perplexity": rollout.ref_perplexity,
             "response/length": rollout.response_mask.float().sum(1),
             "response/stop_token_missing": 1.0 - self._ends_with_stop(rollout.response_ids, rollout.response_mask),
+        }
+
+    def _custom_metrics(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """The user's ``rollout_metrics`` on the decoded prompts and responses, (B,) each."""
+        if not self.rollout_metrics:
+            return {}
+        tokenizer, device = self.processing_class, rollout.scores.device
+        prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
+        completions = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+        return {
+            name: call_reward_function(function, prompts, completions, device)
+            for name, function in self.rollout_metrics.items()
         }
 
     def _all_finite(self, *tensors: torch.Tensor) -> bool:

@@ -1,0 +1,105 @@
+"""The toy world: gold function, cached pipeline, the collapse of vanilla PPO against PPO-max's stability."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trl_ppomax.monitor import CollapseMonitor
+from trl_ppomax.toyworld import WorldSettings, gold_reward, prepare_world
+from trl_ppomax.toyworld.pipeline import run_method
+from trl_ppomax.toyworld.world import WorldSampler, prompt_text
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ppo_max.py"
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("please the cat is very nice today", 1.5),  # on topic, polite, 7 words, no repeat
+        ("the cat", 1.0 - 0.15 * 3),  # too short by 3 words
+        ("the dog and the moon", 0.0 - 0.5 * 2 - 0.3 * 1),  # two other topics, "the" repeated
+        (" ".join(["cat"] * 14), 1.0 - 0.3 * 13 - 0.15 * 2),  # repetition and two words too many
+        ("please the cat is very nice today </s>", 1.5),  # special tokens are not words
+    ],
+)
+def test_gold_reward_by_hand(response, expected):
+    assert gold_reward(prompt_text("cat"), response) == pytest.approx(expected)
+
+
+def test_gold_reward_rejects_foreign_prompts():
+    with pytest.raises(ValueError, match="toy-world prompt"):
+        gold_reward("user: hello there </s> assistant:", "hi")
+
+
+def test_sft_data_is_mediocre():
+    rows = WorldSampler(seed=0).sft_rows(500)
+    scores = [gold_reward(r["prompt"], r["completion"]) for r in rows]
+    assert -0.5 < sum(scores) / len(scores) < 0.6 and max(scores) == 1.5
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory):
+    """What TRL_PPOMAX_CACHE points at; the toy world caches under its ``toyworld/``."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def world_cache(cache_root):
+    return cache_root / "toyworld"
+
+
+@pytest.fixture(scope="session")
+def world(world_cache):
+    return prepare_world(WorldSettings(), cache_dir=world_cache)
+
+
+def test_world_is_cached_and_the_reward_model_is_an_imperfect_proxy(world, world_cache):
+    assert 0.6 < world.report["held_out_accuracy"] < 0.95
+    start = time.time()
+    again = prepare_world(WorldSettings(), cache_dir=world_cache)
+    assert again.sft == world.sft and time.time() - start < 5  # a second run skips the trained stages
+
+
+def test_vanilla_ppo_collapses_and_the_monitor_fires(world, tmp_path):
+    monitor = CollapseMonitor()
+    _, sft, final, curves = run_method(world, "vanilla_ppo", str(tmp_path), iterations=40, callbacks=[monitor])
+    assert final["proxy_reward"] > sft["proxy_reward"] + 1.0  # the proxy keeps rising …
+    assert final["gold_reward"] < max(curves["gold_reward"]) - 0.3  # … while the gold reward falls from its best
+    assert final["kl"] > 15
+    assert {event["signal"] for event in monitor.events} & {"kl", "perplexity"}
+
+
+def test_ppo_max_stays_stable_and_the_monitor_stays_quiet(world, tmp_path):
+    monitor = CollapseMonitor()
+    _, sft, final, _ = run_method(world, "ppo_max", str(tmp_path), iterations=40, callbacks=[monitor])
+    assert final["gold_reward"] > sft["gold_reward"]
+    assert final["kl"] < 10
+    assert monitor.events == []
+
+
+def test_recipe_without_arguments_runs_the_toy_world(world, cache_root, tmp_path):
+    env = {**os.environ, "TRL_PPOMAX_CACHE": str(cache_root), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(RECIPE),
+    ]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gold_reward" in result.stdout and "PPO-max" in result.stdout and "SFT" in result.stdout
+    assert (tmp_path / "output" / "toyworld" / "training_dynamics.png").stat().st_size > 0

@@ -1,0 +1,15 @@
+"""The toy world: the whole RLHF pipeline on a laptop CPU, with a known gold reward (see ``world.py``)."""
+
+from .pipeline import GOLD_METRICS, World, WorldSettings, eval_prompts, prepare_world, train_prompts
+from .world import gold_reward, gold_rewards
+
+__all__ = [
+    "GOLD_METRICS",
+    "World",
+    "WorldSettings",
+    "eval_prompts",
+    "gold_reward",
+    "gold_rewards",
+    "prepare_world",
+    "train_prompts",
+]
