@@ -30,6 +30,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_qu
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.data import load_any_dataset, to_prompt_dataset
+from trl_ppomax.monitor import CollapseMonitor
 from trl_ppomax.moss import setup_tokenizer
 
 
@@ -55,6 +56,12 @@ class PPOMaxScriptArguments(ScriptArguments):
         default=None, metadata={"help": "Pre-training/SFT texts ('text' column) for the PPO-ptx loss (ptx_coef)."}
     )
     ptx_dataset_split: str = field(default="train", metadata={"help": "Split of the ptx dataset."})
+    collapse_monitor: bool = field(
+        default=True, metadata={"help": "Watch for pattern collapse (§5.2) with trl_ppomax.monitor.CollapseMonitor."}
+    )
+    stop_on_collapse: bool = field(
+        default=False, metadata={"help": "Stop training when the collapse monitor fires (it always warns)."}
+    )
     tiny_models_dir: str | None = field(
         default=None,
         metadata={"help": "Build tiny offline models and datasets here (trl-ppomax tiny) if the folder is missing."},
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
         peft_config=peft_config,
         ptx_dataset=ptx,
     )
+    if script_args.collapse_monitor:
+        CollapseMonitor(stop_training=script_args.stop_on_collapse).attach(trainer)
     if trainer.accelerator.is_main_process:
         print(trainer.plan(), flush=True)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -103,3 +103,44 @@ def test_recipe_without_arguments_runs_the_toy_world(world, cache_root, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gold_reward" in result.stdout and "PPO-max" in result.stdout and "SFT" in result.stdout
     assert (tmp_path / "output" / "toyworld" / "training_dynamics.png").stat().st_size > 0
+
+
+def test_stability_benchmark_writes_the_documented_json(world, world_cache, tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("stability", RECIPE.parents[1] / "benchmarks" / "stability.py")
+    stability = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stability)
+    output = tmp_path / "stability.json"
+    stability.main(
+        [
+            "--iterations",
+            "2",
+            "--seed",
+            "0",
+            "1",
+            "--methods",
+            "vanilla_ppo",
+            "ppo_max",
+            "--cache-dir",
+            str(world_cache),
+            "--output",
+            str(output),
+        ]
+    )
+    results = json.loads(output.read_text())
+    assert set(results["sft"]) == {"gold_reward", "proxy_reward", "response_length", "perplexity"}
+    for method in ("vanilla_ppo", "ppo_max"):
+        entry = results["methods"][method]
+        for field in (
+            "gold_reward_final",
+            "gold_reward_best",
+            "proxy_reward_final",
+            "kl_final",
+            "response_length_final",
+            "perplexity_final",
+        ):
+            assert field in entry and len(entry["seeds"]) == 2 and field in entry["seeds"][0]
+        assert len(entry["curves"]["gold_reward"]) == 2
+    assert output.with_suffix(".png").stat().st_size > 0

@@ -167,11 +167,24 @@ def plot_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_toy_world(args: argparse.Namespace) -> int:
+    """Run the toy world: SFT → reward model → PPO-max on a CPU, with the gold reward (same as the recipe's default)."""
+    from .toyworld.demo import run_demo
+
+    run_demo(args.output_dir, iterations=args.iterations, seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ppomax", description="PPO-max for the Hugging Face stack.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help=show_env.__doc__).set_defaults(run=show_env)
     commands.add_parser("presets", help=show_presets.__doc__).set_defaults(run=show_presets)
+    demo = commands.add_parser("demo", help=run_toy_world.__doc__, description=run_toy_world.__doc__)
+    demo.add_argument("--output-dir", default="output/toyworld", help="where the figure and summary go")
+    demo.add_argument("--iterations", type=int, default=100, help="PPO-max iterations (32 prompts each)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=run_toy_world)
     tiny = commands.add_parser("tiny", help=save_tiny.__doc__, description=save_tiny.__doc__)
     tiny.add_argument("output_dir", metavar="OUTPUT_DIR", help="folder to create (must be absent or empty)")
     tiny.add_argument("--arch", choices=["llama", "gpt_neox"], default="llama", help="model architecture")

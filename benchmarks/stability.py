@@ -1,0 +1,128 @@
+"""Stability in the toy world: vanilla PPO vs trl-style PPO vs PPO-max, and single-trick ablations.
+
+Every method starts from the same SFT policy and reward model (the cached toy world), samples the same way and runs
+the same number of iterations; the gold reward is known, so over-optimisation of the proxy is measured directly.
+
+    python benchmarks/stability.py --quick --output benchmarks/results/stability_quick.json   # ~5 min on 2 cores
+    python benchmarks/stability.py --seed 0 1 2 --output benchmarks/results/stability.json     # the full run
+
+JSON: {"sft": {...}, "methods": {name: {<final fields, mean over seeds>, "seeds": [...], "curves": {...}}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trl_ppomax.toyworld.pipeline import METHODS, WorldSettings, prepare_world, run_method
+
+FINAL_FIELDS = (
+    "gold_reward_final",
+    "gold_reward_best",
+    "proxy_reward_final",
+    "kl_final",
+    "response_length_final",
+    "perplexity_final",
+)
+SFT_FIELDS = ("gold_reward", "proxy_reward", "response_length", "perplexity")
+
+
+def run_seed(world, method: str, seed: int, iterations: int) -> tuple[dict, dict, dict]:
+    with tempfile.TemporaryDirectory() as output:
+        _, sft, final, curves = run_method(world, method, output, iterations=iterations, seed=seed)
+    result = {
+        "seed": seed,
+        "gold_reward_final": final["gold_reward"],
+        "gold_reward_best": max(curves["gold_reward"]),
+        "proxy_reward_final": final["proxy_reward"],
+        "kl_final": final["kl"],
+        "response_length_final": final["response_length"],
+        "perplexity_final": final["perplexity"],
+    }
+    return result, {k: sft[k] for k in SFT_FIELDS}, curves
+
+
+def mean_curves(per_seed: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    length = min(len(c["episode"]) for c in per_seed)
+    return {key: [statistics.fmean(c[key][i] for c in per_seed) for i in range(length)] for key in per_seed[0]}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("gold_reward", "gold reward"),
+        ("proxy_reward", "proxy reward (RM)"),
+        ("kl", "KL to reference"),
+        ("perplexity", "perplexity"),
+        ("response_length", "response length"),
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
+    for name, method in results["methods"].items():
+        curves = method["curves"]
+        for axis, (key, label) in zip(axes, panels, strict=True):
+            axis.plot(curves["episode"], curves[key], label=name, linewidth=2 if name == "ppo_max" else 1)
+            axis.set(title=label, xlabel="episodes")
+    axes[0].axhline(results["sft"]["gold_reward"], color="black", linestyle=":", label="SFT")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one seed, 60 iterations: a few minutes on a laptop")
+    parser.add_argument("--seed", type=int, nargs="+", help="PPO seeds (default: 0 1 2, or 0 with --quick)")
+    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default: 150, or 60 with --quick)")
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    parser.add_argument("--output", default="benchmarks/results/stability.json")
+    parser.add_argument("--cache-dir", help="where the toy world's SFT policy and reward model are cached")
+    args = parser.parse_args(argv)
+    seeds = args.seed or ([0] if args.quick else [0, 1, 2])
+    iterations = args.iterations or (60 if args.quick else 150)
+    start = time.time()
+    world = prepare_world(WorldSettings(), cache_dir=args.cache_dir)
+    results = {
+        "command": " ".join(["python benchmarks/stability.py", *(argv if argv is not None else sys.argv[1:])]),
+        "iterations": iterations,
+        "seeds": seeds,
+        "world": world.report,
+        "sft": {},
+        "methods": {},
+    }
+    sft_per_seed = []
+    for method in args.methods:
+        runs, curves = [], []
+        for seed in seeds:
+            result, sft, curve = run_seed(world, method, seed, iterations)
+            runs.append(result)
+            curves.append(curve)
+            sft_per_seed.append(sft)
+            print(f"{method:>20} seed {seed}: " + ", ".join(f"{k} {result[k]:.3f}" for k in FINAL_FIELDS), flush=True)
+        summary = {key: statistics.fmean(r[key] for r in runs) for key in FINAL_FIELDS}
+        results["methods"][method] = {**summary, "seeds": runs, "curves": mean_curves(curves)}
+    results["sft"] = {key: statistics.fmean(s[key] for s in sft_per_seed) for key in SFT_FIELDS}
+    results["seconds"] = time.time() - start
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1))
+    plot(results, output.with_suffix(".png"))
+    print("\nSFT: " + ", ".join(f"{k} {v:.3f}" for k, v in results["sft"].items()))
+    print(f"{'method':>20}" + "".join(f"{k:>23}" for k in FINAL_FIELDS))
+    for name, method in results["methods"].items():
+        print(f"{name:>20}" + "".join(f"{method[k]:>23.3f}" for k in FINAL_FIELDS))
+    print(f"\n{output} and {output.with_suffix('.png')} written in {results['seconds']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
