@@ -124,7 +124,7 @@ def test_dry_run_prints_files_and_card(converted, fake_hfapi, capsys):
 
 def test_push_folder_one_commit(converted):
     api = FakeApi()
-    paths = hub.push_folder(converted, "me/moss-reward", api=api)
+    paths = hub.push_folder(converted, "me/moss-reward", api=api).files
     assert paths == [*EXPECTED, "README.md"]
     assert [c[0] for c in api.calls] == ["create_repo", "create_commit"]
     _, repo_id, kwargs = api.named("create_repo")[0]

@@ -80,7 +80,7 @@ def push_model(args: argparse.Namespace) -> int:
         card = hub.moss_model_card(
             args.folder, args.repo_id, model_type=args.model_type, lang=args.lang, base_model=args.base_model
         )
-        result = hub.push(
+        result = hub.push_folder(
             args.folder,
             args.repo_id,
             private=args.private,

@@ -392,7 +392,7 @@ class PushResult:
     commit_oid: str | None = None
 
 
-def push(
+def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
     *,
@@ -403,7 +403,21 @@ def push(
     card: ModelCard | str | None = None,
     api: HfApi | None = None,
 ) -> PushResult:
-    """Like :func:`push_folder`, but returns a :class:`PushResult` with the card, repo URL and commit."""
+    """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
+
+    Uploads :func:`upload_files` plus README.md (``card``, by default :func:`moss_model_card`). Creates the repo
+    (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
+    huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. With ``dry_run`` nothing is sent.
+    ``api`` defaults to ``HfApi()``.
+
+    Returns:
+        A :class:`PushResult`: the uploaded (or, in a dry run, to-be-uploaded) relative paths, README.md last, the
+        card, and the repo and commit URLs.
+
+    Raises:
+        ValueError: an invalid ``repo_id``, or the folder is missing or holds no config.json /
+            adapter_config.json.
+    """
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
@@ -435,40 +449,3 @@ def push(
         commit_url=getattr(info, "commit_url", None),
         commit_oid=getattr(info, "oid", None),
     )
-
-
-def push_folder(
-    folder: str | os.PathLike,
-    repo_id: str,
-    *,
-    private: bool = False,
-    revision: str | None = None,
-    commit_message: str | None = None,
-    dry_run: bool = False,
-    card: ModelCard | str | None = None,
-    api: HfApi | None = None,
-) -> list[str]:
-    """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
-
-    Uploads :func:`upload_files` plus README.md (``card``, by default :func:`moss_model_card`). Creates the repo
-    (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
-    huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. With ``dry_run`` nothing is sent.
-    ``api`` defaults to ``HfApi()``.
-
-    Returns:
-        The uploaded (or, in a dry run, to-be-uploaded) relative paths, README.md last.
-
-    Raises:
-        ValueError: an invalid ``repo_id``, or the folder is missing or holds no config.json /
-            adapter_config.json.
-    """
-    return push(
-        folder,
-        repo_id,
-        private=private,
-        revision=revision,
-        commit_message=commit_message,
-        dry_run=dry_run,
-        card=card,
-        api=api,
-    ).files
