@@ -115,15 +115,12 @@ _ROLES = ["user:", "assistant:", "system:"]
 _POLITE = ("please", "thanks")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level, whitespace-split tokenizer over ``SPECIALS + WORDS + role markers``, padding on the left.
-
-    Unknown words map to ``[UNK]``; the chat template is :data:`CHAT_TEMPLATE`.
-    """
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS, *_ROLES])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+def word_level_tokenizer(tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace-split, word-level tokenizer over ``tokens`` (which hold ``[PAD] [UNK] <s> </s>``), left padding;
+    unknown words map to ``[UNK]``."""
+    backend = Tokenizer(models.WordLevel(vocab={token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="[PAD]",
         unk_token="[UNK]",
@@ -131,6 +128,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="</s>",
         padding_side="left",
     )
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`word_level_tokenizer` over ``SPECIALS + WORDS + role markers``, with :data:`CHAT_TEMPLATE`."""
+    tokenizer = word_level_tokenizer([*SPECIALS, *WORDS, *_ROLES])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

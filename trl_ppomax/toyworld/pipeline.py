@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .world import EOS, SPECIALS, WorldSampler, bradley_terry_label, gold_reward, gold_rewards, vocabulary
+from ..tiny import word_level_tokenizer
+from .world import EOS, WorldSampler, bradley_terry_label, gold_reward, gold_rewards, vocabulary
 
 logger = logging.getLogger(__name__)
 QUIET = dict(report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=50, bf16=False, use_cpu=True)
@@ -60,12 +60,7 @@ def default_cache_dir() -> Path:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over the world's vocabulary; pad ≠ eos, left padding."""
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocabulary())}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    pad, unk, bos, eos = SPECIALS
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=pad, unk_token=unk, bos_token=bos, eos_token=eos, padding_side="left"
-    )
+    return word_level_tokenizer(vocabulary())
 
 
 def build_policy(tokenizer, settings: WorldSettings) -> LlamaForCausalLM:
@@ -225,10 +220,9 @@ GOLD_METRICS = {"gold/reward": gold_rewards}
 SAMPLING = dict(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 METHODS: dict[str, dict] = {
     "vanilla_ppo": dict(preset="vanilla", kl_coef=0.0),  # the paper's vanilla PPO: no normalisation, no KL
-    "trl_ppo": dict(preset="vanilla"),  # trl 1.12's PPO maths (KL 0.05 in the reward)
+    "trl_ppo": dict(preset="vanilla"),  # trl 1.12's PPO maths: vanilla + KL 0.05 in the reward (the "KL only" ablation)
     "ppo_max": dict(preset="ppo_max"),
     "reward_norm_only": dict(preset="vanilla", kl_coef=0.0, reward_norm="running", reward_clip=10.0),
-    "kl_only": dict(preset="vanilla", kl_coef=0.05, max_grad_norm=0.0),
     "critic_warmup_only": dict(preset="vanilla", kl_coef=0.0, critic_warmup_steps=4),
     "ptx_only": dict(preset="vanilla", kl_coef=0.0, ptx_coef=0.5),
 }
