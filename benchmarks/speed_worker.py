@@ -1,0 +1,144 @@
+"""One timed PPO run for benchmarks/speed.py, with either trl 1.12's PPOTrainer or PPOMaxTrainer, on identical work.
+
+Runs in the trl 1.12 virtual environment (``--impl trl112``) or in the project's (``--impl ppomax``); prints one JSON
+line: training-loop time, episodes per second, the time split by phase, and the peak resident memory (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from contextlib import contextmanager
+
+import torch
+from datasets import load_from_disk
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+PHASES: dict[str, float] = {}
+
+
+@contextmanager
+def timed(phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - start
+
+
+def wrap(owner, name: str, phase: str, no_grad_only: bool = False) -> None:
+    """Time calls of ``owner.name`` as ``phase`` (only those made without autograd, i.e. in the rollout, when
+    ``no_grad_only``: the same functions also run the training forward)."""
+    original = getattr(owner, name)
+
+    def timed_call(*args, **kwargs):
+        if no_grad_only and torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        with timed(phase):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, timed_call)
+
+
+def instrument(impl: str) -> None:
+    """Time generation and the no-grad scoring forwards inside each trainer (the rest of train() is the update)."""
+    if impl == "trl112":
+        import trl.experimental.ppo.ppo_trainer as module
+
+        wrap(module, "batch_generation", "generation")
+        wrap(module, "forward", "scoring_forwards", no_grad_only=True)  # reference log-probs
+        wrap(module, "get_reward", "scoring_forwards", no_grad_only=True)  # values and scores
+    else:
+        import trl_ppomax.ppo_trainer as module
+
+        wrap(module, "generate_responses", "generation")
+        for name in ("response_logits", "token_values", "sequence_scores"):
+            wrap(module, name, "scoring_forwards", no_grad_only=True)
+
+
+def peak_rss_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read())[1]) * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["trl112", "ppomax"], required=True)
+    parser.add_argument("--preset", default="vanilla")
+    parser.add_argument("--assets", required=True)
+    parser.add_argument("--episodes", type=int, default=192)
+    parser.add_argument("--response-length", type=int, default=48)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.impl == "trl112":
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        extra = {}
+    else:
+        from trl_ppomax import PPOMaxConfig as PPOConfig
+        from trl_ppomax import PPOMaxTrainer as PPOTrainer
+
+        extra = {"preset": args.preset, "temperature": 0.7}
+    instrument(args.impl)
+    tokenizer = AutoTokenizer.from_pretrained(f"{args.assets}/sft", padding_side="left")
+    config = PPOConfig(
+        output_dir="/tmp/speed-run",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        total_episodes=args.episodes,
+        response_length=args.response_length,
+        local_rollout_forward_batch_size=16,
+        stop_token="eos",
+        learning_rate=1e-5,
+        num_sample_generations=0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        **extra,
+    )
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=AutoModelForCausalLM.from_pretrained(f"{args.assets}/sft"),
+        ref_model=AutoModelForCausalLM.from_pretrained(f"{args.assets}/sft"),
+        reward_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
+        value_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
+        train_dataset=load_from_disk(f"{args.assets}/prompts"),
+    )
+    PHASES.clear()
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    logs = [entry for entry in trainer.state.log_history if "objective/kl" in entry]
+    lengths = [entry.get("response/length") for entry in logs if "response/length" in entry]
+    update = seconds - PHASES.get("generation", 0.0) - PHASES.get("scoring_forwards", 0.0)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "impl": args.impl,
+                "preset": args.preset if args.impl == "ppomax" else "trl112",
+                "episodes": args.episodes,
+                "train_seconds": seconds,
+                "episodes_per_second": args.episodes / seconds,
+                "generation_seconds": PHASES.get("generation", 0.0),
+                "scoring_forwards_seconds": PHASES.get("scoring_forwards", 0.0),
+                "update_and_rest_seconds": update,
+                "peak_rss_gb": peak_rss_bytes() / 1e9,
+                "mean_response_length": sum(lengths) / len(lengths) if lengths else None,
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
