@@ -97,20 +97,11 @@ def build_assets(folder: Path) -> Path:
 
 
 def run(python: str, impl: str, preset: str, assets: Path, episodes: int, length: int) -> dict:
-    command = [
-        python,
-        str(HERE / "speed_worker.py"),
-        "--impl",
-        impl,
-        "--preset",
-        preset,
-        "--assets",
-        str(assets),
-        "--episodes",
-        str(episodes),
-        "--response-length",
-        str(length),
-    ]
+    """One worker process; ``preset`` may end with ``+vanilla_sampling`` (PPO-max maths, trl's sampling)."""
+    name, _, variant = preset.partition("+")
+    command = [python, str(HERE / "speed_worker.py"), "--impl", impl, "--preset", name, "--assets", str(assets)]
+    command += ["--episodes", str(episodes), "--response-length", str(length)]
+    command += ["--vanilla-sampling"] if variant == "vanilla_sampling" else []
     start = time.perf_counter()
     out = subprocess.run(
         command,
@@ -138,6 +129,7 @@ def main() -> None:
         ("trl112", "vanilla", trl112),
         ("ppomax", "vanilla", sys.executable),
         ("ppomax", "ppo_max", sys.executable),
+        ("ppomax", "ppo_max+vanilla_sampling", sys.executable),  # PPO-max maths with trl's sampling settings
     ]
     results: dict[str, list[dict]] = {f"{impl}/{preset}": [] for impl, preset, _ in configs}
     for index in range(args.runs):
@@ -169,18 +161,21 @@ def main() -> None:
         for name, runs in results.items()
     }
     base, ours, ppo_max = medians["trl112/vanilla"], medians["ppomax/vanilla"], medians["ppomax/ppo_max"]
+    maths_only = medians["ppomax/ppo_max+vanilla_sampling"]
     ratios = {
         "episodes_per_second (ppomax vanilla / trl 1.12)": ours["episodes_per_second"] / base["episodes_per_second"],
         "process_seconds (trl 1.12 / ppomax vanilla)": base["process_seconds"] / ours["process_seconds"],
         "peak_rss (ppomax vanilla / trl 1.12)": ours["peak_rss_gb"] / base["peak_rss_gb"],
         "time per episode (ppo_max / vanilla)": ours["episodes_per_second"] / ppo_max["episodes_per_second"],
+        "time per episode (ppo_max maths, vanilla sampling / vanilla)": ours["episodes_per_second"]
+        / maths_only["episodes_per_second"],
     }
-    print(f"\n{'median':<34}" + "".join(f"{name:>20}" for name in medians))
+    print(f"\n{'median':<34}" + "".join(f"{name[:28]:>30}" for name in medians))
     for key in keys:
-        print(f"{key:<34}" + "".join(f"{m.get(key, float('nan')):>20.3f}" for m in medians.values()))
+        print(f"{key:<34}" + "".join(f"{m.get(key, float('nan')):>30.3f}" for m in medians.values()))
     print()
     for name, value in ratios.items():
-        print(f"{name:<52} {value:6.2f}")
+        print(f"{name:<64} {value:6.2f}")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(

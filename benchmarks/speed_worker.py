@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--assets", required=True)
     parser.add_argument("--episodes", type=int, default=192)
     parser.add_argument("--response-length", type=int, default=48)
+    parser.add_argument("--vanilla-sampling", action="store_true", help="ppomax: trl's sampling (no top-p/penalty)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -80,6 +81,8 @@ def main() -> None:
         from trl_ppomax import PPOMaxTrainer as PPOTrainer
 
         extra = {"preset": args.preset, "temperature": 0.7}
+        if args.vanilla_sampling:
+            extra.update(top_p=1.0, repetition_penalty=1.0)
     instrument(args.impl)
     tokenizer = AutoTokenizer.from_pretrained(f"{args.assets}/sft", padding_side="left")
     config = PPOConfig(
@@ -125,7 +128,9 @@ def main() -> None:
         + json.dumps(
             {
                 "impl": args.impl,
-                "preset": args.preset if args.impl == "ppomax" else "trl112",
+                "preset": (args.preset + ("+vanilla_sampling" if args.vanilla_sampling else ""))
+                if args.impl == "ppomax"
+                else "trl112",
                 "episodes": args.episodes,
                 "train_seconds": seconds,
                 "episodes_per_second": args.episodes / seconds,
