@@ -220,7 +220,8 @@ GOLD_METRICS = {"gold/reward": gold_rewards}
 SAMPLING = dict(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 METHODS: dict[str, dict] = {
     "vanilla_ppo": dict(preset="vanilla", kl_coef=0.0),  # the paper's vanilla PPO: no normalisation, no KL
-    "trl_ppo": dict(preset="vanilla"),  # trl 1.12's PPO maths: vanilla + KL 0.05 in the reward (the "KL only" ablation)
+    # trl 1.12's PPO maths: vanilla + KL 0.05 in the reward (also the "KL only" ablation)
+    "trl_ppo": dict(preset="vanilla"),
     "ppo_max": dict(preset="ppo_max"),
     "reward_norm_only": dict(preset="vanilla", kl_coef=0.0, reward_norm="running", reward_clip=10.0),
     "critic_warmup_only": dict(preset="vanilla", kl_coef=0.0, critic_warmup_steps=4),
