@@ -44,26 +44,15 @@ def build_assets(folder: Path) -> Path:
     if (folder / "prompts" / "dataset_info.json").exists():
         return folder
     from datasets import Dataset
-    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ppomax.tiny import word_level_tokenizer
+    from trl_ppomax.tiny import llama_config, word_level_tokenizer
     from trl_ppomax.toyworld.world import WorldSampler, vocabulary
 
     words = vocabulary()
     tokenizer = word_level_tokenizer(words + [f"w{i}" for i in range(VOCAB_SIZE - len(words))])
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = llama_config(tokenizer, hidden_size=128, heads=4)
     model = LlamaForCausalLM(config)
     sampler = WorldSampler(seed=0)
     trainer = SFTTrainer(

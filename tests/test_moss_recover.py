@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from test_trainer import SMOKE
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -18,22 +19,12 @@ from transformers import (
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.moss.recovery import CONVERSION_INFO, IntegrityError, TensorFolder, recover
-from trl_ppomax.tiny import build_llama_style_tokenizer
+from trl_ppomax.tiny import build_llama_style_tokenizer, llama_config
 
 
 def tiny_config(tokenizer) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["LlamaForCausalLM"],
-    )
+    """A tiny "LLaMA-7B" as the release's checkpoints describe it (no pad id: the release pads with <unk>)."""
+    return llama_config(tokenizer, pad_token_id=None, architectures=["LlamaForCausalLM"])
 
 
 def save_bin_shards(state: dict[str, torch.Tensor], folder: Path, shards: int) -> None:
@@ -189,19 +180,7 @@ def test_converted_models_train_with_ppo(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(sft)
     prompts = [[{"role": "user", "content": text}] for text in ("hello how are you", "tell me a story", "hi")] * 4
     trainer = PPOMaxTrainer(
-        args=PPOMaxConfig(
-            output_dir=str(tmp_path / "ppo"),
-            per_device_train_batch_size=4,
-            total_episodes=8,
-            response_length=6,
-            stop_token="eos",
-            report_to="none",
-            gradient_checkpointing=False,
-            num_sample_generations=0,
-            save_strategy="no",
-            critic_warmup_steps=0,
-            learning_rate=1e-3,
-        ),
+        args=PPOMaxConfig(output_dir=str(tmp_path / "ppo"), **SMOKE),
         processing_class=tokenizer,
         model=AutoModelForCausalLM.from_pretrained(sft),
         ref_model=None,

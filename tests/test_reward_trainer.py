@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import WORDS, build_models, prompt_texts
 from datasets import Dataset
+from test_trainer import SMOKE
 from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
@@ -184,19 +185,7 @@ def test_trained_reward_model_serves_ppo_as_reward_and_critic(trained, tmp_path)
     reward_model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
     tokenizer, policy, _ = build_models()
     ppo = PPOMaxTrainer(
-        args=PPOMaxConfig(
-            output_dir=str(tmp_path / "ppo"),
-            per_device_train_batch_size=4,
-            total_episodes=8,
-            response_length=6,
-            report_to="none",
-            gradient_checkpointing=False,
-            num_sample_generations=0,
-            save_strategy="no",
-            critic_warmup_steps=0,
-            learning_rate=1e-3,
-            stop_token="eos",
-        ),
+        args=PPOMaxConfig(output_dir=str(tmp_path / "ppo"), **SMOKE),
         processing_class=tokenizer,
         model=policy,
         ref_model=None,

@@ -26,6 +26,8 @@ TINY = dict(
     critic_warmup_steps=0,
     seed=0,
 )
+# Two iterations of 4 prompts: for the tests that only check a model works inside PPO.
+SMOKE = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
 
 
 def make_trainer(

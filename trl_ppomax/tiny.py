@@ -185,22 +185,44 @@ def build_llama_style_tokenizer(lang: str = "en") -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def model_config(arch: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """The tiny config for ``arch`` ("llama" or "gpt_neox"): hidden 32, 2 layers, 2 heads, intermediate 64."""
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
+def llama_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int = 2, **extra) -> LlamaConfig:
+    """A small Llama config for ``tokenizer``: intermediate size 2 × hidden, 128 positions, special ids from the
+    tokenizer (``extra`` overrides any field)."""
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=128,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
+    return LlamaConfig(**{**fields, **extra})
+
+
+def model_config(arch: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The tiny config for ``arch`` ("llama" or "gpt_neox"): hidden 32, 2 layers, 2 heads, intermediate 64."""
     if arch == "llama":
-        return LlamaConfig(**common, num_key_value_heads=2)
+        return llama_config(tokenizer, vocab_size=vocab_size)
     if arch == "gpt_neox":
+        llama = llama_config(tokenizer, vocab_size=vocab_size).to_dict()
+        common = {
+            k: llama[k]
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+                "pad_token_id",
+                "eos_token_id",
+                "bos_token_id",
+            )
+        }
         return GPTNeoXConfig(**common, rotary_pct=0.5)
     raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
 

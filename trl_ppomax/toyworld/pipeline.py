@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ..tiny import word_level_tokenizer
+from ..tiny import llama_config, word_level_tokenizer
 from .world import EOS, WorldSampler, bradley_terry_label, gold_reward, gold_rewards, vocabulary
 
 logger = logging.getLogger(__name__)
@@ -65,18 +65,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_policy(tokenizer, settings: WorldSettings) -> LlamaForCausalLM:
     torch.manual_seed(settings.seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=settings.hidden_size,
-        intermediate_size=2 * settings.hidden_size,
-        num_hidden_layers=settings.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = llama_config(tokenizer, settings.hidden_size, settings.layers, heads=4, max_position_embeddings=64)
     return LlamaForCausalLM(config)
 
 
