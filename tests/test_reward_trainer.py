@@ -15,7 +15,8 @@ from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core
-from trl_ppomax.reward_trainer import HISTOGRAM_NAME, fold_reward_stats, reward_statistics, with_lm_head
+from trl_ppomax.reward_trainer import HISTOGRAM_NAME, with_lm_head
+from trl_ppomax.rewards import fold_reward_stats, reward_statistics
 
 FILLER = [w for w in WORDS if w not in ("please", "thanks")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,24 +24,37 @@ CRITIC_DIR = "critic"
 
 
 @contextmanager
-def atomic_directory(final: str | os.PathLike, accelerator):
-    """Yield a temporary sibling folder to write into; rename it to ``final`` once every process is done.
+def atomic_directory(final: str | os.PathLike, accelerator=None) -> Iterator[str]:
+    """Yield a temporary sibling folder ``.tmp-<name>`` to write into; rename it to ``final`` once the block (on every
+    process, when an ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
 
-    A crash while writing leaves only ``.tmp-<name>``, which is never mistaken for a checkpoint and is removed by the
-    next save of the same step.
+    A crash while writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by
+    the next write of the same folder; an exception removes it at once. An existing ``final`` is replaced only after
+    the new folder is complete.
     """
     final = Path(final)
     temporary = final.with_name(f".tmp-{final.name}")
-    if accelerator.is_main_process:
+    is_main = accelerator is None or accelerator.is_main_process
+    barrier = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
+    if is_main:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    yield str(temporary)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
+    barrier()
+    try:
+        yield str(temporary)
+    except BaseException:
+        if is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    barrier()
+    if is_main:
+        retired = final.with_name(f".old-{final.name}")
+        shutil.rmtree(retired, ignore_errors=True)
+        if final.exists():
+            os.replace(final, retired)  # kept until the new folder is in place
         os.replace(temporary, final)
-    accelerator.wait_for_everyone()
+        shutil.rmtree(retired, ignore_errors=True)
+    barrier()
 
 
 def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

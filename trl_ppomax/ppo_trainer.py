@@ -46,60 +46,12 @@ from .data import (
     prompt_length_limit,
 )
 from .hub import create_model_card
+from .modeling import PolicyAndCritic, response_logits, sequence_scores, token_values
 from .ppo_config import PPOMaxConfig
-from .reward_trainer import running_moments_from_config
-from .rollout import (
-    RewardFunction,
-    Rollout,
-    call_reward_function,
-    concat_rollouts,
-    decode_texts,
-    generate_responses,
-    response_logits,
-    sequence_inputs,
-    sequence_scores,
-    token_values,
-)
+from .rewards import RewardFunction, call_reward_function, decode_texts, running_moments_from_config
+from .rollout import Rollout, concat_rollouts, generate_responses, sequence_inputs
 
 logger = logging.getLogger(__name__)
-
-
-class PolicyAndCritic(nn.Module):
-    """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both.
-
-    ``forward`` returns the response logits (B, T, V), the values (B, T) and, when ``ptx_inputs`` is given, the
-    policy's logits on that pre-training batch.
-    """
-
-    def __init__(self, policy: nn.Module, critic: nn.Module) -> None:
-        super().__init__()
-        self.policy = policy
-        self.critic = critic
-
-    def forward(self, inputs: dict, response_width: int, ptx_inputs: dict | None = None):
-        logits = response_logits(self.policy, inputs, response_width)
-        values = token_values(self.critic, inputs, response_width)
-        ptx_logits = self.policy(**ptx_inputs, use_cache=False).logits if ptx_inputs is not None else None
-        return logits, values, ptx_logits
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
-        for model in (self.policy, self.critic):
-            if hasattr(type(model), "activation_checkpointing_enable"):  # transformers ≥ 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        flag = getattr(type(self.policy), "is_activation_checkpointing", None)
-        name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
-        return bool(getattr(self.policy, name, False))
-
-    def gradient_checkpointing_disable(self) -> None:
-        for model in (self.policy, self.critic):
-            name = "activation_checkpointing_disable"
-            getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 from typing import Any
 
@@ -23,11 +22,12 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import RewardTrainer
 
 from . import core
+from .modeling import score_head
 from .reward_config import PPOMaxRewardConfig
+from .rewards import fold_reward_stats, reward_statistics, store_reward_stats
 
 logger = logging.getLogger(__name__)
 
-STATS_KEYS = ("reward_mean", "reward_std", "reward_stats_count")
 HISTOGRAM_NAME = "reward_margin_histogram.png"
 
 
@@ -184,7 +184,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
         self.evaluate(dataset, metric_key_prefix="eval" if dataset is self.eval_dataset else "train_set")
         model = self.accelerator.unwrap_model(self.model)
         if self.args.fold_reward_stats:
-            self.reward_stats = fold_reward_stats(_score_head(model), self.reward_stats)
+            self.reward_stats = fold_reward_stats(_linear_score_head(model), self.reward_stats)
         store_reward_stats(model.config, self.reward_stats)
         return output
 
@@ -231,57 +231,11 @@ def _is_lm_head_key(key: str) -> bool:
     return key.startswith("lm_head.") or ".lm_head." in key
 
 
-def _score_head(model: nn.Module) -> nn.Linear:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = getattr(base, "score", None)
+def _linear_score_head(model: nn.Module) -> nn.Linear:
+    head = score_head(model)
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(base).__name__} has no linear `score` head to fold the reward statistics into.")
+        raise ValueError(f"{type(model).__name__} has no linear `score` head to fold the reward statistics into.")
     return head
-
-
-def reward_statistics(pairs: torch.Tensor) -> dict[str, float]:
-    """Mean and unbiased std of every reward in ``pairs`` (N, 2) = (chosen, rejected), and how many there were."""
-    values = pairs.flatten().double()
-    std = values.std().item() if values.numel() > 1 else 1.0
-    return {"reward_mean": values.mean().item(), "reward_std": std, "reward_stats_count": float(values.numel())}
-
-
-@torch.no_grad()
-def fold_reward_stats(head: nn.Linear, stats: dict[str, float]) -> dict[str, float]:
-    """Rescale ``head`` so it outputs ``(r − μ) / σ``: ``w ← w/σ``, ``b ← (b − μ)/σ``. Without a bias only the scale
-    can be folded, and the outputs keep the mean ``μ/σ``. Returns the statistics of the folded head's outputs."""
-    mean, std = stats["reward_mean"], stats["reward_std"]
-    if not math.isfinite(std) or std <= 0:
-        raise ValueError(f"Cannot fold a reward std of {std}; evaluate on more than one distinct reward first.")
-    head.weight.div_(std)
-    if head.bias is not None:
-        head.bias.sub_(mean).div_(std)
-        folded_mean = 0.0
-    else:
-        folded_mean = mean / std
-        logger.warning(
-            "The score head has no bias, so only the reward scale was folded; the mean (%.4g after scaling) stays in "
-            "the outputs and is stored in the config as reward_mean.",
-            folded_mean,
-        )
-    return {**stats, "reward_mean": folded_mean, "reward_std": 1.0}
-
-
-def store_reward_stats(config, stats: dict[str, float] | None) -> None:
-    """Write ``reward_mean``, ``reward_std`` and ``reward_stats_count`` into a model config (saved with it)."""
-    if stats is not None:
-        for key in STATS_KEYS:
-            setattr(config, key, float(stats[key]))
-
-
-def running_moments_from_config(config) -> core.RunningMoments | None:
-    """RunningMoments seeded with the reward statistics stored by PPOMaxRewardTrainer, or None if there are none."""
-    if not all(isinstance(getattr(config, key, None), (int, float)) for key in STATS_KEYS):
-        return None
-    count, std = config.reward_stats_count, config.reward_std
-    moments = core.RunningMoments()
-    moments.load_state_dict({"count": count, "mean": config.reward_mean, "m2": std**2 * max(count - 1, 0)})
-    return moments
 
 
 def save_margin_histogram(margins: torch.Tensor, path: str) -> None:

@@ -1,0 +1,75 @@
+"""Every metric name trl-ppomax logs, in one place.
+
+The trainer logs these names; :class:`~trl_ppomax.CollapseMonitor`, :mod:`~trl_ppomax.plotting`, the toy world and
+the benchmarks read them through these constants, so a rename cannot silently leave a reader behind (a test checks
+that everything the readers need is logged). Evaluation logs the per-response names with the ``eval_`` prefix
+(:func:`eval_name`). The glossary is in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+# ---- per response, averaged over the rollout batch (and logged by evaluate() as eval_<name>) -----------------------
+KL = "objective/kl"  # Σ_t KL_t of the response (the configured estimator)
+NON_SCORE_REWARD = "objective/non_score_reward"  # −kl_coef · KL
+RLHF_REWARD = "objective/rlhf_reward"  # normalised score + non-score reward
+SCORES = "objective/scores"  # raw reward (after the missing-stop-token penalty)
+SCORES_NORMALIZED = "objective/scores_normalized"  # after reward normalisation and clipping
+POLICY_PERPLEXITY = "policy/perplexity"  # of the policy on its own response, temperature 1
+REF_PERPLEXITY = "policy/ref_perplexity"  # of the reference on the same response
+RESPONSE_LENGTH = "response/length"  # tokens, stop token included
+STOP_TOKEN_MISSING = "response/stop_token_missing"  # share of responses without the stop token
+
+# ---- rollout batch statistics ----------------------------------------------------------------------------------------
+SCORES_STD = "objective/scores_std"
+SCORES_P05 = "objective/scores_p05"
+SCORES_P95 = "objective/scores_p95"
+REWARD_RUNNING_MEAN = "objective/reward_running_mean"
+REWARD_RUNNING_STD = "objective/reward_running_std"
+VALUES = "critic/values"
+RETURNS = "critic/returns"
+ADVANTAGES_RAW = "critic/advantages_raw"
+
+# ---- update (means over the PPO epochs' micro-batches) ----------------------------------------------------------------
+POLICY_LOSS = "loss/policy"
+VALUE_LOSS = "loss/value"
+PTX_LOSS = "loss/ptx"
+ENTROPY = "policy/entropy"
+CLIPFRAC = "policy/clipfrac"
+APPROXKL = "policy/approxkl"
+RATIO = "policy/ratio"
+RATIO_VAR = "policy/ratio_var"
+PTX_PERPLEXITY = "policy/ptx_perplexity"
+VF_CLIPFRAC = "critic/vf_clipfrac"
+VALUE_ERROR = "critic/error"
+POLICY_GRAD_NORM = "policy/grad_norm"
+CRITIC_GRAD_NORM = "critic/grad_norm"
+
+# ---- run state ------------------------------------------------------------------------------------------------------
+SKIPPED_ITERATIONS = "skipped/iterations"
+SKIPPED_UPDATES = "skipped/updates"
+EPISODE = "episode"
+EPISODES_PER_SECOND = "eps"
+LEARNING_RATE = "lr"
+CRITIC_LEARNING_RATE = "critic/lr"
+PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
+
+# ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
+COLLAPSE_ANY = "collapse/any"
+
+#: Logged by the trainer for every rollout batch (and, with the eval_ prefix, by evaluate()).
+PER_RESPONSE = (
+    KL,
+    NON_SCORE_REWARD,
+    RLHF_REWARD,
+    SCORES,
+    SCORES_NORMALIZED,
+    POLICY_PERPLEXITY,
+    REF_PERPLEXITY,
+    RESPONSE_LENGTH,
+    STOP_TOKEN_MISSING,
+)
+
+
+def eval_name(name: str, prefix: str = "eval") -> str:
+    """The name ``evaluate()`` logs ``name`` under: ``eval_objective/kl`` for ``objective/kl``."""
+    return f"{prefix}_{name}"
