@@ -51,11 +51,13 @@ def instrument(impl: str) -> None:
         wrap(module, "forward", "scoring_forwards", no_grad_only=True)  # reference log-probs
         wrap(module, "get_reward", "scoring_forwards", no_grad_only=True)  # values and scores
     else:
-        import trl_ppomax.ppo_trainer as module
+        import trl_ppomax.modeling as modeling
+        import trl_ppomax.ppo_trainer as trainer
+        import trl_ppomax.rewards as rewards
 
-        wrap(module, "generate_responses", "generation")
-        for name in ("response_logits", "token_values", "sequence_scores"):
-            wrap(module, name, "scoring_forwards", no_grad_only=True)
+        wrap(trainer, "generate_responses", "generation")
+        for owner, name in ((modeling, "response_logits"), (modeling, "token_values"), (rewards, "sequence_scores")):
+            wrap(owner, name, "scoring_forwards", no_grad_only=True)
 
 
 def peak_rss_bytes() -> int:
@@ -76,10 +78,13 @@ def main() -> None:
         from trl.experimental.ppo import PPOConfig, PPOTrainer
 
         extra = {}
+        kl_key, length_key = "objective/kl", "response/length"  # trl 1.12's names (trl_ppomax may not import here)
     else:
         from trl_ppomax import PPOMaxConfig as PPOConfig
         from trl_ppomax import PPOMaxTrainer as PPOTrainer
+        from trl_ppomax import metrics
 
+        kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}
         if args.vanilla_sampling:
             extra.update(top_p=1.0, repetition_penalty=1.0)
@@ -120,8 +125,8 @@ def main() -> None:
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    logs = [entry for entry in trainer.state.log_history if "objective/kl" in entry]
-    lengths = [entry.get("response/length") for entry in logs if "response/length" in entry]
+    logs = [entry for entry in trainer.state.log_history if kl_key in entry]
+    lengths = [entry.get(length_key) for entry in logs if length_key in entry]
     update = seconds - PHASES.get("generation", 0.0) - PHASES.get("scoring_forwards", 0.0)
     print(
         "RESULT "

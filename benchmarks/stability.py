@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trl_ppomax.toyworld.pipeline import METHODS, WorldSettings, prepare_world, run_method
+from trl_ppomax.metrics import EPISODE
+from trl_ppomax.plotting import plot_training_dynamics
+from trl_ppomax.toyworld.pipeline import CURVE_KEYS, METHODS, WorldSettings, prepare_world, run_method
 
 FINAL_FIELDS = (
     "gold_reward_final",
@@ -30,6 +32,7 @@ FINAL_FIELDS = (
     "perplexity_final",
 )
 SFT_FIELDS = ("gold_reward", "proxy_reward", "response_length", "perplexity")
+PLOTTED_CURVES = ("gold_reward", "proxy_reward", "kl", "perplexity", "response_length")
 
 
 def run_seed(world, method: str, seed: int, iterations: int) -> tuple[dict, dict, dict]:
@@ -52,30 +55,27 @@ def mean_curves(per_seed: list[dict[str, list[float]]]) -> dict[str, list[float]
     return {key: [statistics.fmean(c[key][i] for c in per_seed) for i in range(length)] for key in per_seed[0]}
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("gold_reward", "gold reward"),
-        ("proxy_reward", "proxy reward (RM)"),
-        ("kl", "KL to reference"),
-        ("perplexity", "perplexity"),
-        ("response_length", "response length"),
+def as_log_history(curves: dict[str, list[float]]) -> list[dict[str, float]]:
+    """Mean curves (keyed by the toy world's curve names) as a log history (keyed by metric names) for plotting."""
+    keys = {name: CURVE_KEYS[name] for name in PLOTTED_CURVES}
+    return [
+        {EPISODE: episode, **{key: curves[name][i] for name, key in keys.items()}}
+        for i, episode in enumerate(curves["episode"])
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
-    for name, method in results["methods"].items():
-        curves = method["curves"]
-        for axis, (key, label) in zip(axes, panels, strict=True):
-            axis.plot(curves["episode"], curves[key], label=name, linewidth=2 if name == "ppo_max" else 1)
-            axis.set(title=label, xlabel="episodes")
-    axes[0].axhline(results["sft"]["gold_reward"], color="black", linestyle=":", label="SFT")
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+
+
+def plot(results: dict, path: Path) -> None:
+    """The methods' mean curves overlaid (trl_ppomax.plotting), with the SFT policy's gold reward as a reference."""
+    histories = {name: as_log_history(method["curves"]) for name, method in results["methods"].items()}
+    first, *others = histories
+    plot_training_dynamics(
+        histories[first],
+        path,
+        title=f"Stability in the toy world ({results['iterations']} iterations, seeds {results['seeds']})",
+        extra={name: histories[name] for name in others},
+        name=first,
+        baselines={"SFT": {CURVE_KEYS["gold_reward"]: results["sft"]["gold_reward"]}},
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

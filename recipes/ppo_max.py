@@ -32,6 +32,7 @@ from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.data import load_any_dataset, to_prompt_dataset
 from trl_ppomax.monitor import CollapseMonitor
 from trl_ppomax.moss import setup_tokenizer
+from trl_ppomax.plan import plan
 
 
 @dataclass
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
     if script_args.collapse_monitor:
         CollapseMonitor(stop_training=script_args.stop_on_collapse).attach(trainer)
     if trainer.accelerator.is_main_process:
-        print(trainer.plan(), flush=True)
+        print(plan(trainer), flush=True)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:

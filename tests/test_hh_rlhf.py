@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from conftest import build_tokenizer
 from datasets import Dataset, DatasetDict
 from trl import apply_chat_template, is_conversational, maybe_apply_chat_template
 
@@ -14,6 +13,7 @@ from trl_ppomax.hh_rlhf import (
     is_hh_rlhf,
     parse_hh_dialogue,
 )
+from trl_ppomax.tiny import build_tokenizer
 
 PROMPT = (
     "\n\nHuman: What is a good name for a cat?"

@@ -164,6 +164,7 @@ def test_stop_training_points_at_the_last_healthy_checkpoint(args, tmp_path, cap
         (tmp_path / f"checkpoint-{step}").mkdir()
     (tmp_path / ".tmp-checkpoint-3").mkdir()  # an unfinished save is never a checkpoint
     (tmp_path / "checkpoint-1").write_text("not a folder")
+    (tmp_path / "checkpoint-5-old").mkdir()  # not a name transformers writes
     monitor = CollapseMonitor(stop_training=True)
     logs = [*warmup(), log(), log(objective_kl=30.0), log(objective_kl=30.0)]  # collapse begins at step 5
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -272,7 +273,7 @@ def test_state_round_trip_and_resume(args, tmp_path):
 
 
 def test_real_tiny_run_feeds_the_monitor_and_stays_quiet(tmp_path, caplog):
-    from test_trainer import make_trainer
+    from helpers import make_trainer
 
     trainer = make_trainer(tmp_path, total_episodes=32)
     monitor = CollapseMonitor(warmup_logs=1, patience=1)  # this run logs only twice: check the second log

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import SMOKE
+from helpers import SMOKE
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -161,6 +161,13 @@ def test_refuses_a_non_empty_output(release, tmp_path):
     (tmp_path / "busy" / "file").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
         recover(release.raw_dir, release.diff_dir, tmp_path / "busy", "reward", check=False)
+
+
+def test_bad_max_shard_size_is_a_clear_error(release, tmp_path):
+    for size in ("lots", "1.5GB", 0):
+        with pytest.raises(ValueError, match=r"--max-shard-size .*5GB"):
+            recover(release.raw_dir, release.diff_dir, tmp_path / "out", "reward", check=False, max_shard_size=size)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
 def test_tensor_folder_reads_single_and_sharded_checkpoints(release):

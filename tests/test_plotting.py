@@ -9,6 +9,7 @@ import pytest
 
 from trl_ppomax.cli import main
 from trl_ppomax.plotting import (
+    METRICS_READ,
     PANELS,
     load_log_history,
     panels_for,
@@ -166,6 +167,21 @@ def test_overlay_of_other_runs_has_a_legend_per_run(tmp_path):
     assert_png(tmp_path / "cmp.png")
 
 
+def test_baselines_are_horizontal_lines_on_their_panels():
+    fig = training_dynamics_figure(synthetic_history(), baselines={"SFT": {"gold/reward": -0.2, "absent/key": 1.0}})
+    gold = next(ax for ax in fig.axes if ax.get_title() == "Gold reward")
+    (sft,) = [line for line in gold.get_lines() if line.get_label() == "SFT"]
+    assert list(sft.get_ydata()) == [-0.2, -0.2] and sft.get_color() == "black" and sft.get_linestyle() == ":"
+    assert "SFT" in [t.get_text() for t in gold.get_legend().get_texts()]
+    others = [line for ax in fig.axes if ax is not gold for line in ax.get_lines()]
+    assert not any(line.get_label() == "SFT" for line in others)
+
+
+def test_metrics_read_are_the_panels_collapse_and_x_keys():
+    panel_keys = {key for panel in PANELS.values() for key in panel.keys}
+    assert panel_keys | {"collapse/any", "episode", "step"} == METRICS_READ
+
+
 def test_duplicate_run_name_is_an_error():
     with pytest.raises(ValueError, match="used twice"):
         training_dynamics_figure(synthetic_history(), extra={"run": synthetic_history()})
@@ -187,6 +203,7 @@ def test_load_from_the_newest_checkpoint_by_number(tmp_path):
         write_state(tmp_path / f"checkpoint-{n}", [{"step": n, "loss/value": 1.0}])
     (tmp_path / "checkpoint-11").mkdir()  # incomplete: no trainer_state.json
     (tmp_path / "checkpoint-tmp-99").mkdir()
+    write_state(tmp_path / "checkpoint-12-old", [{"step": 12}])  # not a name transformers writes
     assert load_log_history(str(tmp_path)) == [{"step": 10, "loss/value": 1.0}]
 
 
@@ -269,7 +286,7 @@ def test_cli_plot_nothing_to_plot(tmp_path, capsys):
 
 
 def test_plot_a_real_run(tmp_path, capsys):
-    from test_trainer import make_trainer
+    from helpers import make_trainer
 
     trainer = make_trainer(tmp_path, total_episodes=32, save_strategy="steps", save_steps=1)
     trainer.train()

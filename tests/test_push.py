@@ -9,6 +9,8 @@ import pytest
 
 from trl_ppomax import hub
 from trl_ppomax.cli import main
+from trl_ppomax.moss.card import moss_model_card
+from trl_ppomax.moss.recovery import CONVERSION_INFO
 from trl_ppomax.tiny import build_models
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak1234567890"
@@ -63,7 +65,7 @@ def converted(saved, tmp_path):
         "source_raw": "/data/llama-7b-hf",
         "expected_sum": 50810.703125,
     }
-    (folder / hub.CONVERSION_FILE).write_text(json.dumps(conversion))
+    (folder / CONVERSION_INFO).write_text(json.dumps(conversion))
     (folder / ".hidden").write_text("x")
     (folder / ".tmp-123").mkdir()
     (folder / ".tmp-123" / "partial.bin").write_text("x")
@@ -83,7 +85,7 @@ def fake_hfapi(monkeypatch):
     return FakeApi
 
 
-EXPECTED = sorted([*MODEL_FILES, "chat_template.jinja", hub.CONVERSION_FILE, "training_args.bin"])
+EXPECTED = sorted([*MODEL_FILES, "chat_template.jinja", CONVERSION_INFO, "training_args.bin"])
 
 
 def test_upload_files_skips_hidden_checkpoints_and_readme(converted):
@@ -124,7 +126,8 @@ def test_dry_run_prints_files_and_card(converted, fake_hfapi, capsys):
 
 def test_push_folder_one_commit(converted):
     api = FakeApi()
-    paths = hub.push_folder(converted, "me/moss-reward", api=api).files
+    card = moss_model_card(converted, "me/moss-reward")
+    paths = hub.push_folder(converted, "me/moss-reward", card=card, api=api).files
     assert paths == [*EXPECTED, "README.md"]
     assert [c[0] for c in api.calls] == ["create_repo", "create_commit"]
     _, repo_id, kwargs = api.named("create_repo")[0]
@@ -176,7 +179,7 @@ def test_missing_folder_and_folder_without_config(tmp_path, saved, capsys):
         hub.push_folder(tmp_path, "me/m", dry_run=True)
     shutil.copytree(saved / "sft", tmp_path / "sft")
     with pytest.raises(ValueError, match=r"did you mean .*sft"):
-        hub.moss_model_card(tmp_path, "me/m")
+        moss_model_card(tmp_path, "me/m")
     with pytest.raises(ValueError, match="Invalid --repo-id"):
         hub.push_folder(tmp_path / "sft", "not a repo id!", dry_run=True)
 
@@ -208,18 +211,18 @@ def test_token_never_printed_or_written(converted, fake_hfapi, monkeypatch, caps
     (api,) = fake_hfapi.instances
     readme = {op.path_in_repo: op for op in api.named("create_commit")[0][2]["operations"]}["README.md"]
     assert SENTINEL not in readme.path_or_fileobj.decode()
-    assert SENTINEL not in str(hub.moss_model_card(converted, "me/m"))
+    assert SENTINEL not in str(moss_model_card(converted, "me/m"))
 
     # Even a token that slipped into the conversion info is redacted from the card.
-    (converted / hub.CONVERSION_FILE).write_text(
+    (converted / CONVERSION_INFO).write_text(
         json.dumps({"model_type": "reward", "recovery_command": f"HF_TOKEN={SENTINEL} trl-ppomax moss recover"})
     )
-    card = str(hub.moss_model_card(converted, "me/m"))
+    card = str(moss_model_card(converted, "me/m"))
     assert SENTINEL not in card and "HF_TOKEN=<redacted>" in card
 
 
 def test_generic_card_for_trained_model(saved):
-    card = hub.moss_model_card(saved / "sft", "me/ppo-max-policy")
+    card = moss_model_card(saved / "sft", "me/ppo-max-policy")
     text = str(card)
     assert "agpl" not in text.lower() and card.data.license is None
     assert card.data.pipeline_tag == "text-generation"
@@ -227,7 +230,7 @@ def test_generic_card_for_trained_model(saved):
     assert "moss-rlhf" not in card.data.tags
     assert "AutoModelForCausalLM" in text and "2307.04964" in text and "No licence is set" in text
 
-    card = hub.moss_model_card(saved / "reward", "me/rm")
+    card = moss_model_card(saved / "reward", "me/rm")
     assert card.data.pipeline_tag == "text-classification" and "reward-model" in card.data.tags
     assert "agpl" not in str(card).lower() and "PPOMaxTrainer" in str(card)
 
@@ -235,24 +238,24 @@ def test_generic_card_for_trained_model(saved):
 def test_explicit_arguments_override_conversion_info(saved, tmp_path):
     folder = tmp_path / "sft"
     shutil.copytree(saved / "sft", folder)
-    (folder / hub.CONVERSION_FILE).write_text(json.dumps({"model_type": "reward", "lang": "en"}))
-    card = hub.moss_model_card(folder, "me/m")
+    (folder / CONVERSION_INFO).write_text(json.dumps({"model_type": "reward", "lang": "en"}))
+    card = moss_model_card(folder, "me/m")
     assert card.data.base_model == "fnlp/moss-rlhf-reward-model-7B-en"
 
-    card = hub.moss_model_card(folder, "me/m", model_type="sft")
+    card = moss_model_card(folder, "me/m", model_type="sft")
     assert card.data.base_model == "fnlp/moss-rlhf-sft-model-7B-en"
     assert card.data.pipeline_tag == "text-generation" and card.data.license == "agpl-3.0"
     assert "--model-type sft" in str(card) and "AutoModelForCausalLM" in str(card)
 
-    card = hub.moss_model_card(folder, "me/m", model_type="reward", lang="zh", base_model="someone/base")
+    card = moss_model_card(folder, "me/m", model_type="reward", lang="zh", base_model="someone/base")
     assert card.data.base_model == "someone/base" and card.data.language == ["zh"]
     assert "<|Human|>" in str(card) and "<|MOSS|>" in str(card)
 
     with pytest.raises(ValueError, match="Unknown model type"):
-        hub.moss_model_card(folder, "me/m", model_type="critic")
-    (folder / hub.CONVERSION_FILE).write_text("{not json")
-    with pytest.raises(ValueError, match=hub.CONVERSION_FILE):
-        hub.moss_model_card(folder, "me/m")
+        moss_model_card(folder, "me/m", model_type="critic")
+    (folder / CONVERSION_INFO).write_text("{not json")
+    with pytest.raises(ValueError, match=CONVERSION_INFO):
+        moss_model_card(folder, "me/m")
 
 
 def test_create_model_card_still_works(saved):

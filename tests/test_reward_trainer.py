@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORDS, build_models, prompt_texts
 from datasets import Dataset
-from test_trainer import SMOKE
+from helpers import SMOKE
 from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core
 from trl_ppomax.reward_trainer import HISTOGRAM_NAME, with_lm_head
 from trl_ppomax.rewards import fold_reward_stats, reward_statistics
+from trl_ppomax.tiny import WORDS, build_models, prompt_texts
 
 FILLER = [w for w in WORDS if w not in ("please", "thanks")]
 
@@ -238,3 +238,17 @@ def test_bad_inputs(tmp_path):
             train_dataset=Dataset.from_list(preference_rows(8)),
             processing_class=tokenizer,
         )
+
+
+def test_margin_histogram_leaves_the_matplotlib_backend_alone(tmp_path, monkeypatch):
+    import matplotlib
+
+    from trl_ppomax.reward_trainer import save_margin_histogram
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("matplotlib.use() changes a notebook user's backend")
+
+    monkeypatch.setattr(matplotlib, "use", refuse)
+    path = tmp_path / "sub" / HISTOGRAM_NAME
+    save_margin_histogram(torch.linspace(-1.0, 2.0, 40), str(path))
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

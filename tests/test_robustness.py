@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import build_models, prompt_texts
 from datasets import Dataset
-from test_trainer import make_trainer, snapshot
+from helpers import make_trainer, snapshot
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.tiny import build_models, prompt_texts
 
 RESUMABLE = dict(total_episodes=64, ptx_coef=0.5, critic_warmup_steps=1, num_ppo_epochs=2, learning_rate=3e-3)
 PTX = Dataset.from_dict({"text": ["hello how are you today", "the cat is very nice and good", "tell me a story"] * 6})

@@ -4,71 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_models, prompt_texts
 from datasets import Dataset
+from helpers import TINY, changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, core
-
-TINY = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
-    num_mini_batches=2,
-    total_episodes=32,
-    response_length=6,
-    num_ppo_epochs=1,
-    learning_rate=1e-3,
-    stop_token="eos",
-    report_to="none",
-    gradient_checkpointing=False,
-    num_sample_generations=0,
-    logging_steps=1,
-    save_strategy="no",
-    critic_warmup_steps=0,
-    seed=0,
-)
-# Two iterations of 4 prompts: for the tests that only check a model works inside PPO.
-SMOKE = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
-
-
-def make_trainer(
-    tmp_path,
-    reward=None,
-    value_model=None,
-    ptx_dataset=None,
-    dataset=None,
-    peft_config=None,
-    eval_dataset=None,
-    arch="llama",
-    **overrides,
-):
-    tokenizer, policy, reward_model = build_models(arch)
-    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **{**TINY, **overrides})
-    return PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward_model if reward is None else reward,
-        train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": prompt_texts(32)}),
-        value_model=value_model,
-        ptx_dataset=ptx_dataset,
-        peft_config=peft_config,
-        eval_dataset=eval_dataset,
-    )
+from trl_ppomax.plan import plan as run_plan
+from trl_ppomax.tiny import build_models, prompt_texts
 
 
 def first_rollout(trainer):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(trainer.args.local_batch_size)])
     torch.manual_seed(0)
     return trainer.rollout(batch["input_ids"], batch["attention_mask"])
-
-
-def snapshot(module):
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
-def changed(before, module):
-    return sum(not torch.equal(before[n], p) for n, p in module.named_parameters())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -207,7 +154,7 @@ def constant_reward(value):
 @pytest.mark.parametrize("mode", ["running", "scale", "none"])
 def test_reward_normalisation_modes(tmp_path, mode):
     trainer = make_trainer(
-        tmp_path, reward=constant_reward(100.0), value_model=build_models()[2], reward_norm=mode, reward_clip=0.0
+        tmp_path, reward=constant_reward(100.0), value_model=build_models()[2], reward_norm=mode, reward_clip=None
     )
     rollout = first_rollout(trainer)
     _, metrics = trainer.make_experience(rollout)
@@ -357,7 +304,7 @@ def test_presets_and_explicit_override(tmp_path):
     ppo_max = PPOMaxConfig(output_dir=str(tmp_path))
     vanilla = PPOMaxConfig(output_dir=str(tmp_path), preset="vanilla")
     assert (ppo_max.reward_norm, ppo_max.reward_clip, ppo_max.max_grad_norm) == ("running", 10.0, 1.0)
-    assert (vanilla.reward_norm, vanilla.reward_clip, vanilla.max_grad_norm) == ("none", 0.0, 0.0)
+    assert (vanilla.reward_norm, vanilla.reward_clip, vanilla.max_grad_norm) == ("none", None, 0.0)
     assert (vanilla.temperature, vanilla.top_p, vanilla.critic_warmup_steps) == (0.7, 1.0, 0)
     assert PPOMaxConfig(output_dir=str(tmp_path), preset="vanilla", reward_norm="scale").reward_norm == "scale"
     with pytest.raises(ValueError, match="Unknown preset"):
@@ -482,7 +429,7 @@ def test_training_with_activation_checkpointing(tmp_path):
 
 
 def test_plan_summarises_the_run(tmp_path):
-    plan = make_trainer(tmp_path).plan()
+    plan = run_plan(make_trainer(tmp_path))
     assert "LlamaForCausalLM" in plan and "32 episodes = 2 iterations" in plan
     assert "16 prompts per iteration" in plan and "preset=ppo_max" in plan
 

@@ -75,9 +75,10 @@ def _size(n: int) -> str:
 def push_model(args: argparse.Namespace) -> int:
     """Upload a model folder (converted or trained) to the Hub with a generated model card, in one commit."""
     from . import hub
+    from .moss.card import moss_model_card  # the MOSS-RLHF card for a converted folder, the generic one otherwise
 
     try:
-        card = hub.moss_model_card(
+        card = moss_model_card(
             args.folder, args.repo_id, model_type=args.model_type, lang=args.lang, base_model=args.base_model
         )
         result = hub.push_folder(
@@ -219,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     recover.add_argument("--expected-sum", type=float, help="override the published parameter sum")
     recover.add_argument("--skip-integrity-check", action="store_true", help="do not check the parameter sum")
     recover.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    recover.add_argument("--max-shard-size", default="2GB", help="size of the output shards (default: 2GB)")
+    recover.add_argument(
+        "--max-shard-size", default="2GB", help="size of the output shards, e.g. 500MB or 5GB (default: 2GB)"
+    )
     recover.set_defaults(run=recover_moss)
     plot = commands.add_parser("plot", help=plot_run.__doc__, description=plot_run.__doc__)
     plot.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from datasets import Dataset
@@ -127,6 +128,19 @@ def prepare_text_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, n
     )
 
 
+def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callable[[Dataset], Dataset]:
+    """``prepare_prompt_dataset`` with the trainer's settings: the prompt budget (``max_prompt_length``, or the
+    policy's context minus ``response_length``) and the truncation rule."""
+    limit = prompt_length_limit(args.max_prompt_length, policy, args.response_length)
+    return partial(
+        prepare_prompt_dataset,
+        tokenizer=tokenizer,
+        num_proc=args.dataset_num_proc,
+        max_prompt_length=limit,
+        truncate=args.truncate_long_prompts,
+    )
+
+
 def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
     """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -204,3 +218,29 @@ def _up_to_last_user_turn(messages: list[dict]) -> list[dict]:
     if last_user is None:
         raise ValueError("A conversation in 'messages' has no user turn to use as a prompt.")
     return messages[: last_user + 1]
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The tokenizer needs a pad token; a pad token equal to eos works here but is worth a warning."""
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        raise ValueError(
+            "The tokenizer has no pad token; add one, e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and "
+            "resize the models' embeddings, or set tokenizer.pad_token to an unused token."
+        )
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        logger.warning(
+            "The pad token is the eos token (%r). Responses are cut after their first stop token, so this is safe "
+            "here, but models that find their last token by the pad id misread such sequences; a dedicated pad "
+            "token is safer.",
+            tokenizer.eos_token,
+        )
+
+
+def rows_of_this_process(num_rows: int, accelerator) -> tuple[list[int], list[float]]:
+    """This process's share of ``range(num_rows)`` and a weight per row: 1, or 0 for the padding that gives every
+    process the same number of rows (generation may be a collective, e.g. under ZeRO-3)."""
+    rows = list(range(num_rows))
+    with accelerator.split_between_processes(rows) as own:
+        real = len(own)
+    with accelerator.split_between_processes(rows, apply_padding=True) as padded:
+        return list(padded), [1.0] * real + [0.0] * (len(padded) - real)

@@ -31,7 +31,6 @@ from datasets import Dataset, DatasetDict, Features, IterableDataset, IterableDa
 __all__ = ["PREFERENCE_FEATURES", "convert_hh_rlhf", "hh_rlhf_to_preference", "is_hh_rlhf", "parse_hh_dialogue"]
 
 HUMAN_MARKER = "\n\nHuman:"
-ASSISTANT_MARKER = "\n\nAssistant:"
 _TURN_SPLIT = re.compile(r"\n\n(Human|Assistant):")
 _ROLES = {"Human": "user", "Assistant": "assistant"}
 _MESSAGES = [{"role": Value("string"), "content": Value("string")}]

@@ -1,7 +1,9 @@
-"""Model cards, Hub metadata and ``trl-ppomax push``.
+"""Model cards, Hub metadata and pushing a model folder (``trl-ppomax push``).
 
-:func:`create_model_card` is the card ``PPOMaxTrainer.push_to_hub`` writes; :func:`moss_model_card` and
-:func:`push_folder` upload a converted MOSS-RLHF model or any trained model folder with a generated card.
+:func:`create_model_card` is the card ``PPOMaxTrainer.push_to_hub`` writes. :func:`model_card` is the generic card of
+a model folder trained with trl-ppomax, drawn by :func:`render_card` (which :mod:`trl_ppomax.moss.card` also uses for
+converted MOSS-RLHF models); :func:`push_folder` uploads a folder and its card in one commit. Nothing here is
+specific to MOSS-RLHF.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ CITATION = """\
     year         = 2023,
     journal      = {arXiv preprint arXiv:2307.04964}
 }"""
+#: The tags of every card trl-ppomax writes (trainer cards, pushed folders); other tag lists are built from it.
 TAGS = ["trl", "trl-ppomax", "ppo", "ppo-max", "rlhf"]
 
 
@@ -53,29 +56,34 @@ def create_model_card(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Model cards for converted MOSS-RLHF models and folders trained with trl-ppomax; ``trl-ppomax push``.
+# Model cards for model folders (``trl-ppomax push``). The MOSS-RLHF card is built on these in trl_ppomax.moss.card.
 # --------------------------------------------------------------------------------------------------------------------
 
-#: The file our MOSS-RLHF converter writes next to the weights (keys: model_type, lang, source_diff, source_raw,
-#: expected_sum, recovery_command; all optional).
-CONVERSION_FILE = "trl_ppomax_conversion.json"
-#: Model types a card knows: the reward model, the SFT model and the PPO(-max) policy.
-MODEL_TYPES = ("reward", "sft", "policy")
-#: The published weight diffs, by ``(model_type, lang)``.
-MOSS_RELEASES = {
-    ("reward", "en"): "fnlp/moss-rlhf-reward-model-7B-en",
-    ("sft", "en"): "fnlp/moss-rlhf-sft-model-7B-en",
-    ("policy", "en"): "fnlp/moss-rlhf-policy-model-7B-en",
-    ("reward", "zh"): "Ablustrund/moss-rlhf-reward-model-7B-zh",
+#: What a card calls each model type; the keys are the model types a card knows.
+MODEL_KINDS = {
+    "reward": "reward model",
+    "sft": "supervised fine-tuned (SFT) dialogue model",
+    "policy": "PPO-max policy",
 }
-#: Speaker tags of the MOSS-RLHF prompt format, by language: ``(human, assistant)``.
-MOSS_SPEAKERS = {"en": ("Human:", "Assistant:"), "zh": ("<|Human|>", "<|MOSS|>")}
-_PAPER_URL = f"https://arxiv.org/abs/{PAPER_ID}"
+#: The Hub pipeline tag of each model type.
+PIPELINE_TAGS = {"reward": "text-classification", "sft": "text-generation", "policy": "text-generation"}
+PAPER_URL = f"https://arxiv.org/abs/{PAPER_ID}"
+#: The paper, as cards cite it in their text.
+PAPER_LINK = f"*{PAPER_TITLE}* ([arXiv {PAPER_ID}]({PAPER_URL}))"
+CHAT_TEMPLATE_SECTION = (
+    "## Prompt format\n\nPrompts are formatted with the tokenizer's chat template "
+    "(`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`)."
+)
+NO_LICENCE_SECTION = (
+    "## Licence\n\nNo licence is set in this card: the weights follow the licence of the base model and "
+    "of the training data; set `license:` in the metadata above. trl-ppomax itself is Apache-2.0."
+)
 _SKIP_DIRS = {"__pycache__"}
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file if it is unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
@@ -104,21 +112,49 @@ def _check_folder(folder: str | os.PathLike) -> Path:
     return path
 
 
-def _infer_model_type(config: dict, adapter: dict) -> str | None:
-    architectures = " ".join(config.get("architectures") or [])
-    task = str(adapter.get("task_type") or "")
-    if "ForSequenceClassification" in architectures or task == "SEQ_CLS":
-        return "reward"
-    if "ForCausalLM" in architectures or task == "CAUSAL_LM":
-        return "policy"
-    return None
-
-
-def _repo_like(value) -> str | None:
+def repo_like(value) -> str | None:
     """``value`` if it looks like a Hub repo id (``owner/name``, not a local path), else None."""
     if isinstance(value, str) and _REPO_ID.match(value) and not Path(value).expanduser().exists():
         return value
     return None
+
+
+@dataclass
+class ModelFolder:
+    """A model folder as a card sees it: its config.json and adapter_config.json (empty dicts when absent)."""
+
+    path: Path
+    config: dict
+    adapter: dict
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> ModelFolder:
+        """Raises ValueError when the folder is missing, holds neither file, or a file is unreadable."""
+        path = _check_folder(folder)
+        config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+        adapter = read_json(path / "adapter_config.json") if (path / "adapter_config.json").is_file() else {}
+        return cls(path, config, adapter)
+
+    @property
+    def peft(self) -> bool:
+        """A PEFT adapter without a full model."""
+        return bool(self.adapter) and not self.config
+
+    @property
+    def model_type(self) -> str | None:
+        """The type the folder implies: "reward" (a sequence classifier), "policy" (a causal LM) or None."""
+        architectures = " ".join(self.config.get("architectures") or [])
+        task = str(self.adapter.get("task_type") or "")
+        if "ForSequenceClassification" in architectures or task == "SEQ_CLS":
+            return "reward"
+        if "ForCausalLM" in architectures or task == "CAUSAL_LM":
+            return "policy"
+        return None
+
+    @property
+    def base_model(self) -> str | None:
+        """The Hub repo the model (or adapter) was loaded from, if its config names one."""
+        return repo_like(self.adapter.get("base_model_name_or_path")) or repo_like(self.config.get("_name_or_path"))
 
 
 def redact_token(text: str) -> str:
@@ -127,31 +163,11 @@ def redact_token(text: str) -> str:
     return text.replace(token, "<redacted>") if token and len(token) >= 8 else text
 
 
-def _prompt_section(lang: str | None) -> str:
-    langs = [lang] if lang in MOSS_SPEAKERS else list(MOSS_SPEAKERS)
-    lines = [
-        "## Prompt format",
-        "",
-        "Turns alternate, each prefixed with its speaker tag and **no space**, and are joined by the eos token "
-        "`</s>`; the prompt ends with eos and the assistant's tag, and the model continues from there (ending its "
-        "answer with `</s>`). When a conversation is too long, drop the oldest turns first.",
-        "",
-    ]
-    examples = {}
-    for code in langs:
-        human, assistant = MOSS_SPEAKERS[code]
-        content = "Hi" if code == "en" else "你好"
-        examples[code] = (content, f"{human}{content}</s>{assistant}")
-        name = "English" if code == "en" else "Chinese"
-        lines.append(f"- {name}: `{human}` / `{assistant}`, e.g. `{examples[code][1]}`")
-    content, example = examples[langs[0]]
-    lines += [
-        "",
-        "The tokenizer's chat template produces this string: `tokenizer.apply_chat_template("
-        f'[{{"role": "user", "content": "{content}"}}], tokenize=False, add_generation_prompt=True)` '
-        f"gives `{example}`.",
-    ]
-    return "\n".join(lines)
+def check_model_type(model_type: str | None) -> str | None:
+    """``model_type`` if a card knows it (or None); a ValueError listing the known types otherwise."""
+    if model_type is not None and model_type not in MODEL_KINDS:
+        raise ValueError(f"Unknown model type {model_type!r}: use one of {', '.join(MODEL_KINDS)}.")
+    return model_type
 
 
 def _usage_section(model_type: str | None, repo_id: str, peft: bool) -> str:
@@ -229,53 +245,43 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 
 
 def _citation_section() -> str:
-    return f"## Citation\n\n{PAPER_TITLE} ([arXiv {PAPER_ID}]({_PAPER_URL})):\n\n```bibtex\n{CITATION}\n```\n"
+    return f"## Citation\n\n{PAPER_TITLE} ([arXiv {PAPER_ID}]({PAPER_URL})):\n\n```bibtex\n{CITATION}\n```\n"
 
 
-def moss_model_card(
-    folder: str | os.PathLike,
+def trained_intro(model_type: str | None, base_model: str | None) -> str:
+    """The first paragraph of the card of a model trained with trl-ppomax."""
+    what = MODEL_KINDS.get(model_type or "", "model")
+    start = f", starting from [`{base_model}`](https://huggingface.co/{base_model})." if base_model else "."
+    return (
+        f"A {what} trained with [trl-ppomax](https://pypi.org/project/trl-ppomax/), the PPO-max recipe of "
+        f"{PAPER_LINK} on the Hugging Face stack{start}"
+    )
+
+
+def render_card(
     repo_id: str,
     *,
-    model_type: str | None = None,
-    lang: str | None = None,
+    model_type: str | None,
+    intro: str,
+    prompt_section: str = CHAT_TEMPLATE_SECTION,
+    sections: Sequence[str] = (NO_LICENCE_SECTION,),
     base_model: str | None = None,
+    lang: str | None = None,
+    license: str | None = None,
+    peft: bool = False,
+    extra_tags: Sequence[str] = (),
 ) -> ModelCard:
-    """The model card (README.md) for a model folder about to be pushed to ``repo_id``.
+    """A model card (README.md) for ``repo_id``: metadata, then ``# name``, ``intro``, ``prompt_section``, the usage
+    for ``model_type``, ``sections`` (by default: no licence set) and the paper's citation.
 
-    A folder converted from MOSS-RLHF (it holds :data:`CONVERSION_FILE`) gets a MOSS-RLHF card: licence
-    ``agpl-3.0``, the source diff as ``base_model``, the prompt format, usage and the recovery command. Any other
-    folder (e.g. a model trained with trl-ppomax) gets a generic trl-ppomax card that sets no licence.
-    ``model_type`` ("reward", "sft" or "policy"), ``lang`` ("en" or "zh") and ``base_model`` override what the
-    conversion file and config.json say.
+    The tags are :data:`TAGS`, ``extra_tags``, then "reward-model" or "text-generation" by model type. Any Hub
+    token in the text is redacted.
 
     Raises:
-        ValueError: the folder is missing or holds no config.json / adapter_config.json, a JSON file is
-            unreadable, or ``model_type`` / ``lang`` is unknown.
+        ValueError: ``model_type`` is not one of :data:`MODEL_KINDS`.
     """
-    path = _check_folder(folder)
-    config = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
-    adapter = _read_json(path / "adapter_config.json") if (path / "adapter_config.json").is_file() else {}
-    converted = (path / CONVERSION_FILE).is_file()
-    conversion = _read_json(path / CONVERSION_FILE) if converted else {}
-
-    model_type = model_type or conversion.get("model_type") or _infer_model_type(config, adapter)
-    if model_type is not None and model_type not in MODEL_TYPES:
-        raise ValueError(f"Unknown model type {model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
-    lang = lang or conversion.get("lang")
-    if lang is not None and lang not in MOSS_SPEAKERS:
-        raise ValueError(f"Unknown language {lang!r}: use one of {', '.join(MOSS_SPEAKERS)}.")
-    base_model = base_model or _repo_like(conversion.get("source_diff"))
-    if base_model is None and converted:
-        base_model = MOSS_RELEASES.get((model_type, lang or "en"))
-    if base_model is None:
-        base_model = _repo_like(adapter.get("base_model_name_or_path")) or _repo_like(config.get("_name_or_path"))
-    moss = converted or "moss-rlhf" in (base_model or "").lower()
-    peft = bool(adapter) and not config
-
-    tags = ["trl-ppomax", "ppo-max", "rlhf"] + (["moss-rlhf"] if moss else [])
-    pipeline_tag = {"reward": "text-classification", "sft": "text-generation", "policy": "text-generation"}.get(
-        model_type or ""
-    )
+    check_model_type(model_type)
+    tags = [*TAGS, *extra_tags]
     if model_type == "reward":
         tags.append("reward-model")
     elif model_type is not None:
@@ -284,80 +290,44 @@ def moss_model_card(
         base_model=base_model,
         language=[lang] if lang else None,
         library_name="peft" if peft else "transformers",
-        license="agpl-3.0" if moss else None,
-        pipeline_tag=pipeline_tag,
+        license=license,
+        pipeline_tag=PIPELINE_TAGS.get(model_type or ""),
         tags=tags,
     )
-
     name = repo_id.rstrip("/").split("/")[-1]
-    what = {
-        "reward": "reward model",
-        "sft": "supervised fine-tuned (SFT) dialogue model",
-        "policy": "PPO-max policy",
-        None: "model",
-    }[model_type]
-    paper = f"*{PAPER_TITLE}* ([arXiv {PAPER_ID}]({_PAPER_URL}))"
-    if converted:
-        language = {"en": "English ", "zh": "Chinese "}.get(lang or "", "")
-        source = f" [`{base_model}`](https://huggingface.co/{base_model})" if base_model else ""
-        intro = (
-            f"The {language}MOSS-RLHF {what} released with {paper}, recovered from the published weight "
-            f"diff{source} against LLaMA-7B and converted to the standard `transformers` format with trl-ppomax."
-        )
-        if model_type == "reward":
-            intro += (
-                " It is a `LlamaForSequenceClassification` with `num_labels=1`: the release's `reward_head` is "
-                "`score.weight`, and the reward is read at the last token of prompt + response."
-            )
-    else:
-        intro = (
-            f"A {what} trained with [trl-ppomax](https://pypi.org/project/trl-ppomax/), the PPO-max recipe of "
-            f"{paper} on the Hugging Face stack"
-            + (f", starting from [`{base_model}`](https://huggingface.co/{base_model})." if base_model else ".")
-        )
-    sections = [
-        intro,
-        _prompt_section(lang)
-        if moss
-        else "## Prompt format\n\nPrompts are formatted with the tokenizer's chat template "
-        "(`tokenizer.apply_chat_template(messages, add_generation_prompt=True)`).",
-        _usage_section(model_type, repo_id, peft),
-    ]
-    if converted:
-        recovery = conversion.get("recovery_command") or " ".join(
-            [
-                "trl-ppomax moss recover",
-                f"--raw {shlex.quote(str(conversion.get('source_raw') or '/path/to/llama-7b-hf'))}",
-                f"--diff {shlex.quote(str(conversion.get('source_diff') or base_model or '/path/to/diff'))}",
-                f"--output {shlex.quote('./' + name)}",
-                f"--model-type {model_type or 'reward'}",
-                f"--lang {lang or 'en'}",
-            ]
-        )
-        check = (
-            f" The recovery checks that the sum of all recovered parameters (float32) is `{conversion['expected_sum']}`."
-            if conversion.get("expected_sum") is not None
-            else ""
-        )
-        sections.append(
-            "## How these weights were made\n\n"
-            "The release stores `tuned − raw` for every parameter whose name contains `layers` (other tensors "
-            f"whole); recovery adds the raw LLaMA-7B weights back.{check}\n\n```bash\n{recovery}\n```"
-        )
-    if moss:
-        sections.append(
-            "## Licence\n\n"
-            "The MOSS-RLHF model weights are released under the **GNU AGPL-3.0**, so these derived weights are "
-            "AGPL-3.0 as well (LLaMA's own licence terms also apply to the base weights). The MOSS-RLHF code is "
-            "Apache-2.0 and its data CC BY-NC 4.0; trl-ppomax is Apache-2.0."
-        )
-    else:
-        sections.append(
-            "## Licence\n\nNo licence is set in this card: the weights follow the licence of the base model and "
-            "of the training data; set `license:` in the metadata above. trl-ppomax itself is Apache-2.0."
-        )
-    body = f"# {name}\n\n" + "\n\n".join(s.strip("\n") for s in sections) + "\n\n" + _citation_section()
+    parts = [intro, prompt_section, _usage_section(model_type, repo_id, peft), *sections]
+    body = f"# {name}\n\n" + "\n\n".join(s.strip("\n") for s in parts) + "\n\n" + _citation_section()
     return ModelCard(redact_token(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+
+
+def model_card(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    model_type: str | None = None,
+    lang: str | None = None,
+    base_model: str | None = None,
+) -> ModelCard:
+    """The generic trl-ppomax card (README.md) for a model folder about to be pushed to ``repo_id``; it sets no
+    licence. ``model_type`` ("reward", "sft" or "policy"), ``lang`` and ``base_model`` override what config.json /
+    adapter_config.json say. (``trl-ppomax push`` gives a folder converted from MOSS-RLHF its own card:
+    :func:`trl_ppomax.moss.card.moss_model_card`.)
+
+    Raises:
+        ValueError: the folder is missing or holds no config.json / adapter_config.json, a JSON file is
+            unreadable, or ``model_type`` is unknown.
+    """
+    folder = ModelFolder.read(folder)
+    model_type = check_model_type(model_type or folder.model_type)
+    base_model = base_model or folder.base_model
+    return render_card(
+        repo_id,
+        model_type=model_type,
+        intro=trained_intro(model_type, base_model),
+        base_model=base_model,
+        lang=lang,
+        peft=folder.peft,
+    )
 
 
 def upload_files(folder: str | os.PathLike) -> list[str]:
@@ -405,7 +375,8 @@ def push_folder(
 ) -> PushResult:
     """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
 
-    Uploads :func:`upload_files` plus README.md (``card``, by default :func:`moss_model_card`). Creates the repo
+    Uploads :func:`upload_files` plus README.md (``card``, by default the generic :func:`model_card`; ``trl-ppomax
+    push`` passes :func:`trl_ppomax.moss.card.moss_model_card`, which picks the card by folder). Creates the repo
     (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
     huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. With ``dry_run`` nothing is sent.
     ``api`` defaults to ``HfApi()``.
@@ -424,7 +395,7 @@ def push_folder(
         raise ValueError(f"Invalid --repo-id {repo_id!r}: {err}") from err
     root = _check_folder(folder)
     files = upload_files(root)
-    card = card if card is not None else moss_model_card(root, repo_id)
+    card = card if card is not None else model_card(root, repo_id)
     card = card if isinstance(card, ModelCard) else ModelCard(str(card))
     paths = [*files, "README.md"]
     if dry_run:

@@ -3,10 +3,15 @@
 The trainer logs these names; :class:`~trl_ppomax.CollapseMonitor`, :mod:`~trl_ppomax.plotting`, the toy world and
 the benchmarks read them through these constants, so a rename cannot silently leave a reader behind (a test checks
 that everything the readers need is logged). Evaluation logs the per-response names with the ``eval_`` prefix
-(:func:`eval_name`). The glossary is in ``docs/metrics.md``.
+(:func:`eval_name`). The glossary is the README's "Metrics" section.
 """
 
 from __future__ import annotations
+
+import torch
+
+from .core import Reduce, masked_mean
+from .rewards import ends_with_stop
 
 # ---- per response, averaged over the rollout batch (and logged by evaluate() as eval_<name>) -----------------------
 KL = "objective/kl"  # Σ_t KL_t of the response (the configured estimator)
@@ -56,6 +61,11 @@ PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
 # ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
 COLLAPSE_ANY = "collapse/any"
 
+# ---- not logged by the trainer itself ----------------------------------------------------------------------------------
+# A known gold reward passed as a ``rollout_metrics`` entry under this name (the toy world does) is logged as such (and
+# as eval_<name>) like any rollout metric; plotting draws it on its own panel when present.
+GOLD_REWARD = "gold/reward"
+
 #: Logged by the trainer for every rollout batch (and, with the eval_ prefix, by evaluate()).
 PER_RESPONSE = (
     KL,
@@ -73,3 +83,48 @@ PER_RESPONSE = (
 def eval_name(name: str, prefix: str = "eval") -> str:
     """The name ``evaluate()`` logs ``name`` under: ``eval_objective/kl`` for ``objective/kl``."""
     return f"{prefix}_{name}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Computing them (cross-process reductions are injected: ``reduce`` sums a tensor over processes, ``gather``
+# concatenates one)
+# --------------------------------------------------------------------------------------------------------------------
+def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
+    """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the
+    normalised scores, ``kl`` (B, T) the per-token KL."""
+    non_score = -kl_coef * kl.sum(1)
+    return {
+        KL: kl.sum(1),
+        NON_SCORE_REWARD: non_score,
+        RLHF_REWARD: scores + non_score,
+        SCORES: rollout.scores,
+        SCORES_NORMALIZED: scores,
+        POLICY_PERPLEXITY: rollout.policy_perplexity,
+        REF_PERPLEXITY: rollout.ref_perplexity,
+        RESPONSE_LENGTH: rollout.response_mask.float().sum(1),
+        STOP_TOKEN_MISSING: 1.0 - ends_with_stop(rollout.response_ids, rollout.response_mask, stop_token_id),
+    }
+
+
+def global_mean(per_sequence: torch.Tensor, reduce: Reduce) -> float:
+    """Mean of ``per_sequence`` (B,) over every process."""
+    count = torch.tensor(float(len(per_sequence)), device=per_sequence.device)
+    total = reduce(torch.stack([per_sequence.float().sum(), count]))
+    return (total[0] / total[1]).item()
+
+
+def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, gather: Reduce) -> dict[str, float]:
+    """Statistics of one rollout batch over every process: score spread and tails, running reward moments, mean
+    value, return and raw advantage over real tokens."""
+    mask = rollout.response_mask.float()
+    all_scores = gather(rollout.scores).float()
+    return {
+        SCORES_STD: all_scores.std().item() if len(all_scores) > 1 else 0.0,
+        SCORES_P05: torch.quantile(all_scores, 0.05).item(),
+        SCORES_P95: torch.quantile(all_scores, 0.95).item(),
+        REWARD_RUNNING_MEAN: running_reward.mean,
+        REWARD_RUNNING_STD: running_reward.std,
+        VALUES: masked_mean(rollout.values.float(), mask, reduce=reduce).item(),
+        RETURNS: masked_mean(returns.float(), mask, reduce=reduce).item(),
+        ADVANTAGES_RAW: masked_mean(advantages.float(), mask, reduce=reduce).item(),
+    }

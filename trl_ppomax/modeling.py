@@ -10,10 +10,12 @@ last real response token.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 from torch import nn
+from trl.trainer.utils import disable_dropout_in_model
 
 #: Attribute names of the scalar head of a sequence-classification model, in the order they are tried.
 SCORE_HEAD_NAMES = ("score", "classifier")
@@ -115,3 +117,96 @@ def sequence_scores(
     last = query_width + (response_mask.long().sum(1) - 1).clamp(min=0)
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return head(picked).squeeze(-1).float()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building the trained and frozen models from the trainer's arguments
+# --------------------------------------------------------------------------------------------------------------------
+def is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def policy_and_reference(
+    model: nn.Module, ref_model: nn.Module | None, peft_config
+) -> tuple[nn.Module, nn.Module | None]:
+    """The policy (wrapped with ``peft_config`` if given) and the frozen reference: ``ref_model``, a copy of the
+    policy, or ``None`` for a PEFT policy (whose reference is the policy with its adapter disabled)."""
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        if is_peft(model):
+            raise ValueError("model is already a PEFT model; do not pass peft_config as well.")
+        model = get_peft_model(model, peft_config)
+    if is_peft(model):
+        if ref_model is not None:
+            raise ValueError(
+                "With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None."
+            )
+        return model, None
+    if ref_model is None:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, ref_model
+
+
+def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
+    """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3)."""
+    if value_model is not None:
+        return value_model
+    if not isinstance(reward_model, nn.Module):
+        raise ValueError(
+            "reward_model is a function, so the critic cannot be initialised from it: pass a value_model "
+            "(an AutoModelForSequenceClassification with num_labels=1)."
+        )
+    return copy.deepcopy(reward_model).requires_grad_(True)
+
+
+def check_single_label(model) -> None:
+    """Reward and value models must output one score."""
+    config = getattr(model, "config", None)
+    if isinstance(model, nn.Module) and config is not None and getattr(config, "num_labels", 1) != 1:
+        raise ValueError(
+            f"Reward and value models must output one score (num_labels=1); {type(model).__name__} has "
+            f"num_labels={config.num_labels}. Load it with num_labels=1."
+        )
+
+
+def policy_and_critic_groups(
+    wrapper: PolicyAndCritic, decay: set[str], learning_rates: dict[str, float], weight_decay: float
+) -> list[dict]:
+    """Optimizer parameter groups of the trainable parameters: one per model (``{"policy": lr, "critic": lr}``,
+    separate learning rates, §5.4) and per with/without weight decay (``decay`` = names that get it)."""
+    groups = []
+    for model, lr in learning_rates.items():
+        named = [(n, p) for n, p in wrapper.named_parameters() if n.startswith(f"{model}.") and p.requires_grad]
+        for with_decay in (True, False):
+            params = [p for n, p in named if (n in decay) == with_decay]
+            if params:
+                groups.append({"params": params, "lr": lr, "weight_decay": weight_decay * with_decay})
+    return groups
+
+
+def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
+    """``(policy, reference, critic)`` from the trainer's arguments: PEFT wrapping and adapter choice, the reference
+    (a frozen copy, or None for PEFT), the critic (``value_model`` or a copy of the reward model), dropout off in
+    every model (PPO's ratio must be 1 before the first step), one output for the scorers."""
+    if value_model is not None and value_model is reward_model:
+        raise ValueError(
+            "value_model is the same object as reward_model, so training the critic would change the reward; "
+            "pass a separate copy, or value_model=None to initialise the critic from the reward model."
+        )
+    if ref_model is not None and ref_model is model:
+        raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
+    policy, reference = policy_and_reference(model, ref_model, peft_config)
+    if is_peft(policy) and args.model_adapter_name:
+        policy.set_adapter(args.model_adapter_name)
+    critic = critic_from(value_model, reward_model)
+    for module in (policy, critic, reference, reward_model):
+        if isinstance(module, nn.Module):
+            disable_dropout_in_model(module)
+    for scorer in (reward_model, critic):
+        check_single_label(scorer)
+    return policy, reference, critic

@@ -11,21 +11,25 @@ import copy
 import logging
 import math
 import os
-import re
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import sort_checkpoints
+
+from . import metrics
+from .checkpoint import checkpoint_number
 
 logger = logging.getLogger(__name__)
 
 KL, PERPLEXITY, LENGTH, REWARD_TAIL = "kl", "perplexity", "length", "reward_tail"
 SIGNALS = (KL, PERPLEXITY, LENGTH, REWARD_TAIL)
 #: Metrics whose warm-up mean is the reference; ``reward_tail`` is ``objective/scores_p95 − objective/scores``.
-REFERENCE_METRICS = ("policy/perplexity", "response/length", REWARD_TAIL)
+REFERENCE_METRICS = (metrics.POLICY_PERPLEXITY, metrics.RESPONSE_LENGTH, REWARD_TAIL)
+#: What the monitor adds to a training log: ``collapse/<signal>`` for each active signal, and ``collapse/any``.
+SIGNAL_METRICS = {signal: f"collapse/{signal}" for signal in SIGNALS}
 ADVICE = "raise kl_coef, enable reward normalisation/clipping (preset='ppo_max'), lower the learning rate"
-_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 class CollapseMonitor(TrainerCallback, ExportableState):
@@ -86,6 +90,13 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         if not monitor.healthy:
             print(monitor.events, monitor.last_healthy_checkpoint)
     """
+
+    #: The trainer's metrics the monitor reads from training logs (a log without ``objective/kl`` is not one).
+    metrics_read: ClassVar[frozenset[str]] = frozenset(
+        {metrics.KL, metrics.POLICY_PERPLEXITY, metrics.RESPONSE_LENGTH, metrics.SCORES, metrics.SCORES_P95}
+    )
+    #: The metrics the monitor adds to training logs after the warm-up.
+    metrics_written: ClassVar[frozenset[str]] = frozenset({*SIGNAL_METRICS.values(), metrics.COLLAPSE_ANY})
 
     def __init__(
         self,
@@ -216,10 +227,10 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         self._export(state)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
-        if not logs or "objective/kl" not in logs:
+        if not logs or metrics.KL not in logs:
             return
         self._logs_seen += 1
-        kl = _finite(logs.get("objective/kl"))
+        kl = _finite(logs.get(metrics.KL))
         if kl is not None:
             self._kl_history = [*self._kl_history, kl][-(self.window + 1) :]
         values = self._reference_values(logs)
@@ -240,8 +251,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         step = state.global_step
         for signal, check in (
             (KL, self._check_kl(kl)),
-            (PERPLEXITY, self._check_perplexity(values["policy/perplexity"])),
-            (LENGTH, self._check_length(values["response/length"])),
+            (PERPLEXITY, self._check_perplexity(values[metrics.POLICY_PERPLEXITY])),
+            (LENGTH, self._check_length(values[metrics.RESPONSE_LENGTH])),
             (REWARD_TAIL, self._check_tail(values[REWARD_TAIL])),
         ):
             if check is None:
@@ -256,11 +267,11 @@ class CollapseMonitor(TrainerCallback, ExportableState):
                 self._active.append(signal)
                 self._fire(signal, *check, args, state, control)
 
-        added = {f"collapse/{signal}": 1.0 for signal in SIGNALS if signal in self._active}
-        added["collapse/any"] = 1.0 if self._active else 0.0
+        added = {SIGNAL_METRICS[signal]: 1.0 for signal in SIGNALS if signal in self._active}
+        added[metrics.COLLAPSE_ANY] = 1.0 if self._active else 0.0
         logs.update(added)
         history = state.log_history
-        if history and history[-1].get("step") == step and history[-1].get("objective/kl") == logs["objective/kl"]:
+        if history and history[-1].get("step") == step and history[-1].get(metrics.KL) == logs[metrics.KL]:
             history[-1].update(added)  # Trainer.log appended a copy of logs before calling the callbacks
         self._export(state)
 
@@ -268,10 +279,10 @@ class CollapseMonitor(TrainerCallback, ExportableState):
     # Signals: each check returns None (does not hold) or (value, threshold, description)
     # ------------------------------------------------------------------------------------------------------------
     def _reference_values(self, logs: dict[str, float]) -> dict[str, float | None]:
-        p95, mean = _finite(logs.get("objective/scores_p95")), _finite(logs.get("objective/scores"))
+        p95, mean = _finite(logs.get(metrics.SCORES_P95)), _finite(logs.get(metrics.SCORES))
         return {
-            "policy/perplexity": _finite(logs.get("policy/perplexity")),
-            "response/length": _finite(logs.get("response/length")),
+            metrics.POLICY_PERPLEXITY: _finite(logs.get(metrics.POLICY_PERPLEXITY)),
+            metrics.RESPONSE_LENGTH: _finite(logs.get(metrics.RESPONSE_LENGTH)),
             REWARD_TAIL: None if p95 is None or mean is None else p95 - mean,
         }
 
@@ -279,20 +290,20 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         if kl is None:
             return None
         if kl > self.max_kl:
-            return kl, self.max_kl, f"objective/kl = {kl:.4g} nats > max_kl = {self.max_kl:g}"
+            return kl, self.max_kl, f"{metrics.KL} = {kl:.4g} nats > max_kl = {self.max_kl:g}"
         if len(self._kl_history) > self.window:
             rise = self._kl_history[-1] - self._kl_history[0]
             if rise > self.max_kl_rise:
                 return (
                     rise,
                     self.max_kl_rise,
-                    f"objective/kl rose by {rise:.4g} nats over the last {self.window} logs "
+                    f"{metrics.KL} rose by {rise:.4g} nats over the last {self.window} logs "
                     f"(to {kl:.4g}) > max_kl_rise = {self.max_kl_rise:g}",
                 )
         return None
 
     def _check_perplexity(self, perplexity: float | None) -> tuple[float, float, str] | None:
-        reference = self.reference.get("policy/perplexity")
+        reference = self.reference.get(metrics.POLICY_PERPLEXITY)
         if perplexity is None or reference is None:
             return None
         threshold = self.min_perplexity_ratio * reference
@@ -300,13 +311,13 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             return (
                 perplexity,
                 threshold,
-                f"policy/perplexity = {perplexity:.4g} < {threshold:.4g} "
+                f"{metrics.POLICY_PERPLEXITY} = {perplexity:.4g} < {threshold:.4g} "
                 f"(min_perplexity_ratio {self.min_perplexity_ratio:g} × reference {reference:.4g})",
             )
         return None
 
     def _check_length(self, length: float | None) -> tuple[float, float, str] | None:
-        reference = self.reference.get("response/length")
+        reference = self.reference.get(metrics.RESPONSE_LENGTH)
         if length is None or reference is None or reference <= 0:
             return None
         high, low = self.max_length_ratio * reference, self.min_length_ratio * reference
@@ -314,14 +325,14 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             return (
                 length,
                 high,
-                f"response/length = {length:.4g} > {high:.4g} "
+                f"{metrics.RESPONSE_LENGTH} = {length:.4g} > {high:.4g} "
                 f"(max_length_ratio {self.max_length_ratio:g} × reference {reference:.4g}): responses got longer",
             )
         if length < low:
             return (
                 length,
                 low,
-                f"response/length = {length:.4g} < {low:.4g} "
+                f"{metrics.RESPONSE_LENGTH} = {length:.4g} < {low:.4g} "
                 f"(min_length_ratio {self.min_length_ratio:g} × reference {reference:.4g}): responses got shorter",
             )
         return None
@@ -335,7 +346,7 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             return (
                 tail,
                 threshold,
-                f"objective/scores_p95 − objective/scores = {tail:.4g} > {threshold:.4g} "
+                f"{metrics.SCORES_P95} − {metrics.SCORES} = {tail:.4g} > {threshold:.4g} "
                 f"(max_tail_ratio {self.max_tail_ratio:g} × reference {reference:.4g}, and at least "
                 f"min_tail_growth {self.min_tail_growth:g} above it): a long tail of high rewards",
             )
@@ -395,16 +406,17 @@ class CollapseMonitor(TrainerCallback, ExportableState):
 
 
 def last_checkpoint_before(output_dir: str | os.PathLike | None, step: int | None) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` with ``N < step`` (by name), or None."""
+    """The newest ``checkpoint-N`` folder in ``output_dir`` with ``N < step`` (by name), or None.
+
+    The folders are found and ordered by transformers' ``sort_checkpoints``; only names that are exactly
+    ``checkpoint-<digits>`` count (not ``.tmp-checkpoint-N`` nor ``checkpoint-N-old``)."""
     if output_dir is None or step is None or not os.path.isdir(output_dir):
         return None
-    found = [
-        (int(match.group(1)), entry)
-        for entry in os.listdir(output_dir)
-        if (match := _CHECKPOINT.match(entry)) and os.path.isdir(os.path.join(output_dir, entry))
-    ]
-    found = [(n, entry) for n, entry in found if n < step]
-    return os.path.join(output_dir, max(found)[1]) if found else None
+    for path in reversed(sort_checkpoints(os.fspath(output_dir))):
+        number = checkpoint_number(path)
+        if number is not None and number < step:
+            return os.path.join(output_dir, Path(path).name)
+    return None
 
 
 def _finite(value: Any) -> float | None:

@@ -3,7 +3,8 @@
 One panel per group of metrics that the logs contain (reward, gold reward, KL, perplexity, response length, policy
 and value loss), over ``episode`` (or ``step`` when no log has an episode). Evaluation values (``eval_…``) are drawn
 as markers on the matching panel, and logs with ``collapse/any == 1`` as vertical red lines. Other runs can be
-overlaid, with a legend, to compare methods.
+overlaid, with a legend, to compare methods, and reference values (e.g. the SFT policy's) drawn as horizontal
+lines.
 
 Matplotlib's Agg canvas is used directly, so plotting never touches pyplot's global state or needs a display.
 """
@@ -12,16 +13,23 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transformers.trainer_utils import sort_checkpoints
+
+from . import metrics
+from .checkpoint import checkpoint_number
+from .metrics import eval_name
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "COLLAPSE_KEY",
+    "METRICS_READ",
     "PANELS",
     "Panel",
     "load_log_history",
@@ -47,28 +55,38 @@ class Panel:
 PANELS: dict[str, Panel] = {
     "reward": Panel(
         "Reward",
-        (("objective/scores", "score (raw)"), ("objective/scores_normalized", "score (normalised)")),
-        (("eval_objective/scores", "eval score (raw)"),),
+        ((metrics.SCORES, "score (raw)"), (metrics.SCORES_NORMALIZED, "score (normalised)")),
+        ((eval_name(metrics.SCORES), "eval score (raw)"),),
     ),
     "gold_reward": Panel(
-        "Gold reward", (("gold/reward", "gold reward"),), (("eval_gold/reward", "eval gold reward"),)
+        "Gold reward",
+        ((metrics.GOLD_REWARD, "gold reward"),),
+        ((eval_name(metrics.GOLD_REWARD), "eval gold reward"),),
     ),
-    "kl": Panel("KL to reference", (("objective/kl", "KL"),), (("eval_objective/kl", "eval KL"),)),
+    "kl": Panel("KL to reference", ((metrics.KL, "KL"),), ((eval_name(metrics.KL), "eval KL"),)),
     "perplexity": Panel(
         "Perplexity",
-        (("policy/perplexity", "policy"), ("policy/ref_perplexity", "reference")),
-        (("eval_policy/perplexity", "eval policy"),),
+        ((metrics.POLICY_PERPLEXITY, "policy"), (metrics.REF_PERPLEXITY, "reference")),
+        ((eval_name(metrics.POLICY_PERPLEXITY), "eval policy"),),
     ),
     "response_length": Panel(
-        "Response length", (("response/length", "length"),), (("eval_response/length", "eval length"),)
+        "Response length",
+        ((metrics.RESPONSE_LENGTH, "length"),),
+        ((eval_name(metrics.RESPONSE_LENGTH), "eval length"),),
     ),
-    "policy_loss": Panel("Policy loss", (("loss/policy", "policy loss"),)),
-    "value_loss": Panel("Value loss", (("loss/value", "value loss"),)),
+    "policy_loss": Panel("Policy loss", ((metrics.POLICY_LOSS, "policy loss"),)),
+    "value_loss": Panel("Value loss", ((metrics.VALUE_LOSS, "value loss"),)),
 }
 
-COLLAPSE_KEY = "collapse/any"
+#: Logs with this key equal to 1 are drawn as collapse lines (added by :class:`~trl_ppomax.CollapseMonitor`).
+COLLAPSE_KEY = metrics.COLLAPSE_ANY
+#: The x axis: ``episode`` when every run logs it, else transformers' ``step``.
+X_KEYS = (metrics.EPISODE, "step")
+#: Every log key the figures read: the panels' metrics, the collapse marker and the x axis.
+METRICS_READ: frozenset[str] = frozenset(
+    {key for panel in PANELS.values() for key in panel.keys} | {COLLAPSE_KEY, *X_KEYS}
+)
 _LINESTYLES = ("-", "--", ":", "-.")
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _number(value: Any) -> float | None:
@@ -87,23 +105,25 @@ def panels_for(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _x_key(histories: Sequence[Sequence[Mapping[str, Any]]]) -> str:
     """``episode`` when every history logs it, else ``step``."""
-    has_episode = all(any(_number(e.get("episode")) is not None for e in h) for h in histories if h)
-    return "episode" if has_episode else "step"
+    episode, step = X_KEYS
+    has_episode = all(any(_number(e.get(episode)) is not None for e in h) for h in histories if h)
+    return episode if has_episode else step
 
 
 def _x_values(log_history: Sequence[Mapping[str, Any]], x_key: str) -> list[float | None]:
     """The x of each log. With ``episode``, a log without one (evaluation logs) gets it from its ``step``, using the
     step → episode pairs of the other logs (the episodes per step are fixed by the batch size)."""
-    if x_key == "step":
-        return [_number(e.get("step")) for e in log_history]
+    episode_key, step_key = X_KEYS
+    if x_key == step_key:
+        return [_number(e.get(step_key)) for e in log_history]
     pairs = {}
     for entry in log_history:
-        step, episode = _number(entry.get("step")), _number(entry.get("episode"))
+        step, episode = _number(entry.get(step_key)), _number(entry.get(episode_key))
         if step is not None and episode is not None:
             pairs[step] = episode
     xs = []
     for entry in log_history:
-        episode, step = _number(entry.get("episode")), _number(entry.get("step"))
+        episode, step = _number(entry.get(episode_key)), _number(entry.get(step_key))
         if episode is None and step is not None and pairs:
             if step in pairs:
                 episode = pairs[step]
@@ -131,12 +151,12 @@ def training_dynamics_figure(
     title: str | None = None,
     extra: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     name: str = "run",
+    baselines: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Figure:
     """The figure drawn by :func:`plot_training_dynamics`, one axes per panel of :func:`panels_for` (of this run and
     the ``extra`` runs together). Raises ValueError when no log has any of the plotted metrics."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     runs: dict[str, Sequence[Mapping[str, Any]]] = {name: list(log_history)}
     for other, history in (extra or {}).items():
@@ -150,7 +170,6 @@ def training_dynamics_figure(
 
     x_key = _x_key(list(runs.values()))
     xs = {run: _x_values(history, x_key) for run, history in runs.items()}
-    compare = len(runs) > 1
     colors = {run: f"C{i % 10}" for i, run in enumerate(runs)}
 
     ncols = min(3, len(names))
@@ -162,48 +181,59 @@ def training_dynamics_figure(
         fig.delaxes(ax)
 
     for ax, panel_name in zip(axes, names, strict=False):
-        panel = PANELS[panel_name]
-        for run, history in runs.items():
-            color = colors[run]
-            prefix = f"{run}: " if compare else ""
-            for i, (key, label) in enumerate(panel.train):
-                x, y = _series(history, xs[run], key)
-                if x:
-                    ax.plot(
-                        x,
-                        y,
-                        linestyle=_LINESTYLES[i % len(_LINESTYLES)],
-                        color=color if compare else f"C{i}",
-                        linewidth=1.4,
-                        label=prefix + label,
-                    )
-            for i, (key, label) in enumerate(panel.eval):
-                x, y = _series(history, xs[run], key)
-                if x:
-                    ax.plot(
-                        x,
-                        y,
-                        linestyle="none",
-                        marker="os^D"[i % 4],
-                        markersize=5,
-                        markeredgecolor="black",
-                        markeredgewidth=0.5,
-                        color=color if compare else f"C{len(panel.train) + i}",
-                        label=prefix + label,
-                    )
-            for x in _collapses(history, xs[run]):
-                ax.axvline(x, color="red", linewidth=1.0, alpha=0.6, linestyle="-" if run == name else "--")
-        ax.set_title(panel.title)
+        _draw_panel(ax, PANELS[panel_name], runs, xs, colors, name, baselines or {})
         ax.set_xlabel(x_key)
-        ax.grid(True, alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
-        if any(_collapses(history, xs[run]) for run, history in runs.items()):
-            handles.append(Line2D([], [], color="red", alpha=0.6, linewidth=1.0))
-            labels.append("collapse")
-        if len(handles) > 1:
-            ax.legend(handles, labels, fontsize="small")
     fig.suptitle(title or "Training dynamics")
     return fig
+
+
+def _draw_panel(ax, panel: Panel, runs, xs, colors, name: str, baselines: Mapping[str, Mapping[str, float]]) -> None:
+    """One panel: each run's training lines, its evaluation markers, its collapse events, and the baselines."""
+    from matplotlib.lines import Line2D
+
+    compare = len(runs) > 1
+    for run, history in runs.items():
+        color = colors[run]
+        prefix = f"{run}: " if compare else ""
+        for i, (key, label) in enumerate(panel.train):
+            x, y = _series(history, xs[run], key)
+            if x:
+                ax.plot(
+                    x,
+                    y,
+                    linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+                    color=color if compare else f"C{i}",
+                    linewidth=1.4,
+                    label=prefix + label,
+                )
+        for i, (key, label) in enumerate(panel.eval):
+            x, y = _series(history, xs[run], key)
+            if x:
+                ax.plot(
+                    x,
+                    y,
+                    linestyle="none",
+                    marker="os^D"[i % 4],
+                    markersize=5,
+                    markeredgecolor="black",
+                    markeredgewidth=0.5,
+                    color=color if compare else f"C{len(panel.train) + i}",
+                    label=prefix + label,
+                )
+        for x in _collapses(history, xs[run]):
+            ax.axvline(x, color="red", linewidth=1.0, alpha=0.6, linestyle="-" if run == name else "--")
+    for i, (label, values) in enumerate(baselines.items()):
+        for key in panel.keys:
+            if (value := _number(values.get(key))) is not None:
+                ax.axhline(value, color="black", linewidth=1.0, linestyle=_LINESTYLES[(i + 2) % 4], label=label)
+    ax.set_title(panel.title)
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if any(_collapses(history, xs[run]) for run, history in runs.items()):
+        handles.append(Line2D([], [], color="red", alpha=0.6, linewidth=1.0))
+        labels.append("collapse")
+    if len(handles) > 1:
+        ax.legend(handles, labels, fontsize="small")
 
 
 def plot_training_dynamics(
@@ -212,14 +242,18 @@ def plot_training_dynamics(
     title: str | None = None,
     extra: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
     name: str = "run",
+    baselines: Mapping[str, Mapping[str, float]] | None = None,
 ) -> str:
     """Draw the training-dynamics figure of ``log_history`` (a trainer's ``state.log_history``) to the PNG ``path``
     (parent folders are created) and return the path.
 
     ``extra`` maps names to the log histories of other runs, overlaid on the same panels with a legend in which this
     run is called ``name``. Only panels with data are drawn; see :func:`panels_for`.
+
+    ``baselines`` maps a label to reference values by metric, e.g. ``{"SFT": {"gold/reward": -0.16}}``: each is drawn
+    as a horizontal black line, with that label, on the panel that plots the metric.
     """
-    fig = training_dynamics_figure(log_history, title=title, extra=extra, name=name)
+    fig = training_dynamics_figure(log_history, title=title, extra=extra, name=name, baselines=baselines)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=100)
@@ -234,17 +268,17 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(f"run folder not found: {run_dir}")
     state_file = run_dir / "trainer_state.json"
     if not state_file.is_file():
-        checkpoints = sorted(
-            (int(m.group(1)), p)
-            for p in run_dir.iterdir()
-            if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()
-        )
+        checkpoints = [  # oldest first, by N (transformers' ordering)
+            path
+            for path in map(Path, sort_checkpoints(str(run_dir)))
+            if checkpoint_number(path) is not None and (path / "trainer_state.json").is_file()
+        ]
         if not checkpoints:
             raise FileNotFoundError(
                 f"no trainer_state.json in {run_dir} nor in a checkpoint-N folder of it (looked for "
                 f"{state_file} and {run_dir / 'checkpoint-N' / 'trainer_state.json'})"
             )
-        state_file = checkpoints[-1][1] / "trainer_state.json"
+        state_file = run_dir / checkpoints[-1].name / "trainer_state.json"
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import TrainingArguments
 
-PAPER = "Zheng et al. 2023, 'Secrets of RLHF in Large Language Models Part I: PPO'"
+from .core import KLEstimator, RewardNorm
+
+Preset = Literal["ppo_max", "vanilla"]
+ImportanceSampling = Literal["old_policy", "reference"]
 
 # Defaults that differ between the paper's PPO-max and trl 1.12's PPO. Everything else has one default.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -29,7 +32,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "vanilla": {
         "reward_norm": "none",
-        "reward_clip": 0.0,
+        "reward_clip": None,
         "max_grad_norm": 0.0,
         "critic_warmup_steps": 0,
         "temperature": 0.7,
@@ -49,8 +52,21 @@ def _preset_help(name: str, text: str) -> str:
     return f"{text} Default: {defaults}."
 
 
-def _preset_field(name: str, text: str) -> Any:
-    return field(default=None, metadata={"help": _preset_help(name, text)})
+class _FromPreset(float):
+    """Default of a preset field for which ``None`` is a real value ("off"): replaced in ``__post_init__`` by the
+    preset's value. A float (NaN) so that argument parsers pass it through untouched."""
+
+    def __repr__(self) -> str:
+        return "<from preset>"
+
+
+FROM_PRESET = _FromPreset("nan")
+
+
+def _preset_field(name: str, text: str, none_means_off: bool = False) -> Any:
+    """A field whose default comes from the preset; unset is ``None``, or :data:`FROM_PRESET` when ``None`` means
+    "off"."""
+    return field(default=FROM_PRESET if none_means_off else None, metadata={"help": _preset_help(name, text)})
 
 
 @dataclass
@@ -63,7 +79,7 @@ class PPOMaxConfig(TrainingArguments):
     """
 
     # ---- preset ---------------------------------------------------------------------------------------------------
-    preset: Literal["ppo_max", "vanilla"] = field(
+    preset: Preset = field(
         default="ppo_max",
         metadata={
             "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max) or 'vanilla' (trl 1.12's PPO maths, for "
@@ -83,7 +99,7 @@ class PPOMaxConfig(TrainingArguments):
     max_grad_norm: float | None = _preset_field(
         "max_grad_norm",
         "Global gradient clipping (App. C.2 of the paper), applied separately to the policy's and the critic's "
-        "gradients; 0 disables it (trl 1.12 never clipped).",
+        "gradients; 0 disables it (0, not None, as in trl 1.12 and TrainingArguments, which never clipped).",
     )
 
     # ---- trl 1.12 PPOConfig fields --------------------------------------------------------------------------------
@@ -129,7 +145,7 @@ class PPOMaxConfig(TrainingArguments):
     kl_coef: float = field(
         default=0.05, metadata={"help": "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19)."}
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = field(
+    kl_estimator: KLEstimator = field(
         default="k1", metadata={"help": "KL estimator in the reward: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2)."}
     )
     cliprange: float | None = field(
@@ -161,9 +177,11 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
-    world_size: int | None = field(default=None, metadata={"help": "Derived: number of processes."})
     num_total_batches: int | None = field(
-        default=None, metadata={"help": "Derived by the trainer from total_episodes: number of PPO iterations."}
+        default=None,
+        metadata={
+            "help": "Derived by the trainer from total_episodes (written back, as trl 1.12 did): PPO iterations."
+        },
     )
     micro_batch_size: int | None = field(
         default=None, metadata={"help": "Derived: per_device_train_batch_size × world_size."}
@@ -185,13 +203,13 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     # ---- PPO-max: score reparameterisation (§5.3.1) ---------------------------------------------------------------
-    reward_norm: Literal["running", "scale", "none"] | None = _preset_field(
+    reward_norm: RewardNorm | None = _preset_field(  # noqa: RUF009
         "reward_norm",
         "Reward normalisation with historical moments over all processes (§5.3.1, eq. 18): 'running' = (r − μ)/σ, "
         "'scale' = r/σ, 'none'.",
     )
     reward_clip: float | None = _preset_field(
-        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); 0 disables it."
+        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); None disables it.", none_means_off=True
     )
     whiten_advantages: bool = field(
         default=True,
@@ -203,7 +221,7 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
-    importance_sampling: Literal["old_policy", "reference"] = field(
+    importance_sampling: ImportanceSampling = field(
         default="old_policy",
         metadata={
             "help": "Denominator of the PPO ratio: the rollout ('old') policy, or the reference model (§5.3.2, "
@@ -253,10 +271,11 @@ class PPOMaxConfig(TrainingArguments):
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _resolve_preset(self) -> None:
-        if self.preset not in PRESETS:
+        if self.preset not in get_args(Preset):
             raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
         for name, value in PRESETS[self.preset].items():
-            if getattr(self, name) is None:
+            current = getattr(self, name)
+            if current is self.__dataclass_fields__[name].default or isinstance(current, _FromPreset):
                 setattr(self, name, value)
 
     def _validate(self) -> None:
@@ -283,7 +302,10 @@ class PPOMaxConfig(TrainingArguments):
             self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
             f"missing_eos_penalty must be ≥ 0 (it is subtracted), got {self.missing_eos_penalty}.",
         )
-        require(self.reward_clip >= 0, f"reward_clip must be ≥ 0 (0 disables it), got {self.reward_clip}.")
+        require(
+            self.reward_clip is None or self.reward_clip > 0,
+            f"reward_clip must be > 0, or None to disable it; got {self.reward_clip}.",
+        )
         require(self.max_grad_norm >= 0, f"max_grad_norm must be ≥ 0 (0 disables it), got {self.max_grad_norm}.")
         require(
             self.advantage_clip is None or self.advantage_clip > 0,
@@ -292,20 +314,15 @@ class PPOMaxConfig(TrainingArguments):
         require(self.critic_warmup_steps >= 0, f"critic_warmup_steps must be ≥ 0, got {self.critic_warmup_steps}.")
         require(self.ptx_coef >= 0, f"ptx_coef must be ≥ 0, got {self.ptx_coef}.")
         require(self.entropy_coef >= 0, f"entropy_coef must be ≥ 0, got {self.entropy_coef}.")
-        require(
-            self.reward_norm in ("running", "scale", "none"),
-            f"reward_norm must be 'running', 'scale' or 'none', got {self.reward_norm!r}.",
-        )
-        require(
-            self.kl_estimator in ("k1", "k2", "k3"), f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}."
-        )
-        require(
-            self.importance_sampling in ("old_policy", "reference"),
-            f"importance_sampling must be 'old_policy' or 'reference', got {self.importance_sampling!r}.",
-        )
+        for name, allowed in (
+            ("reward_norm", RewardNorm),
+            ("kl_estimator", KLEstimator),
+            ("importance_sampling", ImportanceSampling),
+        ):
+            choices = get_args(allowed)
+            require(getattr(self, name) in choices, f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
 
     def _derive_sizes(self) -> None:
-        self.world_size = self.distributed_state.num_processes if self.distributed_state is not None else 1
         self.local_batch_size = (
             self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
         )
@@ -318,21 +335,32 @@ class PPOMaxConfig(TrainingArguments):
     def effective_critic_learning_rate(self) -> float:
         return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
 
-    def num_iterations(self, dataset_size: int) -> tuple[int, int]:
-        """``(total_episodes, num_total_batches)`` for a prompt dataset of ``dataset_size`` prompts."""
-        total = self.total_episodes or int(self.num_train_epochs * dataset_size)
-        batches = self.num_total_batches or math.ceil(total / self.batch_size)
-        return total, batches
+    def set_run_length(self, dataset_size: int) -> None:
+        """Derive ``total_episodes`` (when unset: ``num_train_epochs`` × ``dataset_size``) and ``num_total_batches``
+        (PPO iterations) for a prompt dataset of ``dataset_size`` prompts and write them back, as trl 1.12's trainer
+        did, so that scripts reading ``trainer.args.num_total_batches`` keep working."""
+        if dataset_size < self.batch_size:
+            raise ValueError(
+                f"The training dataset has {dataset_size} prompts, fewer than one rollout batch "
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes = "
+                f"{self.batch_size}); add prompts or lower those sizes."
+            )
+        self.total_episodes = self.total_episodes or int(self.num_train_epochs * dataset_size)
+        self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
 
 
-def _render_field_docs(cls: type) -> str:
-    lines = ["", "    Fields (beyond ``TrainingArguments``):"]
-    base = {f.name for f in fields(TrainingArguments)}
+def render_field_docs(cls: type, base: type, always: tuple[str, ...] = ()) -> str:
+    """The "Fields" section of a config's docstring, from each field's help text: the fields ``cls`` adds to
+    ``base``, plus the ``always`` fields it re-defaults. Keeps the docstring and ``--help`` from drifting apart."""
+    lines = ["", f"    Fields (beyond ``{base.__name__}``):"]
+    inherited = {f.name for f in fields(base)}
     for f in fields(cls):
-        if f.name in base and f.name not in PRESETS["ppo_max"]:
+        if f.name in inherited and f.name not in always:
             continue
         lines.append(f"        {f.name}: {f.metadata.get('help', '')}")
     return "\n".join(lines)
 
 
-PPOMaxConfig.__doc__ = (PPOMaxConfig.__doc__ or "") + _render_field_docs(PPOMaxConfig)
+PPOMaxConfig.__doc__ = (PPOMaxConfig.__doc__ or "") + render_field_docs(
+    PPOMaxConfig, TrainingArguments, always=tuple(PRESETS["ppo_max"])
+)

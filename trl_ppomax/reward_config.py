@@ -6,18 +6,13 @@ from dataclasses import dataclass, field
 
 from trl import RewardConfig
 
-from .ppo_config import default_bf16
+from .ppo_config import default_bf16, render_field_docs
 
 
 @dataclass
 class PPOMaxRewardConfig(RewardConfig):
     r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`] (``bf16`` defaults to True
-    only on a GPU that supports it), plus:
-
-    Fields:
-        lm_loss_coef: β_rm, weight of the imitation (language-model) loss on the chosen response (§3.1, eq. 2).
-        fold_reward_stats: fold the evaluation reward statistics into the saved score head.
-        reward_histogram: write the histogram of r(chosen) − r(rejected) (the paper's Fig. 2) after evaluation.
+    only on a GPU that supports it), plus the fields below.
     """
 
     lm_loss_coef: float = field(
@@ -45,3 +40,6 @@ class PPOMaxRewardConfig(RewardConfig):
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16)
         super().__post_init__()
+
+
+PPOMaxRewardConfig.__doc__ = (PPOMaxRewardConfig.__doc__ or "") + render_field_docs(PPOMaxRewardConfig, RewardConfig)

@@ -239,18 +239,19 @@ def _linear_score_head(model: nn.Module) -> nn.Linear:
 
 
 def save_margin_histogram(margins: torch.Tensor, path: str) -> None:
-    """The paper's Fig. 2: histogram of ``r(chosen) − r(rejected)`` over the evaluation pairs, as a PNG."""
-    import matplotlib
+    """The paper's Fig. 2: histogram of ``r(chosen) − r(rejected)`` over the evaluation pairs, as a PNG.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on matplotlib's Agg canvas directly (as :mod:`~trl_ppomax.plotting` does): pyplot's global state and the
+    user's backend are left alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4), layout="tight")
+    FigureCanvasAgg(figure)
+    axis = figure.subplots()
     axis.hist(margins.numpy(), bins=min(50, max(10, len(margins) // 5)), color="tab:blue", alpha=0.8)
     axis.axvline(0.0, color="black", linewidth=1)
     accuracy = (margins > 0).float().mean().item()
     axis.set(xlabel="r(chosen) − r(rejected)", ylabel="pairs", title=f"Reward margins (accuracy {accuracy:.1%})")
-    figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path, dpi=120)
-    plt.close(figure)

@@ -70,6 +70,17 @@ def score_responses(
     return call_reward_function(reward, prompts, completions, ids.device)
 
 
+def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> dict[str, torch.Tensor]:
+    """``{name: f(prompts, completions)}`` (B,) each, on the decoded prompts and responses of a rollout (the
+    trainer's ``rollout_metrics``)."""
+    if not functions:
+        return {}
+    prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
+    completions = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+    device = rollout.scores.device
+    return {name: call_reward_function(f, prompts, completions, device) for name, f in functions.items()}
+
+
 def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int) -> torch.Tensor:
     """1.0 (B,) where the response holds ``stop_token_id``, else 0.0."""
     return ((responses == stop_token_id) & mask.bool()).any(dim=1).float()
@@ -130,3 +141,12 @@ def running_moments_from_config(config) -> core.RunningMoments | None:
     moments = core.RunningMoments()
     moments.load_state_dict({"count": count, "mean": config.reward_mean, "m2": std**2 * max(count - 1, 0)})
     return moments
+
+
+def initial_reward_moments(reward_model, reward_norm: str) -> core.RunningMoments:
+    """The PPO trainer's running reward moments at the start: seeded with the statistics PPOMaxRewardTrainer stored in
+    the reward model's config when rewards are normalised, else empty."""
+    seeded = running_moments_from_config(getattr(reward_model, "config", None)) if reward_norm != "none" else None
+    if seeded is not None:
+        logger.info("Reward normalisation starts from the reward model's stored statistics: %s", seeded)
+    return seeded or core.RunningMoments()

@@ -64,18 +64,40 @@ def sequence_inputs(
 
 @torch.no_grad()
 def generate_responses(
-    model: nn.Module,
-    query_ids: torch.Tensor,
-    query_mask: torch.Tensor,
-    generation_kwargs: dict,
-    stop_token_id: int | None,
-    pad_token_id: int,
+    model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, generation_kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample responses; returns ``(response_ids, response_mask)``, (B, T), with pad after the stop token.
+    """Sample responses with :func:`generation_kwargs`; returns ``(response_ids, response_mask)``, (B, T), with pad
+    after the stop token (``eos_token_id``).
 
     Generation ends when every sequence has produced the stop token (or at ``max_new_tokens``).
     """
     output = model.generate(input_ids=query_ids, attention_mask=query_mask, **generation_kwargs)
     responses = output[:, query_ids.shape[1] :]
-    mask = response_mask_from_stop(responses, stop_token_id)
-    return responses.masked_fill(~mask, pad_token_id), mask
+    mask = response_mask_from_stop(responses, generation_kwargs["eos_token_id"])
+    return responses.masked_fill(~mask, generation_kwargs["pad_token_id"]), mask
+
+
+@dataclass
+class Experience:
+    """Training targets of one rollout batch (per process), computed once before the PPO epochs."""
+
+    rollout: Rollout
+    old_logprobs: torch.Tensor  # (B, T) denominator of the ratio: rollout policy or reference (§5.3.2)
+    advantages: torch.Tensor  # (B, T) normalised / clipped
+    returns: torch.Tensor  # (B, T)
+
+
+def generation_kwargs(args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True) -> dict:
+    """``generate()`` arguments of a rollout: sampled with the configured temperature, top-p and repetition penalty
+    (top-k off), or greedy; at most ``response_length`` new tokens, ending at the stop token."""
+    kwargs = {
+        "max_new_tokens": args.response_length,
+        "eos_token_id": stop_token_id,
+        "pad_token_id": pad_token_id,
+        "do_sample": sampling,
+    }
+    if sampling:
+        kwargs.update(
+            temperature=args.temperature, top_k=0, top_p=args.top_p, repetition_penalty=args.repetition_penalty
+        )
+    return kwargs

@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -40,6 +38,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+
+from .checkpoint import atomic_directory
 
 __all__ = [
     "ARCHITECTURES",
@@ -297,8 +297,8 @@ def save_tiny_models(
     Writes ``sft/`` (causal LM + tokenizer), ``reward/`` (sequence-classification model with ``num_labels=1`` +
     tokenizer), ``prompts.jsonl`` (48 rows, column "prompt") and ``preferences.jsonl`` (64 rows, columns
     "prompt" / "chosen" / "rejected", see :func:`preference_rows`). Everything is first written into a temporary
-    sibling folder that is renamed into place only once complete, so a crash never leaves a half-written
-    ``output_dir``.
+    sibling folder that is renamed into place only once complete
+    (:func:`~trl_ppomax.checkpoint.atomic_directory`), so a crash never leaves a half-written ``output_dir``.
 
     Returns:
         ``{"sft": ..., "reward": ..., "prompts": ..., "preferences": ...}`` as strings.
@@ -317,25 +317,8 @@ def save_tiny_models(
             f"{out} exists and is not empty: pick another output folder, empty it, or pass overwrite=True "
             "(--overwrite on the command line) to replace it."
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _write_all(tmp, arch, seed)
-        if out.exists():
-            # Move the old folder aside first so that ``out`` is always either the old or the new, complete one.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old / out.name, out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_directory(out) as tmp:
+        _write_all(Path(tmp), arch, seed)
     return {
         "sft": str(out / "sft"),
         "reward": str(out / "reward"),

@@ -6,14 +6,11 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from accelerate import PartialState
-from conftest import build_models, prompt_texts
 from datasets import Dataset
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.tiny import build_models, prompt_texts
 
 output = Path(sys.argv[1])
 on_cpu = "--cpu" in sys.argv

@@ -1,6 +1,7 @@
-"""The paper's released models (MOSS-RLHF): prompt format and chat template, tokenizer set-up, and recovery of the
-weight diffs into standard transformers checkpoints."""
+"""The paper's released models (MOSS-RLHF): prompt format and chat template, tokenizer set-up, recovery of the
+weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives in this package."""
 
+from .card import moss_model_card
 from .prompt import SPEAKER_TAGS, build_prompt, chat_template, format_dialogue, setup_tokenizer, truncate_dialogue
 from .recovery import EXPECTED_SUMS, RELEASES, IntegrityError, recover
 
@@ -12,6 +13,7 @@ __all__ = [
     "build_prompt",
     "chat_template",
     "format_dialogue",
+    "moss_model_card",
     "recover",
     "setup_tokenizer",
     "truncate_dialogue",

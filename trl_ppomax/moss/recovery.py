@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import os
-import shutil
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +27,21 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers.utils.hub import convert_file_size_to_int
 
-from .prompt import setup_tokenizer
+from ..checkpoint import atomic_directory
+from .prompt import SPEAKER_TAGS, setup_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ModelType = Literal["reward", "sft", "policy"]
+#: The release's model types: the reward model, the SFT model and the PPO(-max) policy.
 MODEL_TYPES = ("reward", "sft", "policy")
-LANGS = ("en", "zh")
+#: The release's languages.
+LANGS = tuple(SPEAKER_TAGS)
 # Sum of all recovered parameters in float32, as published with the release (relative tolerance 1e-5).
 EXPECTED_SUMS = {("reward", "en"): 50810.703125, ("sft", "en"): 50874.84765625, ("reward", "zh"): 49954.0859375}
+#: The published weight diffs, by ``(model_type, lang)``.
 RELEASES = {
     ("reward", "en"): "fnlp/moss-rlhf-reward-model-7B-en",
     ("sft", "en"): "fnlp/moss-rlhf-sft-model-7B-en",
@@ -44,6 +49,8 @@ RELEASES = {
     ("reward", "zh"): "Ablustrund/moss-rlhf-reward-model-7B-zh",
 }
 RELATIVE_TOLERANCE = 1e-5
+#: The record :func:`recover` writes next to the weights (keys: model_type, lang, source_diff, source_raw,
+#: expected_sum, recovered_sum, dtype, recovery_command); :mod:`trl_ppomax.moss.card` reads it.
 CONVERSION_INFO = "trl_ppomax_conversion.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,16 +142,19 @@ def converted_name(name: str, model_type: ModelType) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 # Writing shards as they fill
 # --------------------------------------------------------------------------------------------------------------------
-def parse_size(size: int | str) -> int:
-    """``"2GB"`` → bytes (decimal units, as transformers uses)."""
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    text = size.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+def shard_size_bytes(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or a whole number and a unit as transformers reads them ("2GB", "500MB",
+    "1GiB"; a lower-case "b" means bits)."""
+    try:
+        value = convert_file_size_to_int(size)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f'Invalid --max-shard-size {size!r}: give a whole number followed by a unit, e.g. "5GB", "500MB" '
+            'or "2GiB".'
+        ) from err
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f'Invalid --max-shard-size {size!r}: it must be positive, e.g. "5GB".')
+    return value
 
 
 @dataclass
@@ -224,7 +234,8 @@ def recover(
     """Recover ``diff`` (a release folder) against ``raw`` (LLaMA-7B, Hugging Face format) and write a standard
     transformers checkpoint, tokenizer with the MOSS chat template and a conversion record to ``output``.
 
-    Raises ``IntegrityError`` (and writes nothing) when the parameters do not sum to the published value.
+    Raises ``IntegrityError`` (and writes nothing) when the parameters do not sum to the published value, and
+    ``ValueError`` for an unknown ``model_type``, ``lang`` or ``dtype`` or an invalid ``max_shard_size``.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
@@ -236,12 +247,11 @@ def recover(
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty; choose another output folder or remove it.")
+    max_bytes = shard_size_bytes(max_shard_size)
     diff_folder, raw_folder = TensorFolder(diff), TensorFolder(raw)
-    temporary = output.with_name(f".tmp-{output.name}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir(parents=True)
-    try:
-        total = _write_tensors(diff_folder, raw_folder, temporary, model_type, DTYPES[dtype], max_shard_size, progress)
+    with atomic_directory(output) as folder:  # nothing at ``output`` unless every step below succeeds
+        temporary = Path(folder)
+        total = _write_tensors(diff_folder, raw_folder, temporary, model_type, DTYPES[dtype], max_bytes, progress)
         if target is not None and not math.isclose(total, target, rel_tol=RELATIVE_TOLERANCE):
             raise IntegrityError(
                 f"The recovered {lang} {model_type} weights sum to {total:.6f}, not the published {target:.6f} "
@@ -260,19 +270,14 @@ def recover(
             "recovery_command": recovery_command(raw, diff, output, model_type, lang, dtype),
         }
         (temporary / CONVERSION_INFO).write_text(json.dumps(info, indent=2))
-        if output.exists():
-            output.rmdir()
-        os.replace(temporary, output)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
     return output
 
 
-def _write_tensors(diff, raw, folder, model_type, dtype, max_shard_size, progress) -> float:
+def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) -> float:
     """Stream recovered tensors into shards; returns the float32 sum of every recovered parameter."""
     from tqdm.auto import tqdm
 
-    writer = ShardWriter(folder, parse_size(max_shard_size))
+    writer = ShardWriter(folder, max_bytes)
     total = 0.0
     names = diff.names()
     for name, tensor in tqdm(recovered_tensors(diff, raw), total=len(names), desc="Recovering", disable=not progress):
@@ -301,11 +306,11 @@ def _write_config_and_tokenizer(diff: Path, raw: Path, folder: Path, model_type,
     tokenizer.save_pretrained(folder)
 
 
-def recovery_command(raw, diff, output, model_type, lang, dtype) -> str:
-    return (
-        f"trl-ppomax moss recover --raw {raw} --diff {diff} --output {output} --model-type {model_type} "
-        f"--lang {lang} --dtype {dtype}"
-    )
+def recovery_command(raw, diff, output, model_type, lang, dtype=None) -> str:
+    """The ``trl-ppomax moss recover`` command line (shell-quoted) that writes ``output``; no ``--dtype`` if None."""
+    parts = ["trl-ppomax", "moss", "recover", "--raw", raw, "--diff", diff, "--output", output]
+    parts += ["--model-type", model_type, "--lang", lang] + (["--dtype", dtype] if dtype else [])
+    return " ".join(shlex.quote(str(part)) for part in parts)
 
 
 def resolve_source(path_or_repo: str) -> str:

@@ -17,6 +17,18 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from ..checkpoint import atomic_directory
+from ..metrics import (
+    EPISODE,
+    GOLD_REWARD,
+    KL,
+    POLICY_LOSS,
+    POLICY_PERPLEXITY,
+    RESPONSE_LENGTH,
+    SCORES,
+    VALUE_LOSS,
+    eval_name,
+)
 from ..tiny import llama_config, word_level_tokenizer
 from .world import EOS, WorldSampler, bradley_terry_label, gold_reward, gold_rewards, vocabulary
 
@@ -73,12 +85,8 @@ def _stage(folder: Path, build) -> str:
     """Run ``build(tmp)`` into a temporary folder and rename it to ``folder``, unless ``folder`` is already there."""
     if (folder / "config.json").is_file():
         return str(folder)
-    temporary = folder.with_name(f".tmp-{folder.name}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir(parents=True)
-    build(temporary)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(temporary, folder)
+    with atomic_directory(folder) as temporary:
+        build(Path(temporary))
     return str(folder)
 
 
@@ -198,7 +206,8 @@ def train_prompts(n: int = 2048, seed: int = 0) -> Dataset:
     return Dataset.from_dict({"prompt": WorldSampler(seed=seed).prompts(n, offset=4)})
 
 
-GOLD_METRICS = {"gold/reward": gold_rewards}
+#: The gold reward, logged next to the proxy as a ``rollout_metrics`` entry (the trainer does not log it otherwise).
+GOLD_METRICS = {GOLD_REWARD: gold_rewards}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -272,11 +281,11 @@ def ppo_trainer(world: World, config, callbacks=None):
 
 
 SUMMARY_KEYS = {
-    "gold_reward": "eval_gold/reward",
-    "proxy_reward": "eval_objective/scores",
-    "kl": "eval_objective/kl",
-    "perplexity": "eval_policy/perplexity",
-    "response_length": "eval_response/length",
+    "gold_reward": eval_name(GOLD_REWARD),
+    "proxy_reward": eval_name(SCORES),
+    "kl": eval_name(KL),
+    "perplexity": eval_name(POLICY_PERPLEXITY),
+    "response_length": eval_name(RESPONSE_LENGTH),
 }
 
 
@@ -286,13 +295,13 @@ def summarise(metrics: dict[str, float]) -> dict[str, float]:
 
 
 CURVE_KEYS = {
-    "gold_reward": "gold/reward",
-    "proxy_reward": "objective/scores",
-    "kl": "objective/kl",
-    "perplexity": "policy/perplexity",
-    "response_length": "response/length",
-    "policy_loss": "loss/policy",
-    "value_loss": "loss/value",
+    "gold_reward": GOLD_REWARD,
+    "proxy_reward": SCORES,
+    "kl": KL,
+    "perplexity": POLICY_PERPLEXITY,
+    "response_length": RESPONSE_LENGTH,
+    "policy_loss": POLICY_LOSS,
+    "value_loss": VALUE_LOSS,
 }
 
 
@@ -302,7 +311,7 @@ def run_method(world: World, method: str, output_dir: str, iterations: int = 100
     sft = summarise(trainer.evaluate(metric_key_prefix="eval"))
     trainer.train()
     final = summarise(trainer.evaluate(metric_key_prefix="eval"))
-    logs = [entry for entry in trainer.state.log_history if "gold/reward" in entry]
+    logs = [entry for entry in trainer.state.log_history if GOLD_REWARD in entry]
     curves = {name: [float(entry[key]) for entry in logs] for name, key in CURVE_KEYS.items()}
-    curves["episode"] = [float(entry["episode"]) for entry in logs]
+    curves["episode"] = [float(entry[EPISODE]) for entry in logs]
     return trainer, sft, final, curves

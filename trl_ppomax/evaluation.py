@@ -1,0 +1,76 @@
+"""Evaluation and sample tables of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout phase run on
+held-out prompts, reported with the same per-response metrics as training (``eval_…``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from trl.trainer.utils import print_prompt_completions_sample
+
+from . import metrics as M
+from .data import prepare_prompt_dataset, rows_of_this_process
+from .rewards import decode_texts
+
+
+class EvaluationMixin:
+    """``evaluate()`` and ``generate_completions()``; needs the trainer's ``rollout``, ``_shape_scores`` and
+    ``_response_metrics``."""
+
+    @torch.no_grad()
+    def evaluate(
+        self, eval_dataset: Dataset | None = None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
+        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``)."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if not isinstance(dataset, Dataset):
+            raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
+        if "input_ids" not in dataset.column_names:
+            dataset = prepare_prompt_dataset(dataset, self.processing_class, self.args.dataset_num_proc)
+        device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+        rows, weights = rows_of_this_process(len(dataset), self.accelerator)
+        for start in range(0, len(rows), chunk):
+            rollout = self._rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
+            weight = torch.tensor(weights[start : start + chunk], device=device)
+            for name, values in self._response_metrics(rollout, *self._shape_scores(rollout)).items():
+                totals[name] += (values.float() * weight).sum()
+            totals["count"] += weight.sum()
+        names = list(totals)
+        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
+        count = sums[names.index("count")]
+        metrics = {
+            M.eval_name(n, metric_key_prefix): (v / count).item()
+            for n, v in zip(names, sums, strict=True)
+            if n != "count"
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:
+        """Generate for a few evaluation (or training) prompts, print a table and return the rows."""
+        dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
+        rollout = self._rollout_rows(dataset, list(range(min(num_prompts, len(dataset)))), sampling)
+        tokenizer = self.processing_class
+        queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
+        responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+        rows = [
+            {"query": q, "response": r, "score": s}
+            for q, r, s in zip(queries, responses, rollout.scores.tolist(), strict=True)
+        ]
+        rows = [row for part in gather_object([rows]) for row in part]
+        if self.accelerator.is_main_process:
+            scores = {"score": [row["score"] for row in rows]}
+            queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
+            print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
+        return rows
+
+    def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool):
+        batch = self.data_collator([dataset[i] for i in rows])
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        return self.rollout(batch["input_ids"], batch["attention_mask"], sampling=sampling)

@@ -1,0 +1,144 @@
+"""The model card of a MOSS-RLHF model: what ``trl-ppomax push`` writes for a folder made by ``trl-ppomax moss recover``.
+
+A folder holding the conversion record (:data:`~trl_ppomax.moss.recovery.CONVERSION_INFO`) gets the MOSS-RLHF card:
+licence ``agpl-3.0``, the published diff as ``base_model``, the release's prompt format (rendered with
+:func:`~trl_ppomax.moss.prompt.format_dialogue` and the chat template), usage and the recovery command. A folder
+trained from a MOSS-RLHF model gets the trl-ppomax card with the MOSS-RLHF prompt format and licence; any other
+folder the generic card of :func:`trl_ppomax.hub.model_card`. The layout is :func:`trl_ppomax.hub.render_card`'s.
+"""
+
+from __future__ import annotations
+
+import os
+
+from huggingface_hub import ModelCard
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, read_json, render_card, repo_like, trained_intro
+from .prompt import EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
+from .recovery import CONVERSION_INFO, MODEL_TYPES, RELEASES, recovery_command
+
+__all__ = ["LICENCE_SECTION", "moss_model_card"]
+
+_LANGUAGE_NAMES = {"en": "English", "zh": "Chinese"}
+_EXAMPLE_TEXT = {"en": "Hi", "zh": "你好"}
+LICENCE_SECTION = (
+    "## Licence\n\n"
+    "The MOSS-RLHF model weights are released under the **GNU AGPL-3.0**, so these derived weights are "
+    "AGPL-3.0 as well (LLaMA's own licence terms also apply to the base weights). The MOSS-RLHF code is "
+    "Apache-2.0 and its data CC BY-NC 4.0; trl-ppomax is Apache-2.0."
+)
+
+
+def _prompt_section(lang: str | None) -> str:
+    """The release's prompt format for ``lang`` (both languages when None), with examples rendered by
+    :func:`format_dialogue` and by the chat template :func:`~trl_ppomax.moss.prompt.setup_tokenizer` installs."""
+    langs = [lang] if lang in SPEAKER_TAGS else list(SPEAKER_TAGS)
+    lines = [
+        "## Prompt format",
+        "",
+        "Turns alternate, each prefixed with its speaker tag and **no space**, and are joined by the eos token "
+        f"`{EOS_TOKEN}`; the prompt ends with eos and the assistant's tag, and the model continues from there "
+        f"(ending its answer with `{EOS_TOKEN}`). When a conversation is too long, drop the oldest turns first.",
+        "",
+    ]
+    for code in langs:
+        human, assistant = SPEAKER_TAGS[code]
+        example = format_dialogue([{"role": "user", "content": _EXAMPLE_TEXT[code]}], code)
+        lines.append(f"- {_LANGUAGE_NAMES[code]}: `{human}` / `{assistant}`, e.g. `{example}`")
+    messages = [{"role": "user", "content": _EXAMPLE_TEXT[langs[0]]}]
+    (rendered,), _ = render_jinja_template(
+        [messages], chat_template=chat_template(langs[0]), add_generation_prompt=True, eos_token=EOS_TOKEN
+    )
+    lines += [
+        "",
+        "The tokenizer's chat template produces this string: `tokenizer.apply_chat_template("
+        f'[{{"role": "user", "content": "{messages[0]["content"]}"}}], tokenize=False, add_generation_prompt=True)` '
+        f"gives `{rendered}`.",
+    ]
+    return "\n".join(lines)
+
+
+def _release_intro(model_type: str | None, lang: str | None, base_model: str | None) -> str:
+    language = f"{_LANGUAGE_NAMES[lang]} " if lang in _LANGUAGE_NAMES else ""
+    what = MODEL_KINDS.get(model_type or "", "model")
+    source = f" [`{base_model}`](https://huggingface.co/{base_model})" if base_model else ""
+    intro = (
+        f"The {language}MOSS-RLHF {what} released with {PAPER_LINK}, recovered from the published weight "
+        f"diff{source} against LLaMA-7B and converted to the standard `transformers` format with trl-ppomax."
+    )
+    if model_type == "reward":
+        intro += (
+            " It is a `LlamaForSequenceClassification` with `num_labels=1`: the release's `reward_head` is "
+            "`score.weight`, and the reward is read at the last token of prompt + response."
+        )
+    return intro
+
+
+def _recovery_section(conversion: dict, base_model: str | None, name: str, model_type, lang) -> str:
+    command = conversion.get("recovery_command") or recovery_command(
+        conversion.get("source_raw") or "/path/to/llama-7b-hf",
+        conversion.get("source_diff") or base_model or "/path/to/diff",
+        f"./{name}",
+        model_type or "reward",
+        lang or "en",
+    )
+    check = (
+        f" The recovery checks that the sum of all recovered parameters (float32) is `{conversion['expected_sum']}`."
+        if conversion.get("expected_sum") is not None
+        else ""
+    )
+    return (
+        "## How these weights were made\n\n"
+        "The release stores `tuned − raw` for every parameter whose name contains `layers` (other tensors "
+        f"whole); recovery adds the raw LLaMA-7B weights back.{check}\n\n```bash\n{command}\n```"
+    )
+
+
+def moss_model_card(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    model_type: str | None = None,
+    lang: str | None = None,
+    base_model: str | None = None,
+) -> ModelCard:
+    """The model card (README.md) for a model folder about to be pushed to ``repo_id``: the MOSS-RLHF card for a
+    converted folder (or one whose base model is a MOSS-RLHF model), else the generic trl-ppomax card.
+
+    ``model_type`` ("reward", "sft" or "policy"), ``lang`` ("en" or "zh") and ``base_model`` override what the
+    conversion record and config.json say.
+
+    Raises:
+        ValueError: the folder is missing or holds no config.json / adapter_config.json, a JSON file is
+            unreadable, or ``model_type`` / ``lang`` is unknown.
+    """
+    model = ModelFolder.read(folder)
+    converted = (model.path / CONVERSION_INFO).is_file()
+    conversion = read_json(model.path / CONVERSION_INFO) if converted else {}
+
+    model_type = model_type or conversion.get("model_type") or model.model_type
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise ValueError(f"Unknown model type {model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+    lang = lang or conversion.get("lang")
+    if lang is not None and lang not in SPEAKER_TAGS:
+        raise ValueError(f"Unknown language {lang!r}: use one of {', '.join(SPEAKER_TAGS)}.")
+    base_model = base_model or repo_like(conversion.get("source_diff"))
+    if base_model is None and converted:
+        base_model = RELEASES.get((model_type, lang or "en"))
+    base_model = base_model or model.base_model
+    common = dict(model_type=model_type, base_model=base_model, lang=lang, peft=model.peft)
+    if not converted and "moss-rlhf" not in (base_model or "").lower():
+        return render_card(repo_id, intro=trained_intro(model_type, base_model), **common)
+
+    name = repo_id.rstrip("/").split("/")[-1]
+    sections = [_recovery_section(conversion, base_model, name, model_type, lang)] if converted else []
+    return render_card(
+        repo_id,
+        intro=_release_intro(model_type, lang, base_model) if converted else trained_intro(model_type, base_model),
+        prompt_section=_prompt_section(lang),
+        sections=[*sections, LICENCE_SECTION],
+        license="agpl-3.0",
+        extra_tags=["moss-rlhf"],
+        **common,
+    )
