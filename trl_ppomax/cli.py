@@ -192,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default: 0)")
     tiny.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR even if it is not empty")
     tiny.set_defaults(run=save_tiny)
+    _add_push(commands)
+    _add_moss(commands)
+    _add_plot(commands)
+    return parser
+
+
+def _add_push(commands) -> None:
     push = commands.add_parser(
         "push",
         help=push_model.__doc__,
@@ -208,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--lang", choices=["en", "zh"], help="override the card's language")
     push.add_argument("--base-model", metavar="REPO", help="override the card's base_model")
     push.set_defaults(run=push_model)
+
+
+def _add_moss(commands) -> None:
     moss = commands.add_parser("moss", help="the paper's released models (MOSS-RLHF)").add_subparsers(
         dest="moss_command", required=True
     )
@@ -224,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size", default="2GB", help="size of the output shards, e.g. 500MB or 5GB (default: 2GB)"
     )
     recover.set_defaults(run=recover_moss)
+
+
+def _add_plot(commands) -> None:
     plot = commands.add_parser("plot", help=plot_run.__doc__, description=plot_run.__doc__)
     plot.add_argument(
         "run_dir", metavar="RUN_DIR", help="output folder with trainer_state.json (or checkpoint-N folders)"
@@ -239,7 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("--title", help="figure title (default: the name of RUN_DIR)")
     plot.set_defaults(run=plot_run)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

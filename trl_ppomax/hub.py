@@ -180,7 +180,12 @@ def _usage_section(model_type: str | None, repo_id: str, peft: bool) -> str:
     else:
         note = ""
     if model_type == "reward":
-        return f"""## Usage
+        return _reward_usage(note, repo_id, load)
+    return _generation_usage(note, repo_id, load, model_type)
+
+
+def _reward_usage(note: str, repo_id: str, load: str) -> str:
+    return f"""## Usage
 
 {note}Score a conversation (higher is better); the score is read at the last token, so pad batches on the left:
 
@@ -217,6 +222,9 @@ trainer = PPOMaxTrainer(
 trainer.train()
 ```
 """
+
+
+def _generation_usage(note: str, repo_id: str, load: str, model_type: str | None) -> str:
     trainer_note = (
         "\nUse it as the `model` of `PPOMaxTrainer` (trl-ppomax) to train a PPO-max policy; the reference model "
         "defaults to a frozen copy of it.\n"
