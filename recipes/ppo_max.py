@@ -52,6 +52,10 @@ class PPOMaxScriptArguments(ScriptArguments):
     eval_samples: int = field(
         default=0, metadata={"help": "Hold out this many prompts for evaluation when there is no test split."}
     )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Evaluation prompts from another dataset or prompt file (e.g. the release's valid.json)."},
+    )
     max_train_prompts: int | None = field(default=None, metadata={"help": "Use at most this many training prompts."})
     ptx_dataset_name: str | None = field(
         default=None, metadata={"help": "Pre-training/SFT texts ('text' column) for the PPO-ptx loss (ptx_coef)."}
@@ -108,7 +112,11 @@ def load_prompts(script_args):
     if script_args.max_train_prompts:
         train = train.select(range(min(script_args.max_train_prompts, len(train))))
     evaluation = None
-    if script_args.eval_samples:
+    if script_args.eval_dataset_name:
+        evaluation = to_prompt_dataset(load_any_dataset(script_args.eval_dataset_name, split="train"))
+        if script_args.eval_samples:
+            evaluation = evaluation.select(range(min(script_args.eval_samples, len(evaluation))))
+    elif script_args.eval_samples:
         split = train.train_test_split(test_size=script_args.eval_samples, seed=0)
         train, evaluation = split["train"], split["test"]
     return train, evaluation

@@ -3,6 +3,7 @@ import logging
 import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from trl_ppomax.moss.prompt import (
     SPEAKER_TAGS,
@@ -32,6 +33,7 @@ DIALOGUES = [
     ZH_MULTI,
     [user(" spaces  kept \n"), assistant("\nyes "), user("")],
     [user("Hi"), assistant("Hello")],
+    [assistant("Hello"), user("How?")],  # even length: the release's roles from the end start with the assistant
 ]
 
 
@@ -60,6 +62,16 @@ def test_format_dialogue_exact_strings():
     assert format_dialogue(ZH_MULTI, "zh") == "<|Human|>你好</s><|MOSS|>你好！</s><|Human|>在吗？</s><|MOSS|>"
 
 
+def test_format_dialogue_may_start_with_an_assistant_turn():
+    # the release tags turns from the end (the last is the human's), so even-length dialogues start with "Assistant:"
+    assert format_dialogue([assistant("Hello"), user("How?")]) == "Assistant:Hello</s>Human:How?</s>Assistant:"
+    assert (
+        format_dialogue([assistant("a"), user("b"), assistant("c"), user("d")], "zh")
+        == "<|MOSS|>a</s><|Human|>b</s><|MOSS|>c</s><|Human|>d</s><|MOSS|>"
+    )
+    assert format_dialogue([assistant("Hello")], add_generation_prompt=False) == "Assistant:Hello</s>"
+
+
 def test_format_dialogue_without_generation_prompt_and_custom_eos():
     dialogue = [user("Hi"), assistant("Hello")]
     assert format_dialogue(dialogue, add_generation_prompt=False) == "Human:Hi</s>Assistant:Hello</s>"
@@ -75,9 +87,10 @@ def test_format_dialogue_without_generation_prompt_and_custom_eos():
     [
         ([], ValueError, "empty"),
         ([{"role": "system", "content": "Be nice."}, user("Hi")], ValueError, "no system turn"),
-        ([user("Hi"), user("Again")], ValueError, "alternate.*message 1 has role 'user'"),
-        ([assistant("Hello"), user("Hi")], ValueError, "starting with a user"),
+        ([user("Hi"), user("Again")], ValueError, "alternate.*message 1 has role 'user', as message 0"),
+        ([assistant("Hello"), user("Hi"), user("Again")], ValueError, "alternate.*message 2 has role 'user'"),
         ([user("Hi"), assistant("a"), assistant("b")], ValueError, "alternate"),
+        ([assistant("Hello")], ValueError, "add_generation_prompt=False"),
         ([{"role": "tool", "content": "x"}], ValueError, "only knows 'user' and 'assistant'"),
         ([user("Hi"), assistant("Hello")], ValueError, "add_generation_prompt=False"),
         ([{"role": "user"}], TypeError, "'role' and 'content'"),
@@ -109,35 +122,47 @@ def test_format_dialogue_bad_lang_and_eos():
 def test_chat_template_matches_format_dialogue(lang, messages, add_generation_prompt):
     tokenizer = setup_tokenizer(build_llama_style_tokenizer(lang), lang)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    assert rendered == format_dialogue(messages, lang, tokenizer.eos_token, add_generation_prompt)
-    assert not rendered.startswith(tokenizer.bos_token)
+    text = format_dialogue(messages, lang, tokenizer.eos_token, add_generation_prompt)
+    assert rendered == tokenizer.bos_token + text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_dict=False)
+    assert ids == tokenizer(text).input_ids  # the release's ids: one bos, then the text
+    assert ids.count(tokenizer.bos_token_id) == 1
 
 
 def test_chat_template_uses_the_tokenizers_eos(tok_en):
     tok_en.eos_token = "hi"
-    assert tok_en.apply_chat_template(MULTI, add_generation_prompt=True, tokenize=False) == format_dialogue(
+    assert tok_en.apply_chat_template(MULTI, add_generation_prompt=True, tokenize=False) == "<s>" + format_dialogue(
         MULTI, eos_token="hi"
     )
 
 
 def test_chat_template_continue_final_message(tok_en):
     rendered = tok_en.apply_chat_template([user("Hi"), assistant("Hel")], continue_final_message=True, tokenize=False)
-    assert rendered == "Human:Hi</s>Assistant:Hel"
+    assert rendered == "<s>Human:Hi</s>Assistant:Hel"
 
 
-def test_chat_template_tokenized_has_no_bos_but_tokenizer_call_has(tok_en):
+def test_chat_template_ids_are_the_releases(tok_en):
     text = format_dialogue(MULTI)
     ids = tok_en.apply_chat_template(MULTI, add_generation_prompt=True, return_dict=False)
-    assert ids == tok_en(text, add_special_tokens=False).input_ids
-    assert tok_en(text).input_ids == [tok_en.bos_token_id, *ids]
+    assert ids == tok_en(text).input_ids  # the release: tokenizer.encode(prompt, add_special_tokens=True)
+    assert ids == [tok_en.bos_token_id, *tok_en(text, add_special_tokens=False).input_ids]
+
+
+def test_chat_template_without_bos_token():
+    (rendered,), _ = render_jinja_template(
+        [MULTI], chat_template=chat_template("en"), add_generation_prompt=True, eos_token="</s>"
+    )
+    assert rendered == format_dialogue(MULTI)
 
 
 @pytest.mark.parametrize(
     ("messages", "kwargs", "match"),
     [
         ([{"role": "system", "content": "x"}, user("Hi")], {}, "no system turn"),
-        ([user("Hi"), user("Again")], {}, "alternate"),
-        ([assistant("Hello")], {}, "alternate"),
+        ([user("Hi"), user("Again")], {}, "alternate.*message 1 has role user"),
+        ([assistant("Hello"), user("Hi"), user("Again")], {}, "alternate.*message 2 has role user"),
+        ([user("Hi"), assistant("a"), assistant("b")], {}, "alternate"),
+        ([assistant("Hello")], {"add_generation_prompt": True}, "assistant turn"),
         ([{"role": "tool", "content": "x"}], {}, "Unknown role"),
         ([user("Hi"), assistant("Hello")], {"add_generation_prompt": True}, "assistant turn"),
     ],
@@ -145,6 +170,13 @@ def test_chat_template_tokenized_has_no_bos_but_tokenizer_call_has(tok_en):
 def test_chat_template_errors(tok_en, messages, kwargs, match):
     with pytest.raises(TemplateError, match=match):
         tok_en.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def test_chat_template_accepts_an_assistant_first_dialogue(tok_en):
+    messages = [assistant("Hello"), user("How?")]
+    assert tok_en.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        "<s>Assistant:Hello</s>Human:How?</s>Assistant:"
+    )
 
 
 def test_chat_template_empty_conversation_raises(tok_en):
@@ -214,7 +246,7 @@ def test_setup_tokenizer_survives_save_and_load(tok_zh, tmp_path):
     assert loaded.pad_token_id == 0 and loaded.padding_side == "left"
     assert loaded.chat_template == chat_template("zh")
     assert loaded("<|Human|>hi").input_ids == tok_zh("<|Human|>hi").input_ids
-    assert loaded.apply_chat_template(ZH_MULTI, add_generation_prompt=True, tokenize=False) == format_dialogue(
+    assert loaded.apply_chat_template(ZH_MULTI, add_generation_prompt=True, tokenize=False) == "<s>" + format_dialogue(
         ZH_MULTI, "zh"
     )
 
@@ -251,63 +283,65 @@ def test_truncate_keeps_everything_when_it_fits(tok_en):
     assert truncate_dialogue(LONG, tok_en, 10_000) == LONG
 
 
-def test_truncate_drops_oldest_exchanges_first(tok_en):
-    sizes = [n_tokens(tok_en, LONG[k:]) for k in (0, 2, 4)]
-    assert sizes[0] > sizes[1] > sizes[2]
-    for budget in range(sizes[2], sizes[0] + 2):
+def test_truncate_drops_whole_turns_one_at_a_time(tok_en):
+    sizes = [n_tokens(tok_en, LONG[k:]) for k in range(len(LONG))]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    for budget in range(sizes[-1], sizes[0] + 2):
         kept = truncate_dialogue(LONG, tok_en, budget)
-        k = next(k for k, size in zip((0, 2, 4), sizes, strict=True) if size <= budget)  # fewest dropped that fit
+        k = next(k for k, size in enumerate(sizes) if size <= budget)  # the fewest turns dropped that fit
         assert kept == LONG[k:]
-        assert kept[0]["role"] == "user" and kept[-1] is LONG[-1]
+        assert all(a is b for a, b in zip(kept, LONG[k:], strict=True))  # whole turns, never a cut inside one
         assert n_tokens(tok_en, kept) <= budget
-    assert truncate_dialogue(LONG, tok_en, sizes[1]) == LONG[2:]
-    assert truncate_dialogue(LONG, tok_en, sizes[1] - 1) == LONG[4:]
+    # dropping one turn leaves an assistant turn first, as the release does
+    kept = truncate_dialogue(LONG, tok_en, sizes[1])
+    assert kept == LONG[1:] and kept[0]["role"] == "assistant"
+    assert format_dialogue(kept).startswith("Assistant:hi</s>Human:how are you today</s>")
+    assert truncate_dialogue(LONG, tok_en, sizes[2] - 1) == LONG[3:]
 
 
-def test_truncate_cuts_the_last_turn_from_the_left(tok_en, caplog):
-    bare = n_tokens(tok_en, [user("")])  # <s> Human : </s> Assistant :
-    assert bare == 6
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.moss.prompt"):
-        kept = truncate_dialogue(LONG, tok_en, bare + 3)
-    assert kept == [user("about the cat")]
-    assert "does not fit" in caplog.text
+def test_truncate_returns_none_when_the_last_turn_alone_does_not_fit(tok_en):
+    alone = n_tokens(tok_en, LONG[-1:])
+    assert truncate_dialogue(LONG, tok_en, alone) == [LONG[-1]]
+    for budget in (1, 6, alone - 1):
+        assert truncate_dialogue(LONG, tok_en, budget) is None  # the caller skips the sample
     assert LONG[-1]["content"] == "tell me a story about the cat"  # input untouched
-    for budget in range(bare, n_tokens(tok_en, LONG[4:])):
-        (turn,) = truncate_dialogue(LONG, tok_en, budget)
-        assert LONG[-1]["content"].endswith(turn["content"])
-        assert n_tokens(tok_en, [turn]) == budget  # one word = one token here, so it fills the budget exactly
-    assert truncate_dialogue(LONG, tok_en, bare) == [user("")]
-    with pytest.raises(ValueError, match="cannot hold even an empty user turn"):
-        truncate_dialogue(LONG, tok_en, bare - 1)
+
+
+def test_truncate_uses_the_generic_release_rule(tok_en, monkeypatch):
+    import trl_ppomax.data
+
+    calls = []
+    original = trl_ppomax.data.drop_oldest_turns
+
+    def spy(messages, fits):
+        calls.append(messages)
+        return original(messages, fits)
+
+    monkeypatch.setattr(trl_ppomax.data, "drop_oldest_turns", spy)
+    assert truncate_dialogue(LONG, tok_en, n_tokens(tok_en, LONG[2:])) == LONG[2:]
+    assert calls == [LONG]
 
 
 def test_truncate_counts_bos_unless_told(tok_en):
     size = n_tokens(tok_en, LONG)
-    assert truncate_dialogue(LONG, tok_en, size - 1) == LONG[2:]
+    assert truncate_dialogue(LONG, tok_en, size - 1) == LONG[1:]
     assert truncate_dialogue(LONG, tok_en, size - 1, add_special_tokens=False) == LONG
 
 
 def test_truncate_zh(tok_zh):
     dialogue = [user("你好"), assistant("你好！"), user("今天猫在吗？")]
     assert n_tokens(tok_zh, [user("")], "zh") == 4  # <s> <|Human|> </s> <|MOSS|>
-    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue, "zh"), "zh") == dialogue
-    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue, "zh") - 1, "zh") == dialogue[2:]
-    assert truncate_dialogue(dialogue, tok_zh, 4 + 3, "zh") == [user("在吗？")]
+    full = n_tokens(tok_zh, dialogue, "zh")
+    assert truncate_dialogue(dialogue, tok_zh, full, "zh") == dialogue
+    assert truncate_dialogue(dialogue, tok_zh, full - 1, "zh") == dialogue[1:]
+    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue[1:], "zh") - 1, "zh") == dialogue[2:]
+    assert truncate_dialogue(dialogue, tok_zh, n_tokens(tok_zh, dialogue[2:], "zh") - 1, "zh") is None
 
 
-def test_truncate_without_offsets_cuts_characters():
-    class CharTokenizer:  # a "slow" tokenizer: one token per character, no offsets
-        is_fast = False
-        eos_token = "|"
-
-        def __call__(self, text, add_special_tokens=True):
-            return {"input_ids": list(range(len(text)))}
-
-    tokenizer = CharTokenizer()
-    bare = len("Human:|Assistant:")
-    assert truncate_dialogue([user("abcdef")], tokenizer, bare + 6) == [user("abcdef")]
-    assert truncate_dialogue([user("abcdef")], tokenizer, bare + 4) == [user("cdef")]
-    assert truncate_dialogue([user("ab  cdef")], tokenizer, bare + 5) == [user("cdef")]  # leading spaces dropped
+def test_truncate_accepts_an_assistant_first_dialogue(tok_en):
+    dialogue = LONG[1:]
+    assert truncate_dialogue(dialogue, tok_en, n_tokens(tok_en, dialogue)) == dialogue
+    assert truncate_dialogue(dialogue, tok_en, n_tokens(tok_en, dialogue) - 1) == LONG[2:]
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, None])
@@ -319,6 +353,8 @@ def test_truncate_bad_budget(tok_en, bad):
 def test_truncate_validates_messages(tok_en):
     with pytest.raises(ValueError, match="assistant turn"):
         truncate_dialogue(LONG[:4], tok_en, 100)
+    with pytest.raises(ValueError, match="alternate"):
+        truncate_dialogue([*LONG, user("again")], tok_en, 100)
     with pytest.raises(ValueError, match="no system turn"):
         truncate_dialogue([{"role": "system", "content": "x"}, *LONG], tok_en, 100)
     with pytest.raises(ValueError, match="empty"):
@@ -333,9 +369,19 @@ def test_build_prompt(tok_en, tok_zh):
     assert build_prompt(LONG, tok_en, max_tokens=n_tokens(tok_en, LONG[2:])) == (
         "Human:how are you today</s>Assistant:good thanks</s>Human:tell me a story about the cat</s>Assistant:"
     )
-    assert build_prompt(LONG, tok_en, max_tokens=9) == "Human:about the cat</s>Assistant:"
+    assert build_prompt(LONG, tok_en, max_tokens=n_tokens(tok_en, LONG[1:])) == (
+        "Assistant:hi</s>Human:how are you today</s>Assistant:good thanks</s>Human:tell me a story about the cat"
+        "</s>Assistant:"
+    )
     assert (
         build_prompt(ZH_MULTI, tok_zh, lang="zh") == "<|Human|>你好</s><|MOSS|>你好！</s><|Human|>在吗？</s><|MOSS|>"
     )
-    prompt = build_prompt(LONG, tok_en, max_tokens=12)
-    assert len(tok_en(prompt).input_ids) <= 12
+    prompt = build_prompt(LONG, tok_en, max_tokens=15)
+    assert prompt == format_dialogue(LONG[-1:]) and len(tok_en(prompt).input_ids) <= 15
+
+
+def test_build_prompt_raises_when_the_last_turn_alone_is_too_long(tok_en):
+    alone = n_tokens(tok_en, LONG[-1:])
+    assert build_prompt(LONG, tok_en, max_tokens=alone) == format_dialogue(LONG[-1:])
+    with pytest.raises(ValueError, match=rf"takes {alone} tokens.*max_tokens={alone - 1}"):
+        build_prompt(LONG, tok_en, max_tokens=alone - 1)

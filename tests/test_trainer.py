@@ -290,11 +290,38 @@ def test_clipping_disabled_reports_no_clipping(tmp_path):
 
 
 def test_sampling_settings_reach_generate(tmp_path):
+    from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+
     trainer = make_trainer(tmp_path)
-    kwargs = trainer._generation_kwargs()
-    assert (kwargs["temperature"], kwargs["top_p"], kwargs["repetition_penalty"]) == (0.8, 0.9, 1.1)
+    kwargs = trainer._generation_kwargs(prompt_width=7)
+    penalty, temperature, top_p = kwargs["logits_processor"]  # the penalty first, on the raw logits, as HF orders it
+    assert isinstance(penalty, RepetitionPenaltyLogitsProcessor) and penalty.penalty == 1.1
+    assert penalty.prompt_ignore_length == 7  # the prompt is exempt (§6.1)
+    assert isinstance(temperature, TemperatureLogitsWarper) and temperature.temperature == 0.8
+    assert isinstance(top_p, TopPLogitsWarper) and top_p.top_p == 0.9
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (1.0, 1.0, 0)  # no second warper from generate
     assert kwargs["eos_token_id"] == trainer.processing_class.eos_token_id
     assert trainer._generation_kwargs(sampling=False)["do_sample"] is False
+
+
+def test_repetition_penalty_spares_the_prompt(tmp_path):
+    """A token of the prompt can still be the first response token under a huge penalty; a generated one cannot
+    come back."""
+    trainer = make_trainer(tmp_path, repetition_penalty=1e6, temperature=1.0, top_p=1.0)
+    policy = trainer.model.policy
+    prompt = torch.tensor([[trainer.processing_class.pad_token_id, 5, 6, 7]])
+    mask = torch.tensor([[0, 1, 1, 1]])
+    with torch.no_grad():
+        logits = policy(input_ids=prompt, attention_mask=mask).logits[0, -1]
+    favourite = int(logits.argmax())
+    with torch.no_grad():  # make the model's next-token choice a token of the prompt, far ahead of the rest
+        policy.lm_head.weight[6] = policy.lm_head.weight[favourite] * 50
+    kwargs = trainer._generation_kwargs(prompt_width=prompt.shape[1])
+    kwargs.update(max_new_tokens=3, eos_token_id=None)
+    torch.manual_seed(0)
+    responses = policy.generate(input_ids=prompt, attention_mask=mask, **kwargs)[0, prompt.shape[1] :]
+    assert responses[0].item() == 6  # the prompt's token, not penalised
+    assert 6 not in responses[1:].tolist()  # once generated, it is
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
-from trl import maybe_apply_chat_template
+from trl import is_conversational
 from trl.trainer.utils import pad
 
 logger = logging.getLogger(__name__)
 
 
 class PromptCollator:
-    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask."""
+    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask; a ``loss_mask``
+    column (ptx on dialogues) is padded alongside with 0."""
 
     def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
         self.pad_token_id, self.padding_side = pad_token_id, padding_side
@@ -24,10 +26,14 @@ class PromptCollator:
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
         masks = [torch.ones_like(i) for i in ids]
-        return {
+        batch = {
             "input_ids": pad(ids, padding_value=self.pad_token_id, padding_side=self.padding_side),
             "attention_mask": pad(masks, padding_value=0, padding_side=self.padding_side),
         }
+        if "loss_mask" in examples[0]:
+            loss_masks = [torch.as_tensor(e["loss_mask"], dtype=torch.long) for e in examples]
+            batch["loss_mask"] = pad(loss_masks, padding_value=0, padding_side=self.padding_side)
+        return batch
 
 
 class ShuffledBatches:
@@ -69,6 +75,39 @@ def _context_limit(max_length: int | None, context: int | None, response_length:
     return None if context is None else context - response_length
 
 
+def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids a model family was trained on for one prompt.
+
+    - a conversation: the chat template's text with the template's own special tokens (``add_special_tokens=False``,
+      as ``apply_chat_template(tokenize=True)`` and TRL's SFT do): a template that writes ``{{ bos_token }}`` gets
+      exactly one BOS;
+    - plain text: the tokenizer's own special-token rule (``tokenizer(text)``), e.g. LLaMA's BOS in front, as the
+      MOSS-RLHF release encodes its prompt strings.
+
+    A leading BOS that the text already held and the tokenizer added again is dropped (never two BOS).
+    """
+    if is_conversational({"prompt": prompt}):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
+    """The most recent turns of a conversation that ``fits``: whole turns dropped from the start, one at a time
+    (system messages kept), never cutting a turn — the MOSS-RLHF release's rule (``ppo_datahelper.py``). None when
+    even the last turn alone does not fit."""
+    system = [m for m in messages if m.get("role") == "system"]
+    turns = [m for m in messages if m.get("role") != "system"]
+    for start in range(len(turns)):
+        kept = system + turns[start:]
+        if fits(kept):
+            return kept
+    return None
+
+
 def prepare_prompt_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -76,9 +115,12 @@ def prepare_prompt_dataset(
     max_prompt_length: int | None = None,
     truncate: bool = True,
 ) -> Dataset:
-    """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12) or ``prompt`` (text or conversation,
-    with the chat template applied). Prompts longer than ``max_prompt_length`` keep their last tokens (with a
-    warning that counts them) or raise, as ``truncate`` says."""
+    """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
+    (text or conversation, see :func:`tokenize_prompt`).
+
+    Prompts longer than ``max_prompt_length``: a conversation first drops its oldest whole turns
+    (:func:`drop_oldest_turns`); what is still too long keeps its last tokens (with a warning that counts them) or
+    raises, as ``truncate`` says."""
     if len(dataset) == 0:
         raise ValueError("The prompt dataset is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
@@ -87,8 +129,13 @@ def prepare_prompt_dataset(
     elif "prompt" in columns:
 
         def tokenize(example: dict) -> dict:
-            text = maybe_apply_chat_template({"prompt": example["prompt"]}, tokenizer)["prompt"]
-            return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+            prompt = example["prompt"]
+            if max_prompt_length and is_conversational({"prompt": prompt}):
+                fitting = drop_oldest_turns(
+                    prompt, lambda kept: len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
+                )
+                prompt = fitting or prompt[-1:]
+            return {"input_ids": tokenize_prompt(prompt, tokenizer)}
 
         dataset = dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing prompts")
     else:
@@ -114,15 +161,37 @@ def _limit_prompt_length(dataset: Dataset, max_length: int, truncate: bool) -> D
     return dataset.map(lambda e: {"input_ids": e["input_ids"][-max_length:]}, desc="Truncating long prompts")
 
 
-def prepare_text_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None) -> Dataset:
-    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids`` or ``text`` columns."""
-    if "input_ids" in dataset.column_names:
-        return dataset.select_columns(["input_ids"])
-    if "text" not in dataset.column_names:
-        raise ValueError(f"ptx_dataset needs an 'input_ids' or 'text' column; it has {dataset.column_names}.")
+def prepare_text_dataset(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None, assistant_only: bool = True
+) -> Dataset:
+    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids``, ``text`` (the tokenizer's own special tokens, as
+    :func:`tokenize_prompt`) or conversational ``messages`` (the chat template). For ``messages`` with
+    ``assistant_only``, a ``loss_mask`` keeps the loss on the assistant turns only, as the MOSS-RLHF release masks its
+    pre-training dialogues (``ppo_datahelper.py``); that needs ``{% generation %}`` markers in the chat template."""
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        return dataset.select_columns([c for c in ("input_ids", "loss_mask") if c in columns])
+    if "messages" in columns:
+        if assistant_only and not re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template or ""):
+            raise ValueError(
+                "ptx_assistant_only=True needs a chat template with {% generation %} markers around the assistant "
+                "turns (the MOSS-RLHF template has them; see transformers' return_assistant_tokens_mask). Use such a "
+                "template, or set ptx_assistant_only=False to train the ptx loss on every token."
+            )
+
+        def tokenize(example: dict) -> dict:
+            out = tokenizer.apply_chat_template(
+                example["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only
+            )
+            mask = out["assistant_masks"] if assistant_only else [1] * len(out["input_ids"])
+            return {"input_ids": out["input_ids"], "loss_mask": mask}
+
+        return dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing ptx dialogues")
+    if "text" not in columns:
+        raise ValueError(f"ptx_dataset needs an 'input_ids', 'text' or 'messages' column; it has {columns}.")
     return dataset.map(
         lambda e: {"input_ids": tokenizer(e["text"])["input_ids"]},
-        remove_columns=dataset.column_names,
+        remove_columns=columns,
         num_proc=num_proc,
         desc="Tokenizing ptx texts",
     )
@@ -180,14 +249,21 @@ def _is_release_prompt_list(path: str) -> bool:
 
 
 def _release_prompt_list(path: str) -> Dataset:
-    """The MOSS-RLHF release's prompt files: a JSON list of dialogues, each a list of turns (user first)."""
+    """The MOSS-RLHF release's prompt files: a JSON list of dialogues, each a list of turns whose **last turn is the
+    human's**; roles are assigned from the end, as the release does (``ppo_datahelper.py``: ``i + (len + 1) % 2``),
+    so an even-length dialogue starts with an assistant turn."""
     import json
 
     with open(path, encoding="utf-8") as file:
         dialogues = json.load(file)
-    roles = ("user", "assistant")
-    prompts = [[{"role": roles[i % 2], "content": turn} for i, turn in enumerate(dialogue)] for dialogue in dialogues]
-    return Dataset.from_dict({"prompt": prompts})
+    return Dataset.from_dict({"prompt": [roles_from_the_end(dialogue) for dialogue in dialogues]})
+
+
+def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
+    """Messages for a list of turns whose last one is the user's: ``[..., assistant, user]``."""
+    return [
+        {"role": "user" if (len(turns) - 1 - i) % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
 
 
 def to_prompt_dataset(dataset: Dataset) -> Dataset:
@@ -244,3 +320,22 @@ def rows_of_this_process(num_rows: int, accelerator) -> tuple[list[int], list[fl
         real = len(own)
     with accelerator.split_between_processes(rows, apply_padding=True) as padded:
         return list(padded), [1.0] * real + [0.0] * (len(padded) - real)
+
+
+def batch_streams(
+    train_dataset: Dataset, ptx_dataset: Dataset | None, tokenizer, args, accelerator, collate: Callable
+) -> tuple[ShuffledBatches, ShuffledBatches | None]:
+    """This process's rollout batches (``local_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
+    batches (``per_device_train_batch_size`` texts, right-padded), each a resumable shuffled stream."""
+    batches = partial(
+        ShuffledBatches,
+        num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+    )
+    prompts = batches(train_dataset, args.local_batch_size, collate=collate)
+    if ptx_dataset is None or args.ptx_coef <= 0:
+        return prompts, None
+    ptx = prepare_text_dataset(ptx_dataset, tokenizer, args.dataset_num_proc, args.ptx_assistant_only)
+    right_padded = PromptCollator(tokenizer.pad_token_id, padding_side="right")
+    return prompts, batches(ptx, args.per_device_train_batch_size, collate=right_padded)

@@ -1,5 +1,5 @@
-"""Evaluation and sample tables of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout phase run on
-held-out prompts, reported with the same per-response metrics as training (``eval_…``)."""
+"""Evaluation, sample tables and the model card of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
+phase run on held-out prompts, reported with the same per-response metrics as training (``eval_…``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from trl.trainer.utils import print_prompt_completions_sample
 
 from . import metrics as M
 from .data import prepare_prompt_dataset, rows_of_this_process
+from .hub import create_model_card
 from .rewards import decode_texts
 
 
@@ -69,6 +70,14 @@ class EvaluationMixin:
             queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
         return rows
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
+        """README.md in ``output_dir``: the policy's base model, the tags and the paper's citation."""
+        if not self.is_world_process_zero():
+            return
+        policy = self.accelerator.unwrap_model(self.model).policy
+        card = create_model_card(policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names)
+        card.save(f"{self.args.output_dir}/README.md")
 
     def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool):
         batch = self.data_collator([dataset[i] for i in rows])

@@ -48,6 +48,7 @@ VF_CLIPFRAC = "critic/vf_clipfrac"
 VALUE_ERROR = "critic/error"
 POLICY_GRAD_NORM = "policy/grad_norm"
 CRITIC_GRAD_NORM = "critic/grad_norm"
+GRAD_NORM = "grad_norm"  # with grad_clip_scope="joint": one norm over policy and critic
 
 # ---- run state ------------------------------------------------------------------------------------------------------
 SKIPPED_ITERATIONS = "skipped/iterations"

@@ -4,8 +4,9 @@ This is the one place a new model family is taught: :func:`backbone_and_head` fi
 scalar head of a ``*ForSequenceClassification`` model (reward model and critic); the rest reads through it.
 
 Sequences are laid out as ``[query (left-padded, width L) | response (right-padded, width T)]``. The logits and the
-value for response token ``t`` are read at position ``L − 1 + t`` (the state before the token); the score at the
-last real response token.
+value for response token ``t`` are read at position ``L − 1 + t`` (the state before the token); the score where the
+model itself reads it (:func:`score_position`: the last real token, or the one before a trailing eos when
+``pad == eos``).
 """
 
 from __future__ import annotations
@@ -108,13 +109,40 @@ def token_values(model: nn.Module, inputs: dict[str, torch.Tensor], response_wid
     return head(hidden).squeeze(-1).float()
 
 
-def sequence_scores(
-    model: nn.Module, inputs: dict[str, torch.Tensor], query_width: int, response_mask: torch.Tensor
+def score_position(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Reward-model score (B,) read at the last real response token (the stop token when present)."""
+    """Index (B,) of the token a ``*ForSequenceClassification`` ``model`` reads its score at: the model's own rule.
+
+    transformers' sequence-classification forward reads the rightmost position whose id is not
+    ``config.pad_token_id``, whatever the padding side. So with a dedicated pad token that is the last real token (a
+    response's stop token included), while with ``pad == eos`` (trl's default when the tokenizer has no pad, e.g.
+    LLaMA) a sequence ending in eos is read at the token *before* its trailing eos(s), as trl's ``RewardTrainer``
+    trains it. Positions with ``attention_mask == 0`` are skipped too, which changes nothing when the padding uses the
+    config's pad id and reads what the model would read had it been padded that way when it does not. Without a pad
+    id in the config the model reads the last position (batches of one only); here, the last attended position (the
+    last position when there is no mask). A row with no readable token gives 0, as transformers does.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    pad_id = getattr(config, "pad_token_id", None)
+    readable = torch.ones_like(input_ids, dtype=torch.bool) if pad_id is None else input_ids != pad_id
+    if attention_mask is not None:
+        readable = readable & attention_mask.bool()
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return (positions * readable).argmax(-1)
+
+
+def sequence_scores(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Reward-model score (B,) of query ⊕ response ``inputs``, read where the model itself reads it
+    (:func:`score_position`): the same token as ``model(**inputs).logits`` and as the reward trainer, so in every
+    padding set-up. With a dedicated pad token that is the last real response token (the stop token when present);
+    with ``pad == eos``, the token before a trailing eos."""
     backbone, head = backbone_and_head(model)
     hidden = backbone(**inputs, use_cache=False).last_hidden_state
-    last = query_width + (response_mask.long().sum(1) - 1).clamp(min=0)
+    last = score_position(model, inputs["input_ids"], inputs.get("attention_mask"))
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return head(picked).squeeze(-1).float()
 
@@ -174,21 +202,6 @@ def check_single_label(model) -> None:
         )
 
 
-def policy_and_critic_groups(
-    wrapper: PolicyAndCritic, decay: set[str], learning_rates: dict[str, float], weight_decay: float
-) -> list[dict]:
-    """Optimizer parameter groups of the trainable parameters: one per model (``{"policy": lr, "critic": lr}``,
-    separate learning rates, §5.4) and per with/without weight decay (``decay`` = names that get it)."""
-    groups = []
-    for model, lr in learning_rates.items():
-        named = [(n, p) for n, p in wrapper.named_parameters() if n.startswith(f"{model}.") and p.requires_grad]
-        for with_decay in (True, False):
-            params = [p for n, p in named if (n in decay) == with_decay]
-            if params:
-                groups.append({"params": params, "lr": lr, "weight_decay": weight_decay * with_decay})
-    return groups
-
-
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
     """``(policy, reference, critic)`` from the trainer's arguments: PEFT wrapping and adapter choice, the reference
     (a frozen copy, or None for PEFT), the critic (``value_model`` or a copy of the reward model), dropout off in
@@ -210,3 +223,17 @@ def build_models(args, model, ref_model, reward_model, value_model, peft_config)
     for scorer in (reward_model, critic):
         check_single_label(scorer)
     return policy, reference, critic
+
+
+def prepare_frozen(module: nn.Module, accelerator) -> nn.Module:
+    """A reference or reward model for inference only: frozen, and sharded under DeepSpeed ZeRO-3 or FSDP as the
+    trained models are (trl's ``prepare_deepspeed`` / ``prepare_fsdp``), else moved to the device."""
+    from accelerate.utils import DistributedType
+    from trl.models.utils import prepare_deepspeed, prepare_fsdp
+
+    module.eval().requires_grad_(False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return prepare_deepspeed(module, accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return prepare_fsdp(module, accelerator)
+    return module.to(accelerator.device)

@@ -7,6 +7,7 @@ the class docstring from the help texts, so documentation cannot drift from beha
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
@@ -16,8 +17,12 @@ from transformers import TrainingArguments
 
 from .core import KLEstimator, RewardNorm
 
+logger = logging.getLogger(__name__)
+
 Preset = Literal["ppo_max", "vanilla"]
 ImportanceSampling = Literal["old_policy", "reference"]
+AdvantageScope = Literal["batch", "minibatch"]
+GradClipScope = Literal["per_model", "joint"]
 
 # Defaults that differ between the paper's PPO-max and trl 1.12's PPO. Everything else has one default.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -29,6 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "temperature": 0.8,
         "top_p": 0.9,
         "repetition_penalty": 1.1,
+        "logprob_temperature": 1.0,
     },
     "vanilla": {
         "reward_norm": "none",
@@ -38,6 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "temperature": 0.7,
         "top_p": 1.0,
         "repetition_penalty": 1.0,
+        "logprob_temperature": None,
     },
 }
 
@@ -63,10 +70,10 @@ class _FromPreset(float):
 FROM_PRESET = _FromPreset("nan")
 
 
-def _preset_field(name: str, text: str, none_means_off: bool = False) -> Any:
-    """A field whose default comes from the preset; unset is ``None``, or :data:`FROM_PRESET` when ``None`` means
-    "off"."""
-    return field(default=FROM_PRESET if none_means_off else None, metadata={"help": _preset_help(name, text)})
+def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
+    """A field whose default comes from the preset; unset is ``None``, or :data:`FROM_PRESET` when ``None`` is a
+    value of its own (e.g. "off")."""
+    return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": _preset_help(name, text)})
 
 
 @dataclass
@@ -123,7 +130,15 @@ class PPOMaxConfig(TrainingArguments):
         default=None, metadata={"help": "Token id that ends a response; exclusive with `stop_token`."}
     )
     temperature: float | None = _preset_field(
-        "temperature", "Sampling temperature (§5.4); log-probs are computed from logits / temperature."
+        "temperature",
+        "Sampling temperature (§5.4). The log-probs of KL, ratio and entropy use `logprob_temperature`.",
+    )
+    logprob_temperature: float | None = _preset_field(
+        "logprob_temperature",
+        "Temperature of the log-probs behind the KL penalty, the PPO ratio and the entropy: None = the sampling "
+        "temperature, logits / T (trl 1.12); 1.0 = the model's raw logits, as the MOSS-RLHF release computes them "
+        "(ppo_trainer.py), so KL and ratio measure the model itself rather than its tempered sampling distribution.",
+        none_is_a_value=True,
     )
     missing_eos_penalty: float | None = field(
         default=None,
@@ -209,7 +224,7 @@ class PPOMaxConfig(TrainingArguments):
         "'scale' = r/σ, 'none'.",
     )
     reward_clip: float | None = _preset_field(
-        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); None disables it.", none_means_off=True
+        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); None disables it.", none_is_a_value=True
     )
     whiten_advantages: bool = field(
         default=True,
@@ -217,7 +232,17 @@ class PPOMaxConfig(TrainingArguments):
     )
     advantage_clip: float | None = field(
         default=None,
-        metadata={"help": "Clip whitened advantages to [−c, c] (§5.3.1; the release used 0.5); None disables it."},
+        metadata={
+            "help": "Clip whitened advantages to [−c, c] (§5.3.1; the release's option, off in its scripts, is 0.5); "
+            "None disables it. App. B.1: advantage clipping together with value clipping did not converge."
+        },
+    )
+    advantage_whitening_scope: AdvantageScope = field(
+        default="batch",
+        metadata={
+            "help": "Whiten (and clip) advantages over the whole rollout batch ('batch', trl 1.12) or over each "
+            "minibatch before its optimizer step ('minibatch', §5.3.1 and the release's option); global over processes."
+        },
     )
 
     # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
@@ -238,12 +263,37 @@ class PPOMaxConfig(TrainingArguments):
         "critic_warmup_steps",
         "PPO iterations at the start that train only the critic (critic pre-training, §5.3.3).",
     )
+    critic_warmup_replaces_lr_warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "With critic_warmup_steps > 0: the critic's learning rate skips the LR warm-up (the critic "
+            "pre-training replaces it, §5.3.3) and the policy's schedule starts when the policy starts training."
+        },
+    )
+    critic_adam_epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Adam ε of the critic; None = adam_epsilon (the release: 1e-6 policy, 1e-8 critic)."},
+    )
+    grad_clip_scope: GradClipScope = field(
+        default="per_model",
+        metadata={
+            "help": "max_grad_norm clips the policy's and the critic's gradients separately ('per_model') or as one "
+            "vector ('joint', the release's single DeepSpeed engine). Under DeepSpeed the engine always clips jointly."
+        },
+    )
 
     # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
     ptx_coef: float = field(
         default=0.0,
         metadata={
             "help": "λ_ptx of PPO-ptx: weight of the LM loss on `ptx_dataset` (§3.2.3 eq. 17, §5.4); needs one."
+        },
+    )
+    ptx_assistant_only: bool = field(
+        default=True,
+        metadata={
+            "help": "For a conversational ptx_dataset ('messages'), the LM loss counts only assistant turns, as the "
+            "release masks it (ppo_datahelper.py); needs a chat template with {% generation %} markers."
         },
     )
     entropy_coef: float = field(
@@ -260,6 +310,14 @@ class PPOMaxConfig(TrainingArguments):
     def __post_init__(self) -> None:
         self._resolve_preset()
         self._validate()
+        if self.advantage_clip is not None and self.cliprange_value is not None:
+            logger.warning(
+                "advantage_clip=%s together with cliprange_value=%s: the paper (App. B.1) found that constraining both "
+                "the advantages and the value function did not converge; it recommends reward scaling + value "
+                "clipping, or reward + advantage normalisation and clipping, not both.",
+                self.advantage_clip,
+                self.cliprange_value,
+            )
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
@@ -295,6 +353,10 @@ class PPOMaxConfig(TrainingArguments):
             "Set either stop_token='eos' or stop_token_id, not both.",
         )
         require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
+        require(
+            self.logprob_temperature is None or self.logprob_temperature > 0,
+            f"logprob_temperature must be > 0, or None for the sampling temperature; got {self.logprob_temperature}.",
+        )
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
         require(self.num_ppo_epochs >= 1, f"num_ppo_epochs must be ≥ 1, got {self.num_ppo_epochs}.")
         require(self.num_mini_batches >= 1, f"num_mini_batches must be ≥ 1, got {self.num_mini_batches}.")
@@ -318,6 +380,8 @@ class PPOMaxConfig(TrainingArguments):
             ("reward_norm", RewardNorm),
             ("kl_estimator", KLEstimator),
             ("importance_sampling", ImportanceSampling),
+            ("advantage_whitening_scope", AdvantageScope),
+            ("grad_clip_scope", GradClipScope),
         ):
             choices = get_args(allowed)
             require(getattr(self, name) in choices, f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
@@ -334,6 +398,11 @@ class PPOMaxConfig(TrainingArguments):
     @property
     def effective_critic_learning_rate(self) -> float:
         return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+    @property
+    def effective_logprob_temperature(self) -> float:
+        """The temperature of the log-probs of KL, ratio and entropy (``logprob_temperature`` or the sampling one)."""
+        return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     def set_run_length(self, dataset_size: int) -> None:
         """Derive ``total_episodes`` (when unset: ``num_train_epochs`` × ``dataset_size``) and ``num_total_batches``

@@ -9,13 +9,13 @@ minibatches × gradient accumulation) → log. The maths lives in :mod:`trl_ppom
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from accelerate.utils import set_seed
@@ -23,14 +23,14 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import SaveStrategy
-from trl.models.utils import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy, use_adapter
 
-from . import core, data, modeling, rewards
+from . import core, data, modeling, optim, rewards
 from . import metrics as M
 from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
-from .hub import TAGS, create_model_card
+from .hub import TAGS
 from .modeling import PolicyAndCritic
 from .ppo_config import PPOMaxConfig
 from .rollout import Experience, Rollout, concat_rollouts, generate_responses, generation_kwargs, sequence_inputs
@@ -137,41 +137,33 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         for name in ("ref_model", "reward_model"):
             module = getattr(self, name)
             if isinstance(module, nn.Module):
-                setattr(self, name, self._prepare_frozen(module))
-        batches = partial(
-            data.ShuffledBatches,
-            num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index,
-            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+                setattr(self, name, modeling.prepare_frozen(module, self.accelerator))
+        self.prompt_batches, self.ptx_batches = data.batch_streams(
+            self.train_dataset,
+            self.ptx_dataset,
+            self.processing_class,
+            self.args,
+            self.accelerator,
+            self.data_collator,
         )
-        self.prompt_batches = batches(self.train_dataset, self.args.local_batch_size, collate=self.data_collator)
-        self.ptx_batches = None
-        if self.ptx_dataset is not None and self.args.ptx_coef > 0:
-            ptx = data.prepare_text_dataset(self.ptx_dataset, self.processing_class, self.args.dataset_num_proc)
-            collate = data.PromptCollator(self.processing_class.pad_token_id, padding_side="right")
-            self.ptx_batches = batches(ptx, self.args.per_device_train_batch_size, collate=collate)
-
-    def _prepare_frozen(self, module: nn.Module) -> nn.Module:
-        """Reference and reward models: inference only, sharded under DeepSpeed ZeRO-3 or FSDP."""
-        module.eval().requires_grad_(False)
-        if self.is_deepspeed_enabled:
-            return prepare_deepspeed(module, self.accelerator)
-        if self.is_fsdp_enabled:
-            return prepare_fsdp(module, self.accelerator)
-        return module.to(self.accelerator.device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW (or ``args.optim``) with separate learning rates for the policy and the critic (§5.4)."""
         if self.optimizer is not None:
             return self.optimizer
         wrapper, args = self.model, self.args
-        rates = {"policy": args.learning_rate, "critic": args.effective_critic_learning_rate}
-        decay = set(self.get_decay_parameter_names(wrapper))
-        groups = modeling.policy_and_critic_groups(wrapper, decay, rates, args.weight_decay)
+        groups = optim.param_groups(wrapper, set(self.get_decay_parameter_names(wrapper)), args)
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, wrapper)
         optimizer_kwargs.pop("lr", None)
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """``args.lr_scheduler_type`` over every optimizer step; with critic warm-up, shifted so that it replaces the
+        critic's LR warm-up (``critic_warmup_replaces_lr_warmup``, :func:`optim.after_critic_warmup`)."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        self.lr_scheduler = optim.schedule_with_critic_warmup(scheduler, self.args, num_training_steps)
+        return self.lr_scheduler
 
     # ------------------------------------------------------------------------------------------------------------
     # The loop
@@ -281,7 +273,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def _rollout_chunk(
         self, wrapper: PolicyAndCritic, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool
     ) -> Rollout:
-        responses, mask = generate_responses(wrapper.policy, query_ids, query_mask, self._generation_kwargs(sampling))
+        kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
+        responses, mask = generate_responses(wrapper.policy, query_ids, query_mask, kwargs)
         width = max(int(mask.sum(1).max()), 1)
         responses, mask = responses[:, :width], mask[:, :width]
         inputs = sequence_inputs(query_ids, query_mask, responses, mask)
@@ -311,15 +304,16 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def _logprobs_and_perplexity(
         self, logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked log-probs (B, T) at the sampling temperature (:func:`core.logprobs_from_logits`) and the
+        """Masked log-probs (B, T) at ``logprob_temperature`` (:func:`core.logprobs_from_logits`) and the
         perplexity (B,) at temperature 1, with trl's fused/row-wise ``selective_log_softmax``."""
-        temperature = self.args.temperature
+        temperature = self.args.effective_logprob_temperature
         logprobs = selective_log_softmax(logits, responses, temperature=temperature)
         at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
         return logprobs * mask, core.sequence_perplexity(at_one, mask)
 
-    def _generation_kwargs(self, sampling: bool = True) -> dict:
-        return generation_kwargs(self.args, self.stop_token_id, self.processing_class.pad_token_id, sampling)
+    def _generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
+        pad_id = self.processing_class.pad_token_id
+        return generation_kwargs(self.args, self.stop_token_id, pad_id, sampling, prompt_width)
 
     @contextmanager
     def _reference_policy(self, wrapper: PolicyAndCritic):
@@ -349,13 +343,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if args.whiten_rewards:
             rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
         advantages, returns = core.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
-        normalised = core.normalize_advantages(
-            advantages, mask, whiten=args.whiten_advantages, clip=args.advantage_clip, reduce=reduce
-        )
+        normalised = advantages
+        if args.advantage_whitening_scope == "batch":  # else per minibatch, in ppo_update
+            normalised = core.normalize_advantages(
+                advantages, mask, args.whiten_advantages, args.advantage_clip, reduce
+            )
         if not self._all_finite(normalised, returns):
             return None, {}
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
-        experience = Experience(rollout=rollout, old_logprobs=old, advantages=normalised, returns=returns)
+        experience = Experience(rollout, old, advantages=normalised, returns=returns, raw_advantages=advantages)
         return experience, self._rollout_metrics(rollout, scores, kl, advantages, returns)
 
     def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,9 +396,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         for _ in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=experience.advantages.device)
             for minibatch in order.split(args.local_mini_batch_size):
+                step_experience = self._minibatch_advantages(experience, minibatch)
                 for micro in minibatch.split(args.per_device_train_batch_size):
                     with self.accelerator.accumulate(self.model_wrapped):
-                        loss, micro_stats = self.micro_batch_loss(experience, micro, critic_only)
+                        loss, micro_stats = self.micro_batch_loss(step_experience, micro, critic_only)
                         self.accelerator.backward(loss)  # divides by gradient_accumulation_steps
                     for name, value in micro_stats.items():
                         stats[name].append(value)
@@ -411,6 +408,19 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         means = torch.stack([torch.stack(values).float().mean() for values in stats.values()])
         means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
         return dict(zip(stats.keys(), means.tolist(), strict=True))
+
+    def _minibatch_advantages(self, experience: Experience, minibatch: torch.Tensor) -> Experience:
+        """With ``advantage_whitening_scope="minibatch"`` (§5.3.1): the minibatch's rows of the advantages whitened
+        (and clipped) over the minibatch of every process; else ``experience`` as it is."""
+        args = self.args
+        if args.advantage_whitening_scope != "minibatch":
+            return experience
+        mask, raw = experience.rollout.response_mask[minibatch], experience.raw_advantages[minibatch]
+        advantages = experience.advantages.clone()
+        advantages[minibatch] = core.normalize_advantages(
+            raw, mask, args.whiten_advantages, args.advantage_clip, self._reduce_sum
+        )
+        return dataclasses.replace(experience, advantages=advantages)
 
     def micro_batch_loss(
         self, experience: Experience, index: torch.Tensor, critic_only: bool
@@ -423,10 +433,14 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         responses = rollout.response_ids[:, :width]
         inputs = sequence_inputs(rollout.query_ids, rollout.query_mask, responses, mask)
         ptx_inputs = self._next_ptx_batch() if self.ptx_batches is not None else None
+        ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
         logits, values, ptx_logits = self.model_wrapped(inputs, width, ptx_inputs=ptx_inputs)
         # log π and H in one pass over the vocabulary (core.logprobs_from_logits / core.entropy_from_logits)
         logprobs, entropy = selective_log_softmax_and_entropy(
-            logits, responses, entropy_requires_grad=args.entropy_coef > 0, temperature=args.temperature
+            logits,
+            responses,
+            entropy_requires_grad=args.entropy_coef > 0,
+            temperature=args.effective_logprob_temperature,
         )
         pg_loss, pg_stats = core.clipped_policy_loss(
             logprobs,
@@ -452,7 +466,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             M.VALUE_ERROR: vf_stats["error"],
         }
         if ptx_logits is not None:
-            ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_inputs["attention_mask"])
+            ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
             policy_loss = policy_loss + args.ptx_coef * ptx_loss
             stats.update({M.PTX_LOSS: ptx_loss.detach(), M.PTX_PERPLEXITY: ptx_stats["perplexity"]})
         # Critic warm-up keeps the policy in the graph (DDP needs every parameter used) with zero weight.
@@ -465,19 +479,14 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
-        """Clip the policy's and the critic's gradients separately (App. C.2), then step — unless a gradient is
+        """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is
         non-finite, in which case the step is skipped and counted (the gradients are identical on every process)."""
-        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        wrapper, args = self.accelerator.unwrap_model(self.model_wrapped), self.args
         stats = {}
         if not self.is_deepspeed_enabled:  # DeepSpeed clips (gradient_clipping = max_grad_norm) inside its engine
-            if critic_only:
-                for parameter in wrapper.policy.parameters():
-                    parameter.grad = None  # the optimizer skips parameters without gradients
-            max_norm = self.args.max_grad_norm or float("inf")
-            for name, module in ((M.POLICY_GRAD_NORM, wrapper.policy), (M.CRITIC_GRAD_NORM, wrapper.critic)):
-                params = [p for p in module.parameters() if p.grad is not None]
-                if params:
-                    stats[name] = self.accelerator.clip_grad_norm_(params, max_norm).detach()
+            stats = optim.clip_gradients(
+                self.accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only
+            )
         if stats and not torch.isfinite(torch.stack(list(stats.values()))).all():
             self.counters[M.SKIPPED_UPDATES] += 1
             logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
@@ -487,13 +496,3 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return stats
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Model card
-    # ------------------------------------------------------------------------------------------------------------
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
-        if not self.is_world_process_zero():
-            return
-        policy = self.accelerator.unwrap_model(self.model).policy
-        card = create_model_card(policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names)
-        card.save(f"{self.args.output_dir}/README.md")

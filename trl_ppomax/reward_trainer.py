@@ -11,6 +11,7 @@ sequence-classification model that TRL, ``PPOMaxTrainer`` and ``transformers.pip
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from typing import Any
@@ -20,9 +21,10 @@ from datasets import Dataset
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 from trl import RewardTrainer
+from trl.data_utils import is_conversational
 
 from . import core
-from .modeling import score_head
+from .modeling import score_head, score_position
 from .reward_config import PPOMaxRewardConfig
 from .rewards import fold_reward_stats, reward_statistics, store_reward_stats
 
@@ -106,10 +108,10 @@ class PPOMaxRewardTrainer(RewardTrainer):
         dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
         if "response_start" in (dataset.column_names or []):
             return dataset
-        return dataset.map(
-            lambda e: {"response_start": _common_prefix_length(e["chosen_ids"], e["rejected_ids"])},
-            desc=f"Locating chosen responses in {dataset_name} dataset",
+        kwargs = (
+            {"desc": f"Locating chosen responses in {dataset_name} dataset"} if isinstance(dataset, Dataset) else {}
         )
+        return dataset.map(_response_start, fn_kwargs={"processing_class": processing_class}, **kwargs)
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -148,14 +150,21 @@ class PPOMaxRewardTrainer(RewardTrainer):
         return core.lm_loss(logits, inputs["input_ids"][:half], response_mask)
 
     def _check_last_hidden_state_feeds_score(self, model, hidden, inputs, outputs) -> None:
-        """The LM head must read the same hidden state as the score head; verified once, on the first batch."""
+        """The LM head must read the same hidden states as the score head: the score head applied to the last hidden
+        state at the position the model reads (:func:`~trl_ppomax.modeling.score_position`, the same one PPO reads)
+        must give the model's scores. Verified once, on the first batch."""
         with torch.no_grad():
-            last = (inputs["attention_mask"].sum(1) - 1).clamp(min=0)
+            last = score_position(model, inputs["input_ids"], inputs.get("attention_mask"))
             scores = model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
             if not torch.allclose(scores.float(), outputs.logits.squeeze(-1).float(), atol=1e-3, rtol=1e-3):
                 raise RuntimeError(
-                    f"{type(model).__name__}: the last hidden state does not feed the score head, so the imitation "
-                    "loss cannot share the forward pass; train this architecture with lm_loss_coef=0."
+                    f"{type(model).__name__}'s score head does not read the body's last hidden state (its scores "
+                    "differ from `score(last_hidden_state)` at the position the model reads, the rightmost token "
+                    "that is not config.pad_token_id), e.g. a pooler or extra layers sit between the body and the "
+                    "score; the imitation loss, computed on that last hidden state, would then train a state the "
+                    "score never sees. Use an architecture whose `score` head is a linear layer on the last hidden "
+                    "state (any transformers *ForSequenceClassification causal LM), or set lm_loss_coef=0 to train "
+                    "with the pairwise loss alone."
                 )
         self._heads_checked = True
 
@@ -202,8 +211,8 @@ class PPOMaxRewardTrainer(RewardTrainer):
 
 
 class ChosenResponseCollator:
-    """Wraps trl's preference collator: adds ``chosen_response_mask`` (B, L), 1 on the chosen response tokens (those
-    after the longest common prefix of chosen and rejected, i.e. after the prompt)."""
+    """Wraps trl's preference collator: adds ``chosen_response_mask`` (B, L), 1 on the chosen response tokens: from
+    each example's ``response_start`` (see :func:`_response_start`) to the end of ``chosen_ids`` (its eos included)."""
 
     def __init__(self, collator) -> None:
         self.collator = collator
@@ -218,13 +227,59 @@ class ChosenResponseCollator:
         return batch
 
 
+def _response_start(example: dict, processing_class) -> dict[str, int]:
+    """Where the chosen response starts in ``chosen_ids``.
+
+    - Explicit prompt (a ``prompt`` column, as trl's preference formats have): after the tokenized prompt. trl's
+      ``RewardTrainer`` tokenizes ``prompt + chosen`` as one text (with the tokenizer's special tokens, e.g. BOS) or,
+      for conversations, as one chat-template rendering; the prompt is tokenized the same way (conversations with the
+      generation prompt, as trl's SFT and DPO trainers do) and the boundary is the part of it that ``chosen_ids``
+      starts with (all of it, unless a merge or the template differs at the seam; trl's SFT/DPO convention). Response
+      tokens that chosen and rejected share (both answers starting with "The") are thus response tokens. A
+      ``prompt_ids`` column, if present, is used as the tokenized prompt.
+    - Implicit prompt (no ``prompt`` column: the prompt is inside ``chosen`` and ``rejected``): the longest common
+      prefix of ``chosen_ids`` and ``rejected_ids``. This counts shared leading response tokens as prompt, the best
+      available without a prompt boundary; give a ``prompt`` column to avoid it.
+
+    At least the last chosen token is counted as response.
+    """
+    chosen = example["chosen_ids"]
+    if example.get("prompt_ids") is not None:
+        start = _common_prefix_length(example["prompt_ids"], chosen)
+    elif example.get("prompt") is not None:
+        start = _common_prefix_length(_prompt_ids(processing_class, example), chosen)
+    else:
+        start = _common_prefix_length(chosen, example["rejected_ids"])
+    return {"response_start": max(min(start, len(chosen) - 1), 0)}
+
+
+def _prompt_ids(processing_class, example: dict) -> list[int]:
+    """The prompt tokenized as trl's ``RewardTrainer`` tokenizes ``prompt + chosen``."""
+    prompt = example["prompt"]
+    if is_conversational(example):
+        tools = example.get("tools")
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        ids = processing_class.apply_chat_template(
+            prompt,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=True,
+            tools=tools,
+            **(example.get("chat_template_kwargs") or {}),
+        )["input_ids"]
+    else:
+        ids = processing_class(text=prompt)["input_ids"]
+    return ids[0] if ids and isinstance(ids[0], list) else ids  # processors return a batch of one
+
+
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Number of leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
-    return min(n, len(a) - 1)  # at least the last chosen token is a response token
+    return n
 
 
 def _is_lm_head_key(key: str) -> bool:

@@ -1,6 +1,7 @@
 """Reward sources and the reward-statistics contract.
 
-- Sources: a reward model (a ``*ForSequenceClassification`` with one label, read at the last response token) or a
+- Sources: a reward model (a ``*ForSequenceClassification`` with one label, read where the model reads it, see
+  :func:`~trl_ppomax.modeling.score_position`) or a
   Python function ``f(prompts, completions) -> list[float]`` on the decoded texts; :func:`score_responses` gives
   either's scores (B,). The missing-stop-token penalty is applied on top (:func:`apply_missing_eos_penalty`).
 - Statistics: :class:`~trl_ppomax.PPOMaxRewardTrainer` measures the mean and std of its rewards and stores them in
@@ -63,7 +64,7 @@ def score_responses(
     or by a reward function on the decoded prompt and response texts."""
     query_width = query_mask.shape[1]
     if isinstance(reward, nn.Module):
-        return sequence_scores(reward, inputs, query_width, response_mask)
+        return sequence_scores(reward, inputs)
     ids = inputs["input_ids"]
     prompts = decode_texts(tokenizer, ids[:, :query_width], query_mask)
     completions = decode_texts(tokenizer, ids[:, query_width:], response_mask)

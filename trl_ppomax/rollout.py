@@ -10,6 +10,12 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .core import response_mask_from_stop
 
@@ -83,13 +89,19 @@ class Experience:
 
     rollout: Rollout
     old_logprobs: torch.Tensor  # (B, T) denominator of the ratio: rollout policy or reference (§5.3.2)
-    advantages: torch.Tensor  # (B, T) normalised / clipped
+    advantages: torch.Tensor  # (B, T) normalised / clipped over the batch (raw when normalised per minibatch)
     returns: torch.Tensor  # (B, T)
+    raw_advantages: torch.Tensor  # (B, T) GAE advantages before normalisation
 
 
-def generation_kwargs(args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True) -> dict:
-    """``generate()`` arguments of a rollout: sampled with the configured temperature, top-p and repetition penalty
-    (top-k off), or greedy; at most ``response_length`` new tokens, ending at the stop token."""
+def generation_kwargs(
+    args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True, prompt_width: int = 0
+) -> dict:
+    """``generate()`` arguments of a rollout: at most ``response_length`` new tokens, ending at the stop token;
+    greedy, or sampled (top-k off) through, in this order, the repetition penalty on the tokens **generated so far**
+    (the prompt, ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated
+    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p.
+    """
     kwargs = {
         "max_new_tokens": args.response_length,
         "eos_token_id": stop_token_id,
@@ -97,7 +109,14 @@ def generation_kwargs(args, stop_token_id: int | None, pad_token_id: int, sampli
         "do_sample": sampling,
     }
     if sampling:
-        kwargs.update(
-            temperature=args.temperature, top_k=0, top_p=args.top_p, repetition_penalty=args.repetition_penalty
-        )
+        processors = []
+        if args.repetition_penalty != 1.0:
+            processors.append(
+                RepetitionPenaltyLogitsProcessor(args.repetition_penalty, prompt_ignore_length=prompt_width)
+            )
+        if args.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(args.temperature))
+        if args.top_p < 1.0:
+            processors.append(TopPLogitsWarper(args.top_p))
+        kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
     return kwargs

@@ -15,7 +15,7 @@ from huggingface_hub import ModelCard
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, read_json, render_card, repo_like, trained_intro
-from .prompt import EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
+from .prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
 from .recovery import CONVERSION_INFO, MODEL_TYPES, RELEASES, recovery_command
 
 __all__ = ["LICENCE_SECTION", "moss_model_card"]
@@ -39,7 +39,9 @@ def _prompt_section(lang: str | None) -> str:
         "",
         "Turns alternate, each prefixed with its speaker tag and **no space**, and are joined by the eos token "
         f"`{EOS_TOKEN}`; the prompt ends with eos and the assistant's tag, and the model continues from there "
-        f"(ending its answer with `{EOS_TOKEN}`). When a conversation is too long, drop the oldest turns first.",
+        f"(ending its answer with `{EOS_TOKEN}`). The last turn is the human's (the release assigns roles from the "
+        "end, so a conversation may start with an assistant turn). The string is encoded with LLaMA's bos "
+        f"`{BOS_TOKEN}` in front. When a conversation is too long, drop whole turns, oldest first, one at a time.",
         "",
     ]
     for code in langs:
@@ -48,13 +50,19 @@ def _prompt_section(lang: str | None) -> str:
         lines.append(f"- {_LANGUAGE_NAMES[code]}: `{human}` / `{assistant}`, e.g. `{example}`")
     messages = [{"role": "user", "content": _EXAMPLE_TEXT[langs[0]]}]
     (rendered,), _ = render_jinja_template(
-        [messages], chat_template=chat_template(langs[0]), add_generation_prompt=True, eos_token=EOS_TOKEN
+        [messages],
+        chat_template=chat_template(langs[0]),
+        add_generation_prompt=True,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
     )
     lines += [
         "",
-        "The tokenizer's chat template produces this string: `tokenizer.apply_chat_template("
+        f"The tokenizer's chat template writes the bos `{BOS_TOKEN}` itself, then this string: "
+        "`tokenizer.apply_chat_template("
         f'[{{"role": "user", "content": "{messages[0]["content"]}"}}], tokenize=False, add_generation_prompt=True)` '
-        f"gives `{rendered}`.",
+        f"gives `{rendered}`, whose ids (tokenised without adding special tokens, as `apply_chat_template` does) are "
+        "the release's, with one bos.",
     ]
     return "\n".join(lines)
 

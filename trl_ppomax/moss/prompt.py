@@ -8,12 +8,19 @@ assistant's turn with its bare tag, and the policy's reply ends with eos::
     English:  Human:Hi</s>Assistant:Hello</s>Human:How?</s>Assistant:
     Chinese:  <|Human|>你好</s><|MOSS|>你好</s><|Human|>在吗？</s><|MOSS|>
 
+Roles are assigned **from the end**, as in the release: the last turn is the human's, so a dialogue with an even
+number of turns starts with an assistant turn. Turns must alternate; the first may be either speaker's.
+
 The tags are :data:`SPEAKER_TAGS`; the tokenizer is LLaMA's (bos ``<s>``, eos ``</s>``, pad = ``<unk>`` id 0), plus
 the special tokens ``<|Human|>`` and ``<|MOSS|>`` for the Chinese model. The release encodes the prompt string with
-the tokenizer's special tokens, i.e. with LLaMA's bos in front: ``tokenizer(prompt).input_ids`` =
-``[1, ...]``. :func:`chat_template` renders the same string but, like every chat template, is tokenised by
-``apply_chat_template(..., tokenize=True)`` *without* special tokens, so no bos: to get the release's ids, render
-with ``tokenize=False`` (or use :func:`build_prompt`) and call the tokenizer on the string.
+the tokenizer's special tokens, i.e. with LLaMA's bos in front: ``tokenizer(prompt).input_ids`` = ``[1, ...]``.
+:func:`chat_template` writes that bos itself (``{{ bos_token }}`` + the same string), so the chat template's ids
+(``apply_chat_template(..., tokenize=True)``, or its text tokenised with ``add_special_tokens=False`` as the trainer
+does) are exactly the release's ids, with one bos. :func:`format_dialogue` and :func:`build_prompt` return the string
+without bos: tokenise it with ``tokenizer(prompt)``.
+
+Too long a dialogue loses whole turns, oldest first, one at a time (:func:`truncate_dialogue`, the release's rule);
+text inside a turn is never cut.
 
 Example::
 
@@ -60,7 +67,7 @@ _SYSTEM_ERROR = (
     "drop the system message or fold its text into the first user message."
 )
 _EMPTY_ERROR = "messages is empty: a MOSS-RLHF prompt needs at least one user message."
-_ORDER_ERROR = "messages must alternate user/assistant, starting with a user message"
+_ORDER_ERROR = "messages must alternate user/assistant (the first may be either)"
 _LAST_ERROR = (
     "The last message is an assistant turn, so add_generation_prompt=True would open a second assistant turn in a "
     "row: end with a user message, or pass add_generation_prompt=False (a finished dialogue, as in training data)."
@@ -86,9 +93,8 @@ def _validate(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
             raise ValueError(_SYSTEM_ERROR)
         if role not in _ROLES:
             raise ValueError(f"Message {i} has role {role!r}: the MOSS-RLHF format only knows 'user' and 'assistant'.")
-        expected = _ROLES[i % 2]
-        if role != expected:
-            raise ValueError(f"{_ORDER_ERROR}: message {i} has role {role!r} where {expected!r} is expected.")
+        if i and role == messages[i - 1]["role"]:
+            raise ValueError(f"{_ORDER_ERROR}: message {i} has role {role!r}, as message {i - 1} does.")
         if not isinstance(content, str):
             raise TypeError(f"Message {i} content must be a str, got {type(content).__name__}.")
     if add_generation_prompt and messages[-1]["role"] == "assistant":
@@ -103,18 +109,20 @@ def format_dialogue(
 ) -> str:
     """The MOSS-RLHF text of a dialogue: ``tag + content + eos`` per turn, then the assistant tag.
 
-    ``messages`` are OpenAI-style ``{"role": "user" | "assistant", "content": str}`` dicts alternating user,
-    assistant, user, ... With ``add_generation_prompt`` (a prompt for the policy) the last message must be a user
-    turn and the assistant tag is appended; without it (training text) the dialogue simply ends with eos::
+    ``messages`` are OpenAI-style ``{"role": "user" | "assistant", "content": str}`` dicts whose roles alternate;
+    the first may be an assistant turn (the release assigns roles from the end, so its even-length dialogues start
+    with one). With ``add_generation_prompt`` (a prompt for the policy) the last message must be a user turn and the
+    assistant tag is appended; without it (training text) the dialogue simply ends with eos::
 
         [user "Hi", assistant "Hello", user "How?"]  →  "Human:Hi</s>Assistant:Hello</s>Human:How?</s>Assistant:"
+        [assistant "Hello", user "How?"]  →  "Assistant:Hello</s>Human:How?</s>Assistant:"
         [user "Hi", assistant "Hello"], add_generation_prompt=False  →  "Human:Hi</s>Assistant:Hello</s>"
 
     Contents are used verbatim (no stripping, no space after the tag).
 
     Raises:
-        ValueError: empty ``messages``, a "system" or unknown role, turns that do not alternate starting with
-            "user", an assistant last turn with ``add_generation_prompt``, unknown ``lang`` or no ``eos_token``.
+        ValueError: empty ``messages``, a "system" or unknown role, two turns in a row with the same role, an
+            assistant last turn with ``add_generation_prompt``, unknown ``lang`` or no ``eos_token``.
         TypeError: a message is not a dict with "role" and "content", or a content is not a str.
     """
     human, assistant = _tags(lang)
@@ -127,30 +135,38 @@ def format_dialogue(
 
 
 def chat_template(lang: str = "en") -> str:
-    """A Jinja chat template rendering exactly :func:`format_dialogue` with the tokenizer's ``eos_token``.
+    """A Jinja chat template rendering the tokenizer's ``bos_token`` and then :func:`format_dialogue`.
 
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` ==
-    ``format_dialogue(messages, lang, tokenizer.eos_token)``; with ``add_generation_prompt=False`` (the default of
-    ``apply_chat_template``) the last turn just ends with eos. No bos is written: the release gets it from the
-    tokenizer (``tokenizer(text)``), whereas ``apply_chat_template(..., tokenize=True)`` adds none. The template
-    raises (``jinja2.TemplateError``) on the same inputs :func:`format_dialogue` rejects.
+    ``tokenizer.bos_token + format_dialogue(messages, lang, tokenizer.eos_token)`` (no bos if the tokenizer has
+    none); with ``add_generation_prompt=False`` (the default of ``apply_chat_template``) the last turn just ends with
+    eos. The bos is written because chat templates are tokenised without special tokens
+    (``apply_chat_template(..., tokenize=True)``, :func:`trl_ppomax.data.tokenize_prompt`): the ids are then exactly
+    the release's ``tokenizer(format_dialogue(...)).input_ids``, with one bos in front. The template raises
+    (``jinja2.TemplateError``) on the same inputs :func:`format_dialogue` rejects.
     """
     human, assistant = (json.dumps(tag) for tag in _tags(lang))
     system_error, empty_error, last_error = (json.dumps(e) for e in (_SYSTEM_ERROR, _EMPTY_ERROR, _LAST_ERROR))
     order_error = json.dumps(_ORDER_ERROR + ": message ")
     return (
         "{%- if not eos_token -%}{{ raise_exception('The tokenizer has no eos_token.') }}{%- endif -%}"
+        "{%- if bos_token -%}{{- bos_token -}}{%- endif -%}"
         f"{{%- if messages | length == 0 -%}}{{{{ raise_exception({empty_error}) }}}}{{%- endif -%}}"
         "{%- for message in messages -%}"
         f"{{%- if message['role'] == 'system' -%}}{{{{ raise_exception({system_error}) }}}}"
         "{%- elif message['role'] not in ['user', 'assistant'] -%}"
         "{{ raise_exception('Unknown role ' ~ message['role'] ~ \": use 'user' or 'assistant'.\") }}"
-        "{%- elif (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-        f"{{{{ raise_exception({order_error} ~ loop.index0 ~ ' has role ' ~ message['role'] ~ '.') }}}}"
+        "{%- elif not loop.first and message['role'] == loop.previtem['role'] -%}"
+        f"{{{{ raise_exception({order_error} ~ loop.index0 ~ ' has role ' ~ message['role'] ~ "
+        "', as the one before.') }}"
         "{%- elif message['content'] is not string -%}"
         "{{ raise_exception('Message contents must be strings.') }}"
         "{%- endif -%}"
-        f"{{{{- ({human} if message['role'] == 'user' else {assistant}) + message['content'] + eos_token -}}}}"
+        "{%- if message['role'] == 'user' -%}"
+        f"{{{{- {human} + message['content'] + eos_token -}}}}"
+        "{%- else -%}{%- generation -%}"  # the assistant's turn, tag and eos included: what the release's ptx loss counts
+        f"{{{{- {assistant} + message['content'] + eos_token -}}}}"
+        "{%- endgeneration -%}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}"
         f"{{%- if messages[-1]['role'] == 'assistant' -%}}{{{{ raise_exception({last_error}) }}}}{{%- endif -%}}"
@@ -207,18 +223,6 @@ def _eos(tokenizer: Any) -> str:
     return tokenizer.eos_token
 
 
-def _cut_points(tokenizer: Any, text: str) -> list[int]:
-    """Ascending character positions where ``text`` may be cut: token starts if offsets are available, else all."""
-    if getattr(tokenizer, "is_fast", False):
-        try:
-            offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        except (NotImplementedError, ValueError, KeyError, TypeError):
-            offsets = None
-        if offsets:
-            return sorted({0, len(text), *(start for start, end in offsets if end > start)})
-    return list(range(len(text) + 1))
-
-
 def truncate_dialogue(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Any,
@@ -226,76 +230,48 @@ def truncate_dialogue(
     lang: str = "en",
     *,
     add_special_tokens: bool = True,
-) -> list[Mapping[str, Any]]:
-    """The most recent part of a dialogue whose prompt fits in ``max_tokens`` tokens.
+) -> list[Mapping[str, Any]] | None:
+    """The most recent turns of a dialogue whose prompt fits in ``max_tokens`` tokens, or None if none does.
 
-    The prompt is ``format_dialogue(kept, lang, tokenizer.eos_token)`` (with the generation prompt) and its length
-    is ``len(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)``, i.e. by default counted with
+    The release's rule (``ppo_datahelper.py``), through :func:`trl_ppomax.data.drop_oldest_turns`: whole turns are
+    dropped from the start, **one at a time** (so what is kept may start with an assistant turn), re-encoding each
+    time, until the prompt fits; text inside a turn is never cut. The prompt is
+    ``format_dialogue(kept, lang, tokenizer.eos_token)`` (with the generation prompt) and its length is
+    ``len(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)``, i.e. by default counted with
     LLaMA's bos, as the release encodes it. ``messages`` must end with a user turn.
 
-    1. Whole exchanges are dropped from the start, oldest first, until it fits: ``messages[2k:]`` for the smallest
-       ``k``; what is kept still starts with a user turn and ends with the final user turn.
-    2. If even the final user turn alone is too long, only it is kept and its content is cut **from the left**
-       (the end of the text is kept), at a token boundary when the tokenizer gives offsets (fast tokenizers),
-       otherwise at a character, with leading whitespace removed, to the longest ending that fits (a warning is
-       logged). This never raises for a long turn; it raises only if ``max_tokens`` cannot hold even an empty
-       turn (``tag + eos + assistant tag``, plus bos).
-
-    Differences from the release: it drops *one* turn at a time (so a history may start with an assistant turn)
-    and never cuts text (a prompt still too long is skipped with a warning).
-
     Returns:
-        A new list; kept messages are the same dict objects, a cut one is a copy with the new ``content``.
+        ``messages[k:]`` for the smallest ``k`` that fits (the same dict objects, in a new list), or **None** when
+        even the last user turn alone is longer than ``max_tokens``: the caller should skip that sample. (The
+        release keeps such a turn while it fits the whole context, 2048 tokens, and skips it beyond; here
+        ``max_tokens`` is the one limit.)
 
     Raises:
-        ValueError: ``max_tokens`` is not a positive int or is too small for an empty turn, the messages are not a
-            valid prompt (see :func:`format_dialogue`), or the tokenizer has no eos token.
+        ValueError: ``max_tokens`` is not a positive int, the messages are not a valid prompt (see
+            :func:`format_dialogue`), or the tokenizer has no eos token.
     """
+    from ..data import drop_oldest_turns
+
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
     eos = _eos(tokenizer)
     messages = list(messages)
     format_dialogue(messages, lang, eos)  # validates: alternating, ends with a user turn
 
-    def n_tokens(kept: list[Mapping[str, Any]]) -> int:
-        prompt = format_dialogue(kept, lang, eos)
-        return len(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    def fits(kept: list[Mapping[str, Any]]) -> bool:
+        return _n_tokens(tokenizer, kept, lang, add_special_tokens) <= max_tokens
 
-    for start in range(0, len(messages), 2):
-        kept = messages[start:]
-        if n_tokens(kept) <= max_tokens:
-            if start:
-                logger.debug("Dropped the %d oldest messages to fit the prompt in %d tokens.", start, max_tokens)
-            return kept
-
-    last = messages[-1]
-    content = last["content"]
-
-    def cut(at: int) -> list[Mapping[str, Any]]:
-        return [{**last, "content": content[at:].lstrip() if at else content}]
-
-    floor = n_tokens(cut(len(content)))
-    if floor > max_tokens:
-        raise ValueError(
-            f"max_tokens={max_tokens} cannot hold even an empty user turn: the bare prompt takes {floor} tokens."
+    kept = drop_oldest_turns(messages, fits)
+    if kept is not None and len(kept) < len(messages):
+        logger.debug(
+            "Dropped the %d oldest turns to fit the prompt in %d tokens.", len(messages) - len(kept), max_tokens
         )
-    # Binary search for the smallest cut that fits; the last point (empty text) is known to fit.
-    points = _cut_points(tokenizer, content)
-    lo, hi = 0, len(points) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if n_tokens(cut(points[mid])) <= max_tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    result = cut(points[hi])
-    logger.warning(
-        "The last user turn alone does not fit in %d tokens: kept its last %d of %d characters.",
-        max_tokens,
-        len(result[0]["content"]),
-        len(content),
-    )
-    return result
+    return kept
+
+
+def _n_tokens(tokenizer: Any, messages: list[Mapping[str, Any]], lang: str, add_special_tokens: bool = True) -> int:
+    prompt = format_dialogue(messages, lang, _eos(tokenizer))
+    return len(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def build_prompt(
@@ -308,7 +284,18 @@ def build_prompt(
 
     With ``max_tokens=None`` nothing is dropped. Tokenise the result with ``tokenizer(prompt)`` to get the
     release's ids (bos first, see the module docstring).
+
+    Raises:
+        ValueError: besides :func:`truncate_dialogue`'s errors, when even the last user turn alone is longer than
+            ``max_tokens`` (no turn is ever cut: skip such a sample).
     """
     if max_tokens is not None:
-        messages = truncate_dialogue(messages, tokenizer, max_tokens, lang)
+        kept = truncate_dialogue(messages, tokenizer, max_tokens, lang)
+        if kept is None:
+            length = _n_tokens(tokenizer, [messages[-1]], lang)
+            raise ValueError(
+                f"The last user turn alone takes {length} tokens (with bos, tags and eos), more than the prompt budget "
+                f"max_tokens={max_tokens}: shorten it, raise max_tokens, or skip this sample."
+            )
+        messages = kept
     return format_dialogue(messages, lang, _eos(tokenizer), add_generation_prompt=True)

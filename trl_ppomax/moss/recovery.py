@@ -7,6 +7,15 @@ for ``.bin``), so the peak memory is about one output shard (``max_shard_size``)
 models. The result is written into a temporary sibling folder and renamed into place only after the published sum
 check passed: a failed check leaves nothing at ``output``.
 
+The release was made with transformers 4.30.2, whose LLaMA saved ``model.layers.N.self_attn.rotary_emb.inv_freq``
+(a persistent buffer then, non-persistent from 4.31): the diffs may hold it (diffed to zero: the key contains
+``layers``) and the published sums count it, while a LLaMA-7B converted with a newer transformers has no such key (or
+the reverse). Such buffers (:data:`NON_PERSISTENT_BUFFERS`) are not weights of a modern model: they are never written,
+and the sum check counts them as the release did — from the checkpoints' tensors, or from the config when neither
+checkpoint has them. Any other key in the raw checkpoint and not in the diff, or a diffed (``layers``) key not in the
+raw checkpoint, is an error, as is a ``model_type`` that contradicts the diff's head (``reward_head`` or ``lm_head``);
+both are checked before anything is written.
+
 Conversion: reward → ``LlamaForSequenceClassification`` (``num_labels=1``, ``score.weight`` = ``reward_head.weight``,
 ``lm_head`` dropped, ``pad_token_id`` = ``<unk>`` = 0), whose score at the last non-pad token equals the release's
 ``reward_head(last_hidden_state)`` at the last position of a left-padded batch; sft/policy → ``LlamaForCausalLM``.
@@ -50,9 +59,16 @@ RELEASES = {
 }
 RELATIVE_TOLERANCE = 1e-5
 #: The record :func:`recover` writes next to the weights (keys: model_type, lang, source_diff, source_raw,
-#: expected_sum, recovered_sum, dtype, recovery_command); :mod:`trl_ppomax.moss.card` reads it.
+#: expected_sum (published or given), recovered_sum (of the recovered weights, buffers excluded), buffers_sum,
+#: sum_counts_buffers, dtype, recovery_command); :mod:`trl_ppomax.moss.card` reads it.
 CONVERSION_INFO = "trl_ppomax_conversion.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Name endings of buffers that transformers 4.30.2 (the release's) saved and newer versions do not (non-persistent):
+#: never written, and counted in the published sums (see :func:`buffers_sum`).
+NON_PERSISTENT_BUFFERS = ("rotary_emb.inv_freq",)
+#: Whether the published sums (:data:`EXPECTED_SUMS`) count the :data:`NON_PERSISTENT_BUFFERS`: they were computed on
+#: transformers 4.30.2 state dicts (MOSS-RLHF issue #33: a zh sum short by exactly the inv_freq sum).
+PUBLISHED_SUMS_COUNT_BUFFERS = True
 
 
 class IntegrityError(ValueError):
@@ -113,16 +129,112 @@ class TensorFolder:
         return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
 
 
+def is_non_persistent_buffer(name: str) -> bool:
+    """Whether ``name`` is a buffer that newer transformers no longer save (:data:`NON_PERSISTENT_BUFFERS`)."""
+    return name.endswith(NON_PERSISTENT_BUFFERS)
+
+
+def check_keys(diff: TensorFolder, raw: TensorFolder) -> dict[str, list[str]]:
+    """Check that the diff and the raw checkpoint hold the same model, before anything is read or written.
+
+    Every diffed tensor (name containing ``layers``) must be in the raw checkpoint, and every raw tensor in the diff;
+    the diff's other tensors (``reward_head``) need no raw counterpart. :data:`NON_PERSISTENT_BUFFERS` are exempt:
+    returns their names, ``{"diff": [...], "raw": [...]}``. Raises ``ValueError`` naming the first missing key.
+    """
+    for name in diff.names():
+        if "layers" in name and not is_non_persistent_buffer(name) and name not in raw:
+            raise ValueError(
+                f"{name} is a diff tensor (tuned − raw) but the raw LLaMA checkpoint {raw.folder} has no tensor of "
+                "that name: the raw weights are not the model the diff was made from."
+            )
+    for name in raw.names():
+        if not is_non_persistent_buffer(name) and name not in diff:
+            raise ValueError(
+                f"The raw LLaMA checkpoint has {name} but the diff {diff.folder} does not: the recovered model would "
+                "lack it. The diff is incomplete or was made from another model."
+            )
+    return {"diff": _buffers(diff), "raw": _buffers(raw)}
+
+
+def diff_model_type(diff: TensorFolder) -> tuple[str, str | None]:
+    """``("reward", key)`` for a diff with a reward head (``reward_head.*``, or an already-converted ``score.*``),
+    ``("causal", key)`` for one with an ``lm_head.*`` and no reward head, ``("unknown", None)`` otherwise."""
+    names = diff.names()
+    reward = next((n for n in names if n.startswith(("reward_head.", "score."))), None)
+    if reward is not None:
+        return "reward", reward
+    lm_head = next((n for n in names if n.startswith("lm_head.")), None)
+    return ("causal", lm_head) if lm_head is not None else ("unknown", None)
+
+
+def check_model_type(diff: TensorFolder, model_type: ModelType) -> None:
+    """Raise ``ValueError`` when ``model_type`` contradicts the diff's head: a reward diff has ``reward_head.*``, an
+    sft/policy diff has ``lm_head.*`` and no ``reward_head``."""
+    kind, key = diff_model_type(diff)
+    if model_type == "reward" and kind == "causal":
+        raise ValueError(
+            f"--model-type reward, but the diff {diff.folder} has {key} and no reward_head (nor score) tensor, so it "
+            "is an sft or policy model: pass --model-type sft or --model-type policy."
+        )
+    if model_type != "reward" and kind == "reward":
+        raise ValueError(
+            f"--model-type {model_type}, but the diff {diff.folder} has {key}, so it is a reward model: pass "
+            "--model-type reward."
+        )
+    if kind == "unknown":
+        raise ValueError(
+            f"--model-type {model_type}, but the diff {diff.folder} has neither a reward_head nor an lm_head tensor: "
+            "it is not a MOSS-RLHF model diff."
+        )
+
+
+def inv_freq(config) -> torch.Tensor:
+    """The rotary ``inv_freq`` buffer of one layer, as transformers 4.30.2 computed it (float32):
+    ``1 / base^(arange(0, d, 2) / d)``, ``d`` = head dim (``hidden_size / num_attention_heads``), ``base`` =
+    ``rope_theta`` (default 10000)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+
+
+def buffers_sum(diff: TensorFolder, raw: TensorFolder, config) -> tuple[float, str]:
+    """The float32 sum of the recovered :data:`NON_PERSISTENT_BUFFERS` (``inv_freq`` of every layer), as the release's
+    state dict held them, and where it came from.
+
+    Each buffer in either checkpoint is ``raw + diff`` (the diff's, a ``layers`` key, is tuned − raw), the raw part
+    recomputed from ``config`` (:func:`inv_freq`) when only the diff has it; with no buffer in either checkpoint, the
+    sum is ``num_hidden_layers`` × that of :func:`inv_freq`.
+    """
+    names = sorted(set(_buffers(diff)) | set(_buffers(raw)))
+    if not names:
+        return config.num_hidden_layers * inv_freq(config).sum().item(), "the config"
+    total = 0.0
+    for name in names:
+        value = raw[name].float() if name in raw else inv_freq(config)
+        if name in diff:
+            value = value + diff[name].float()
+        total += value.sum().item()
+    return total, "the raw checkpoint" if all(name in raw for name in names) else "the checkpoints and the config"
+
+
+def _buffers(folder: TensorFolder) -> list[str]:
+    return [name for name in folder.names() if is_non_persistent_buffer(name)]
+
+
 def recovered_tensors(diff: TensorFolder, raw: TensorFolder) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tuned)`` for every tensor of the diff: ``diff + raw`` for names containing ``layers``, else ``diff``.
+    """``(name, tuned)`` for every tensor of the diff but the :data:`NON_PERSISTENT_BUFFERS`: ``diff + raw`` for names
+    containing ``layers``, else ``diff``.
 
     The raw shards are visited in the diff's order; each raw tensor is read on demand (memory-mapped).
     """
     for name in diff.names():
+        if is_non_persistent_buffer(name):
+            continue
         tensor = diff[name]
         if "layers" in name:
             if name not in raw:
-                raise KeyError(f"{name} is a diff tensor but the raw LLaMA checkpoint has no tensor of that name.")
+                raise ValueError(f"{name} is a diff tensor but the raw LLaMA checkpoint has no tensor of that name.")
             base = raw[name]
             if base.shape != tensor.shape:
                 raise ValueError(f"{name}: diff shape {tuple(tensor.shape)} ≠ raw shape {tuple(base.shape)}.")
@@ -234,31 +346,44 @@ def recover(
     """Recover ``diff`` (a release folder) against ``raw`` (LLaMA-7B, Hugging Face format) and write a standard
     transformers checkpoint, tokenizer with the MOSS chat template and a conversion record to ``output``.
 
-    Raises ``IntegrityError`` (and writes nothing) when the parameters do not sum to the published value, and
-    ``ValueError`` for an unknown ``model_type``, ``lang`` or ``dtype`` or an invalid ``max_shard_size``.
+    The sum check compares the float32 sum of the recovered tensors with the published one, which counts the rotary
+    ``inv_freq`` buffers (:data:`PUBLISHED_SUMS_COUNT_BUFFERS`; their sum from :func:`buffers_sum`); a given
+    ``expected_sum`` may count them or not (either is accepted: they differ by far more than the tolerance).
+
+    Raises ``IntegrityError`` (and writes nothing) when the parameters do not sum to the expected value, and
+    ``ValueError`` (before writing anything) for an unknown ``model_type``, ``lang`` or ``dtype``, an invalid
+    ``max_shard_size``, a ``model_type`` that contradicts the diff's head, or a tensor missing from the diff or the raw
+    checkpoint.
     """
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
-    if lang not in LANGS:
-        raise ValueError(f"lang must be one of {LANGS}, got {lang!r}.")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    _check_choices(model_type, lang, dtype)
     target = expected_sum_for(model_type, lang, expected_sum, check)
+    # Whether the target counts the non-persistent buffers: the published sums do; a given one may (None: either).
+    counts_buffers = PUBLISHED_SUMS_COUNT_BUFFERS if target is not None and expected_sum is None else None
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty; choose another output folder or remove it.")
     max_bytes = shard_size_bytes(max_shard_size)
     diff_folder, raw_folder = TensorFolder(diff), TensorFolder(raw)
+    _log_skipped(check_keys(diff_folder, raw_folder))
+    check_model_type(diff_folder, model_type)
+    config = _load_config(Path(diff), Path(raw))
+    buffers, source = buffers_sum(diff_folder, raw_folder, config) if target is not None else (None, None)
+    if counts_buffers:
+        logger.info(
+            "The published sum %.6f counts the rotary inv_freq buffers (transformers 4.30.2), which sum to %.6f "
+            "(from %s) and are not written: the recovered weights must sum to %.6f.",
+            target,
+            buffers,
+            source,
+            target - buffers,
+        )
     with atomic_directory(output) as folder:  # nothing at ``output`` unless every step below succeeds
         temporary = Path(folder)
         total = _write_tensors(diff_folder, raw_folder, temporary, model_type, DTYPES[dtype], max_bytes, progress)
-        if target is not None and not math.isclose(total, target, rel_tol=RELATIVE_TOLERANCE):
-            raise IntegrityError(
-                f"The recovered {lang} {model_type} weights sum to {total:.6f}, not the published {target:.6f} "
-                f"(relative tolerance {RELATIVE_TOLERANCE:g}). The raw LLaMA-7B weights or the diff are not the ones "
-                "the release was made from, or a file is corrupted. Nothing was written."
-            )
-        _write_config_and_tokenizer(Path(diff), Path(raw), temporary, model_type, lang, dtype)
+        counted = None
+        if target is not None:
+            counted = check_sum(total, buffers, source, target, counts_buffers, f"{lang} {model_type}")
+        _write_config_and_tokenizer(config, Path(diff), Path(raw), temporary, model_type, lang, dtype)
         info = {
             "model_type": model_type,
             "lang": lang,
@@ -266,6 +391,8 @@ def recover(
             "source_raw": str(raw),
             "expected_sum": target,
             "recovered_sum": total,
+            "buffers_sum": buffers,
+            "sum_counts_buffers": counted,
             "dtype": dtype,
             "recovery_command": recovery_command(raw, diff, output, model_type, lang, dtype),
         }
@@ -273,14 +400,64 @@ def recover(
     return output
 
 
+def _check_choices(model_type: str, lang: str, dtype: str) -> None:
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
+    if lang not in LANGS:
+        raise ValueError(f"lang must be one of {LANGS}, got {lang!r}.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+
+
+def _log_skipped(skipped: dict[str, list[str]]) -> None:
+    for where, names in skipped.items():
+        if names:
+            logger.info(
+                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
+                "transformers model, not written.",
+                len(names),
+                where,
+                ", ".join(NON_PERSISTENT_BUFFERS),
+                names[0],
+            )
+
+
+def check_sum(
+    total: float, buffers: float, source: str, target: float, counts_buffers: bool | None, what: str
+) -> bool:
+    """Check the recovered weights' sum ``total`` against ``target`` (relative tolerance :data:`RELATIVE_TOLERANCE`),
+    adding the non-persistent buffers' sum ``buffers`` (taken from ``source``) when the target counts them; with
+    ``counts_buffers`` None, either way is accepted. Returns whether the buffers were counted; raises
+    ``IntegrityError``."""
+    ways = (False, True) if counts_buffers is None else (counts_buffers,)
+    for counted in ways:
+        if math.isclose(total + (buffers if counted else 0.0), target, rel_tol=RELATIVE_TOLERANCE):
+            if counts_buffers is None:
+                logger.info(
+                    "The expected sum %.6f matches the recovered weights %s the rotary inv_freq buffers (%.6f).",
+                    target,
+                    "plus" if counted else "without",
+                    buffers,
+                )
+            return counted
+    which = "the published sum (which counts the buffers)" if counts_buffers else "the expected sum"
+    raise IntegrityError(
+        f"The recovered {what} weights sum to {total:.6f}, {total + buffers:.6f} with the rotary inv_freq buffers "
+        f"({buffers:.6f}, from {source}); {which} is {target:.6f} (relative tolerance {RELATIVE_TOLERANCE:g}). The "
+        "raw LLaMA-7B weights or the diff are not the ones the release was made from, or a file is corrupted. "
+        "Nothing was written."
+    )
+
+
 def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) -> float:
-    """Stream recovered tensors into shards; returns the float32 sum of every recovered parameter."""
+    """Stream recovered tensors into shards; returns the float32 sum of every recovered parameter (the
+    non-persistent buffers excluded)."""
     from tqdm.auto import tqdm
 
     writer = ShardWriter(folder, max_bytes)
     total = 0.0
-    names = diff.names()
-    for name, tensor in tqdm(recovered_tensors(diff, raw), total=len(names), desc="Recovering", disable=not progress):
+    count = sum(not is_non_persistent_buffer(name) for name in diff.names())
+    for name, tensor in tqdm(recovered_tensors(diff, raw), total=count, desc="Recovering", disable=not progress):
         total += tensor.float().sum().item()  # float32, as the release computed it
         new_name = converted_name(name, model_type)
         if new_name is not None:
@@ -289,10 +466,15 @@ def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) ->
     return total
 
 
-def _write_config_and_tokenizer(diff: Path, raw: Path, folder: Path, model_type, lang, dtype) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+def _load_config(diff: Path, raw: Path):
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(diff if (diff / "config.json").is_file() else raw)
+    return AutoConfig.from_pretrained(diff if (diff / "config.json").is_file() else raw)
+
+
+def _write_config_and_tokenizer(config, diff: Path, raw: Path, folder: Path, model_type, lang, dtype) -> None:
+    from transformers import AutoTokenizer
+
     config.pad_token_id = 0  # <unk>, as in the release
     config.dtype = dtype
     if model_type == "reward":

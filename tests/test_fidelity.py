@@ -1,0 +1,196 @@
+"""Settings that make a run faithful to the paper or to the MOSS-RLHF release (docs/fidelity.md): each one changes
+what it should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import make_trainer
+
+from trl_ppomax import PPOMaxConfig, core, metrics
+from trl_ppomax.data import prepare_text_dataset
+from trl_ppomax.modeling import response_logits
+from trl_ppomax.moss import setup_tokenizer
+from trl_ppomax.rollout import sequence_inputs
+from trl_ppomax.tiny import build_llama_style_tokenizer
+
+
+def first_rollout(trainer):
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(trainer.args.local_batch_size)])
+    torch.manual_seed(0)
+    return trainer.rollout(batch["input_ids"], batch["attention_mask"])
+
+
+@pytest.mark.parametrize(
+    ("preset", "logprob_temperature", "expected"), [("vanilla", None, 0.7), ("ppo_max", None, 1.0)]
+)
+def test_logprob_temperature_defaults(preset, logprob_temperature, expected):
+    config = PPOMaxConfig(output_dir="unused", preset=preset, report_to="none")
+    assert config.logprob_temperature == (None if preset == "vanilla" else 1.0)
+    assert config.effective_logprob_temperature == expected
+
+
+@pytest.mark.parametrize("logprob_temperature", [None, 1.0])
+def test_rollout_logprobs_use_the_logprob_temperature(tmp_path, logprob_temperature):
+    trainer = make_trainer(tmp_path, temperature=0.5, logprob_temperature=logprob_temperature)
+    rollout = first_rollout(trainer)
+    inputs = sequence_inputs(rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
+    width = rollout.response_ids.shape[1]
+    with torch.no_grad():
+        logits = response_logits(trainer.model.policy, inputs, width)
+    temperature = 0.5 if logprob_temperature is None else 1.0
+    expected = core.logprobs_from_logits(logits, rollout.response_ids, temperature) * rollout.response_mask
+    torch.testing.assert_close(rollout.logprobs, expected)
+    experience, _ = trainer.make_experience(rollout)
+    _, stats = trainer.micro_batch_loss(experience, torch.arange(4), critic_only=False)
+    torch.testing.assert_close(stats[metrics.RATIO], torch.tensor(1.0), atol=1e-5, rtol=0)  # same temperature
+
+
+def test_advantages_whitened_per_minibatch(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, advantage_whitening_scope="minibatch", num_mini_batches=2)
+    experience, _ = trainer.make_experience(first_rollout(trainer))
+    torch.testing.assert_close(experience.advantages, experience.raw_advantages)  # nothing normalised yet
+    seen = []
+    original = trainer.micro_batch_loss
+
+    def record(step_experience, index, critic_only):
+        seen.append((step_experience.advantages, index))
+        return original(step_experience, index, critic_only)
+
+    monkeypatch.setattr(trainer, "micro_batch_loss", record)
+    trainer.ppo_update(experience)
+    for start in range(0, len(seen), trainer.args.gradient_accumulation_steps):  # the micro-batches of a minibatch
+        advantages = seen[start][0]
+        rows = torch.cat([index for _, index in seen[start : start + trainer.args.gradient_accumulation_steps]])
+        mask = experience.rollout.response_mask[rows]
+        assert core.masked_mean(advantages[rows], mask).abs() < 1e-5
+        assert core.masked_var(advantages[rows], mask).item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_critic_adam_epsilon_and_joint_gradient_clipping(tmp_path):
+    trainer = make_trainer(
+        tmp_path, adam_epsilon=1e-6, critic_adam_epsilon=1e-8, grad_clip_scope="joint", max_grad_norm=1e-3
+    )
+    eps = {group["model"]: group["eps"] for group in trainer.optimizer.param_groups}
+    assert eps == {"policy": 1e-6, "critic": 1e-8}
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert metrics.GRAD_NORM in logged and metrics.POLICY_GRAD_NORM not in logged
+
+
+def test_joint_clipping_bounds_the_norm_of_both_models_together(tmp_path):
+    from trl_ppomax.optim import clip_gradients
+
+    trainer = make_trainer(tmp_path)
+    wrapper = trainer.model
+    for parameter in wrapper.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    clip_gradients(trainer.accelerator, wrapper, 1.0, "joint", critic_only=False)
+    total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in wrapper.parameters()]))
+    assert total.item() == pytest.approx(1.0, rel=1e-4)
+    per_model = [
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])) for m in wrapper.children()
+    ]
+    assert all(norm < 1.0 for norm in per_model)  # neither model alone is at the bound
+
+
+def test_critic_warmup_replaces_the_lr_warmup(tmp_path):
+    trainer = make_trainer(tmp_path, critic_warmup_steps=1, warmup_steps=2, lr_scheduler_type="constant_with_warmup")
+    scheduler, groups = trainer.lr_scheduler, trainer.optimizer.param_groups
+    lrs = {group["model"]: group["lr"] for group in groups}
+    assert lrs["critic"] == trainer.args.effective_critic_learning_rate  # no warm-up on the critic
+    assert lrs["policy"] == 0.0  # the policy's warm-up starts after the critic warm-up
+    critic_steps = trainer.args.num_ppo_epochs * trainer.args.num_mini_batches
+    for _ in range(critic_steps + 1):
+        scheduler.step()
+    policy_lr = next(group["lr"] for group in groups if group["model"] == "policy")
+    assert policy_lr == pytest.approx(trainer.args.learning_rate / 2)  # one step into its two-step warm-up
+
+    plain = make_trainer(
+        tmp_path / "plain",
+        critic_warmup_steps=1,
+        warmup_steps=2,
+        critic_warmup_replaces_lr_warmup=False,
+        lr_scheduler_type="constant_with_warmup",
+    )
+    assert all(group["lr"] == 0.0 for group in plain.optimizer.param_groups)
+
+
+def test_trl112_names_of_the_models(tmp_path):
+    trainer = make_trainer(tmp_path)
+    assert trainer.model.value_model is trainer.model.critic
+    assert trainer.model.policy is not None
+
+
+def test_ptx_on_dialogues_counts_assistant_turns_only():
+    tokenizer = setup_tokenizer(build_llama_style_tokenizer("en"), "en")
+    dialogue = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "I am fine"},
+        {"role": "user", "content": "do"},
+        {"role": "assistant", "content": "can"},
+    ]
+    row = prepare_text_dataset(Dataset.from_dict({"messages": [dialogue]}), tokenizer, None)[0]
+    tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
+    counted = [t for t, m in zip(tokens, row["loss_mask"], strict=True) if m]
+    # the release's mask: each assistant turn with its tag and its closing eos; BOS and human turns excluded
+    assert counted == ["Assistant", ":", "I", "am", "fine", "</s>", "Assistant", ":", "can", "</s>"]
+    every = prepare_text_dataset(Dataset.from_dict({"messages": [dialogue]}), tokenizer, None, assistant_only=False)
+    assert all(every[0]["loss_mask"])
+
+
+def test_ptx_on_dialogues_needs_generation_markers(tmp_path):
+    tokenizer = build_llama_style_tokenizer("en")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="generation"):
+        prepare_text_dataset(Dataset.from_dict({"messages": [[{"role": "user", "content": "Hi"}]]}), tokenizer, None)
+
+
+def test_ptx_loss_mask_reaches_the_loss(tmp_path, monkeypatch):
+    from helpers import TINY
+
+    from trl_ppomax import PPOMaxTrainer
+    from trl_ppomax.tiny import build_models, prompt_texts
+
+    tokenizer, policy, reward_model = build_models()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }} {% else %}{% generation %}"
+        "{{ m['content'] }} {% endgeneration %}{% endif %}{% endfor %}"
+    )
+    dialogues = [[{"role": "user", "content": "please tell"}, {"role": "assistant", "content": "thanks sure"}]] * 8
+    trainer = PPOMaxTrainer(
+        args=PPOMaxConfig(output_dir=str(tmp_path), **{**TINY, "ptx_coef": 0.5}),
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward_model,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+        ptx_dataset=Dataset.from_dict({"messages": dialogues}),
+    )
+    masks = []
+    original = core.lm_loss
+
+    def spy(logits, labels, mask):
+        masks.append(mask)
+        return original(logits, labels, mask)
+
+    monkeypatch.setattr(core, "lm_loss", spy)
+    trainer.train()
+    assert masks and all(0 < m.sum() < m.numel() for m in masks)  # only the assistant's tokens count
+    ptx_losses = [entry[metrics.PTX_LOSS] for entry in trainer.state.log_history if metrics.PTX_LOSS in entry]
+    assert ptx_losses and all(torch.isfinite(torch.tensor(ptx_losses)))
+
+
+def test_evaluation_samples_like_training_when_asked(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, eval_do_sample=True, eval_dataset=Dataset.from_dict({"prompt": ["hi"] * 4}))
+    calls = []
+    original = trainer.rollout
+
+    def spy(query_ids, query_mask, sampling=True):
+        calls.append(sampling)
+        return original(query_ids, query_mask, sampling=sampling)
+
+    monkeypatch.setattr(trainer, "rollout", spy)
+    trainer.evaluate()
+    assert calls == [True]

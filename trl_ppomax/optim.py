@@ -1,0 +1,84 @@
+"""Optimisation of the policy and the critic: parameter groups, gradient clipping, and the learning-rate schedules
+around critic warm-up. Orchestration helpers for :class:`~trl_ppomax.PPOMaxTrainer`; the losses are in ``core``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+MODELS = ("policy", "critic")
+
+
+def param_groups(wrapper: nn.Module, decay: set[str], args) -> list[dict]:
+    """Optimizer parameter groups of the trainable parameters of ``wrapper.policy`` and ``wrapper.critic``: per model
+    (its own learning rate, §5.4, and optionally its own Adam ``eps``, as the release's 1e-6 / 1e-8) and per with or
+    without weight decay (``decay`` = the parameter names that get it). Each group is tagged ``"model"``."""
+    learning_rates = {"policy": args.learning_rate, "critic": args.effective_critic_learning_rate}
+    eps = {"critic": args.critic_adam_epsilon} if args.critic_adam_epsilon is not None else {}
+    weight_decay = args.weight_decay
+    groups = []
+    for model in MODELS:
+        named = [(n, p) for n, p in wrapper.named_parameters() if n.startswith(f"{model}.") and p.requires_grad]
+        for with_decay in (True, False):
+            params = [p for n, p in named if (n in decay) == with_decay]
+            if params:
+                group = {"params": params, "lr": learning_rates[model], "weight_decay": weight_decay * with_decay}
+                groups.append({**group, "model": model, **({"eps": eps[model]} if model in eps else {})})
+    return groups
+
+
+def clip_gradients(
+    accelerator, wrapper: nn.Module, max_norm: float, scope: str, critic_only: bool
+) -> dict[str, torch.Tensor]:
+    """Clip the gradients (App. C.2) and return their norms before clipping, ``{metric name: norm}``.
+
+    ``scope="per_model"``: the policy's and the critic's gradients are clipped separately (``policy/grad_norm``,
+    ``critic/grad_norm``); ``"joint"``: as one vector (``grad_norm``), as the release's single engine did.
+    ``max_norm`` 0 only measures. With ``critic_only`` the policy's gradients are dropped first (critic warm-up), so
+    the optimizer leaves the policy (and its Adam state) untouched.
+    """
+    from .metrics import CRITIC_GRAD_NORM, GRAD_NORM, POLICY_GRAD_NORM
+
+    if critic_only:
+        for parameter in wrapper.policy.parameters():
+            parameter.grad = None  # the optimizer skips parameters without gradients
+    modules = {POLICY_GRAD_NORM: [wrapper.policy], CRITIC_GRAD_NORM: [wrapper.critic]}
+    if scope == "joint":
+        modules = {GRAD_NORM: [wrapper.policy, wrapper.critic]}
+    norms = {}
+    for name, parts in modules.items():
+        params = [p for part in parts for p in part.parameters() if p.grad is not None]
+        if params:
+            norms[name] = accelerator.clip_grad_norm_(params, max_norm or float("inf")).detach()
+    return norms
+
+
+def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):
+    """``scheduler`` as it is, or, with critic warm-up and ``critic_warmup_replaces_lr_warmup``, shifted by
+    :func:`after_critic_warmup` (a ``LambdaLR`` only; other schedulers are left alone)."""
+    if not (args.critic_warmup_steps and args.critic_warmup_replaces_lr_warmup and isinstance(scheduler, LambdaLR)):
+        return scheduler
+    critic_steps = args.critic_warmup_steps * args.num_ppo_epochs * args.num_mini_batches
+    return after_critic_warmup(scheduler, critic_steps, args.get_warmup_steps(num_training_steps))
+
+
+def after_critic_warmup(scheduler: LambdaLR, critic_steps: int, warmup_steps: int) -> LambdaLR:
+    """The schedule with critic pre-training replacing the LR warm-up (§5.3.3: "we recommend replacing the learning
+    rate warm-up with the critic model pre-training"): the policy's multiplier starts when the policy starts training,
+    after ``critic_steps`` optimizer steps, ``λ(max(0, t − critic_steps))``; the critic's skips the warm-up,
+    ``λ(max(t, warmup_steps))``."""
+    optimizer = scheduler.optimizer
+
+    def shifted(base: Callable[[int], float], model: str) -> Callable[[int], float]:
+        if model == "policy":
+            return lambda step: base(max(0, step - critic_steps))
+        return lambda step: base(max(step, warmup_steps))
+
+    lambdas = [
+        shifted(base, group.get("model", "policy"))
+        for base, group in zip(scheduler.lr_lambdas, optimizer.param_groups, strict=True)
+    ]
+    return LambdaLR(optimizer, lambdas)
