@@ -191,6 +191,36 @@ class PPOMaxConfig(TrainingArguments):
         metadata={"help": "Evaluation responses are sampled like rollouts (True) or greedy (False)."},
     )
 
+    # ---- safety: reusing folders, resuming, bad numbers ------------------------------------------------------------
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh run in an output_dir that already holds checkpoints (they are deleted first); "
+            "otherwise such a folder is refused, so that two runs never mix."
+        },
+    )
+    resume_weights_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint without optimizer, scheduler or RNG states (a fresh Adam and schedule); "
+            "otherwise a checkpoint missing them is refused."
+        },
+    )
+    resume_allow_changes: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even if settings that define the run (batch sizes, episodes, seed, dataset size, preset, "
+            "models) differ from the checkpoint's; otherwise the differences are listed and the resume refused."
+        },
+    )
+    max_skipped_iterations: int = field(
+        default=3,
+        metadata={
+            "help": "Stop with an error after this many consecutive iterations skipped for non-finite numbers "
+            "(a batch whose rewards are all non-finite, a non-finite value or log-prob)."
+        },
+    )
+
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
     num_total_batches: int | None = field(
         default=None,
