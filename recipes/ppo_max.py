@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.data import load_any_dataset, to_prompt_dataset
+from trl_ppomax.data import check_local_paths, load_any_dataset, to_prompt_dataset
 from trl_ppomax.monitor import CollapseMonitor
 from trl_ppomax.moss import setup_tokenizer
 from trl_ppomax.plan import plan
@@ -146,6 +146,17 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
 
                 save_tiny_models(script_args.tiny_models_dir)
     check_combination(script_args, training_args, model_args)
+    policy_setting = "model_name_or_path" if model_args.model_name_or_path else "sft_model_path"
+    check_local_paths(
+        {
+            policy_setting: model_args.model_name_or_path or training_args.sft_model_path,
+            "reward_model_path": training_args.reward_model_path,
+            "value_model_path": script_args.value_model_path,
+            "dataset_name": script_args.dataset_name,
+            "eval_dataset_name": script_args.eval_dataset_name,
+            "ptx_dataset_name": script_args.ptx_dataset_name,
+        }
+    )
     peft_config = get_peft_config(model_args)
     policy_path, policy, reference, reward, value = load_models(script_args, training_args, model_args, peft_config)
     tokenizer = load_tokenizer(policy_path, script_args.prompt_format)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
+from trl_ppomax.data import check_local_paths
 from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -55,9 +56,10 @@ def load_model(model_args: ModelConfig, training_args: PPOMaxRewardConfig):
     return AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=1, **kwargs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((ScriptArguments, PPOMaxRewardConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config()
+    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    check_local_paths({"model_name_or_path": model_args.model_name_or_path, "dataset_name": script_args.dataset_name})
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     with PartialState().local_main_process_first():
         dataset = load_preferences(script_args)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.tiny import build_models, prompt_texts
 
-__all__ = ["SMOKE", "TINY", "changed", "make_trainer", "snapshot"]
+__all__ = ["SMOKE", "TINY", "StopAt", "changed", "make_trainer", "snapshot"]
 
 #: A fast PPO-max run on the tiny models: two iterations of 16 episodes (4 prompts × 2 accumulation steps × 2).
 TINY = dict(
@@ -74,3 +75,15 @@ def snapshot(module):
 def changed(before, module):
     """How many parameters of ``module`` differ from the :func:`snapshot` ``before``."""
     return sum(not torch.equal(before[n], p) for n, p in module.named_parameters())
+
+
+class StopAt(TrainerCallback):
+    """Simulates a pre-emption: stop the run after iteration ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control

@@ -85,7 +85,7 @@ def fake_hfapi(monkeypatch):
     return FakeApi
 
 
-EXPECTED = sorted([*MODEL_FILES, "chat_template.jinja", CONVERSION_INFO, "training_args.bin"])
+EXPECTED = sorted([*MODEL_FILES, "chat_template.jinja", CONVERSION_INFO])  # training_args.bin: left out
 
 
 def test_upload_files_skips_hidden_checkpoints_and_readme(converted):
@@ -93,6 +93,8 @@ def test_upload_files_skips_hidden_checkpoints_and_readme(converted):
     assert set(files) >= MODEL_FILES
     assert files == sorted(set(EXPECTED) | set(files))
     assert not [f for f in files if f.startswith((".", "checkpoint-", "__pycache__")) or f == "README.md"]
+    assert hub.upload_plan(converted)[1] == ["checkpoint-2/", "training_args.bin"]  # left out, and reported
+    assert "training_args.bin" in hub.upload_files(converted, include_internals=True)
 
 
 def test_dry_run_prints_files_and_card(converted, fake_hfapi, capsys):

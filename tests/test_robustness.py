@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from helpers import make_trainer, snapshot
-from transformers import TrainerCallback
+from helpers import StopAt, make_trainer, snapshot
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
@@ -17,18 +16,6 @@ from trl_ppomax.tiny import build_models, prompt_texts
 
 RESUMABLE = dict(total_episodes=64, ptx_coef=0.5, critic_warmup_steps=1, num_ppo_epochs=2, learning_rate=3e-3)
 PTX = Dataset.from_dict({"text": ["hello how are you today", "the cat is very nice and good", "tell me a story"] * 6})
-
-
-class StopAt(TrainerCallback):
-    """Simulates a pre-emption: stop the run after iteration ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
 
 
 def test_resume_continues_as_if_never_stopped(tmp_path):

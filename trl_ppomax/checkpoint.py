@@ -3,50 +3,87 @@
 Layout of ``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top, so that
 ``from_pretrained("checkpoint-N")`` loads it; ``critic/`` with the critic; ``optimizer.pt``/``scheduler.pt`` (or a
 DeepSpeed engine checkpoint); ``rng_state*.pth``; ``trainer_state.json``; ``ppo_state.json`` (counters, running
-reward moments, data position).
+reward moments, data position, and the settings that define the run).
+
+What a run checks before its first rollout (:meth:`CheckpointMixin._start_run`), so that nothing is lost or mixed:
+``output_dir`` is writable (at init); a trainer trains once; a fresh run does not reuse a folder holding another run's
+checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless ``resume_weights_only``),
+undamaged, and was written with the same run settings (unless ``resume_allow_changes``). No file written here holds a
+token: ``training_args.bin`` is written with every secret field cleared.
 """
 
 from __future__ import annotations
 
+import copy
+import fnmatch
 import json
 import logging
 import os
+import re
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 from transformers import TrainerState
-from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     get_last_checkpoint,
     load_sharded_checkpoint,
     rotate_checkpoints,
 )
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 logger = logging.getLogger(__name__)
 
 PPO_STATE_NAME = "ppo_state.json"
 CRITIC_DIR = "critic"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
+#: The files whose presence says "a complete model is here"; a merge writes them last and removes them first.
+MODEL_MARKERS = ("config.json", "adapter_config.json")
+#: Top-level weight files of a model folder; a merge removes those of an earlier save that the new one did not write.
+WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "adapter_model.*")
+#: ``ppo_state.json`` keys a resume needs.
+PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
+#: Field names (or parts of them) that hold secrets; never written to disk.
+SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
+NOT_SECRETS = frozenset({"stop_token"})
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed as it is: missing, incomplete, damaged, or from a run with other
+    settings. The message names the file or the settings and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Folders
+# ----------------------------------------------------------------------------------------------------------------
 @contextmanager
-def atomic_directory(final: str | os.PathLike, accelerator=None) -> Iterator[str]:
-    """Yield a temporary sibling folder ``.tmp-<name>`` to write into; rename it to ``final`` once the block (on every
-    process, when an ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
+def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool = False) -> Iterator[str]:
+    """Yield a temporary folder to write into; publish it as ``final`` once the block (on every process, when an
+    ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
 
-    A crash while writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by
-    the next write of the same folder; an exception removes it at once. An existing ``final`` is replaced only after
-    the new folder is complete.
+    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end: a crash while
+    writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by the next write
+    of the same folder; an exception removes it at once. An existing ``final`` is replaced only after the new folder
+    is complete.
+
+    With ``merge=True`` (a model folder saved into a folder that may hold other things, such as ``output_dir`` with
+    its ``checkpoint-N`` folders and logs) the temporary folder is ``final/.tmp-save`` and, once complete, its entries
+    are moved into ``final`` one by one (:func:`merge_model_folder`): nothing else in ``final`` is touched, and
+    ``config.json``/``adapter_config.json`` are removed first and moved in last, so ``final`` never has a config
+    without the complete weights next to it (a crash mid-way leaves no config, which loading and ``push`` refuse).
     """
     final = Path(final)
-    temporary = final.with_name(f".tmp-{final.name}")
+    temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
     is_main = accelerator is None or accelerator.is_main_process
     barrier = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
     if is_main:
@@ -61,19 +98,139 @@ def atomic_directory(final: str | os.PathLike, accelerator=None) -> Iterator[str
         raise
     barrier()
     if is_main:
-        retired = final.with_name(f".old-{final.name}")
-        shutil.rmtree(retired, ignore_errors=True)
-        if final.exists():
-            os.replace(final, retired)  # kept until the new folder is in place
-        os.replace(temporary, final)
-        shutil.rmtree(retired, ignore_errors=True)
+        if merge:
+            merge_model_folder(temporary, final)
+        else:
+            retired = final.with_name(f".old-{final.name}")
+            shutil.rmtree(retired, ignore_errors=True)
+            if final.exists():
+                os.replace(final, retired)  # kept until the new folder is in place
+            os.replace(temporary, final)
+            shutil.rmtree(retired, ignore_errors=True)
     barrier()
+
+
+def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move the complete model folder ``source`` into ``final`` (see :func:`atomic_directory` with ``merge``): the
+    markers of ``final`` (:data:`MODEL_MARKERS`) go first, then every other entry of ``source`` replaces its namesake,
+    weight files of an earlier save that the new one did not write are removed, and the markers come last."""
+    source, final = Path(source), Path(final)
+    written = {entry.name for entry in source.iterdir()}
+    for name in MODEL_MARKERS:
+        (final / name).unlink(missing_ok=True)
+    for entry in sorted(source.iterdir()):
+        if entry.name in MODEL_MARKERS:
+            continue
+        target = final / entry.name
+        if entry.is_dir():
+            retired = final / f".old-{entry.name}"
+            shutil.rmtree(retired, ignore_errors=True)
+            if target.exists():
+                os.replace(target, retired)
+            os.replace(entry, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(entry, target)
+    for stale in final.iterdir():
+        if (
+            stale.is_file()
+            and stale.name not in written
+            and any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
+        ):
+            stale.unlink()
+    for name in MODEL_MARKERS:
+        if (source / name).exists():
+            os.replace(source / name, final / name)
+    shutil.rmtree(source, ignore_errors=True)
+
+
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Create ``folder`` and write and delete a small file in it; a ValueError naming the folder if that fails, so
+    that a run is not lost at its first or final save."""
+    folder = Path(folder)
+    probe = folder / f".trl-ppomax-write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"trl-ppomax")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"output_dir {str(folder)!r} is not writable ({type(err).__name__}: {err.strerror or err}); the run would "
+            "be lost at its first save. Set output_dir to a folder you can write to, or fix its permissions."
+        ) from err
 
 
 def checkpoint_number(path: str | os.PathLike) -> int | None:
     """``N`` for a folder named exactly ``checkpoint-N`` (as transformers writes it), else None."""
     number = Path(path).name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
     return int(number) if number.isdecimal() and number != Path(path).name else None
+
+
+def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders in ``folder``, oldest (smallest N) first; empty when ``folder`` is absent."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and _CHECKPOINT_NAME.match(p.name)]
+    return sorted(found, key=checkpoint_number)
+
+
+def previous_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The newest ``checkpoint-M`` next to ``path`` = ``checkpoint-N`` with ``M < N``, or None."""
+    number = checkpoint_number(path)
+    if number is None:
+        return None
+    older = [p for p in checkpoint_folders(Path(path).parent) if checkpoint_number(p) < number]
+    return older[-1] if older else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------------------------
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The weight files of the model (or PEFT adapter) in ``folder``: one safetensors/bin file, or the shards a
+    ``*.index.json`` lists. A FileNotFoundError naming what is missing when there are none or a shard is absent."""
+    folder = Path(folder)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN, SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
+        if (folder / name).is_file():
+            return [folder / name]
+    for index in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise FileNotFoundError(f"{folder / index} is damaged ({err}); its shards cannot be found.") from err
+            missing = [shard for shard in shards if not (folder / shard).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{folder} lacks the weight shards {missing[:5]} listed in {index}.")
+            return [folder / shard for shard in shards]
+    raise FileNotFoundError(
+        f"No weights in {folder}: none of {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, {WEIGHTS_NAME}, "
+        f"{ADAPTER_WEIGHTS}."
+    )
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why the file at ``path`` is unreadable (truncated, empty, not what its name says), or None if it looks whole.
+
+    Cheap checks, never a full load: a safetensors header must cover the file exactly; a ``.pt``/``.pth``/``.bin``
+    written by ``torch.save`` must be a zip archive with its central directory (what a truncation cuts off); a JSON
+    file must parse to an object."""
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            return "the file is empty"
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt"):
+                pass
+        elif path.suffix in (".pt", ".pth", ".bin"):
+            if not zipfile.is_zipfile(path):
+                return "not a complete torch.save archive (truncated?)"
+        elif path.suffix == ".json" and not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+            return "not a JSON object"
+    except Exception as err:  # any reason the file cannot be read is the answer
+        return " ".join(f"{type(err).__name__}: {err}".split())
+    return None
 
 
 def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -113,18 +270,272 @@ def read_json(path: str | os.PathLike) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def secret_fields(args) -> list[str]:
+    """The names of the fields of ``args`` that hold a secret (``hub_token``, any ``*_token``/``*_api_key``/
+    ``*_password``/``*_secret`` string field; not ``stop_token``) and are set."""
+    return [
+        name
+        for name, value in vars(args).items()
+        if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value
+    ]
+
+
+def without_secrets(args):
+    """A shallow copy of the training arguments with every :func:`secret_fields` field set to None: what is
+    written to ``training_args.bin``. ``args`` itself is not changed."""
+    clean = copy.copy(args)
+    for name in secret_fields(args):
+        object.__setattr__(clean, name, None)
+    return clean
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # ZeRO-3 partitions report ds_numel
+
+
+def model_identity(wrapper) -> dict:
+    """What identifies the models of a run: the policy's ``_name_or_path`` and the parameter counts of policy and
+    critic (counted before ``accelerator.prepare`` shards them)."""
+    config = getattr(wrapper.policy, "config", None)
+    return {
+        "policy": getattr(config, "_name_or_path", None) or None,
+        "policy_parameters": _parameter_count(wrapper.policy),
+        "critic_parameters": _parameter_count(wrapper.critic),
+    }
+
+
+@contextmanager
+def _reading(checkpoint: str, what: str, loading: bool = False) -> Iterator[None]:
+    """Turn a failure while reading ``what`` from ``checkpoint`` into a :class:`CheckpointError` naming it. With
+    ``loading`` (the files passed the damage checks; loading them into the models failed) the message also allows
+    for a checkpoint written for other models or settings."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:
+        reason = " ".join(str(err).split())[:300]
+        raise CheckpointError(_damaged_message(checkpoint, what, reason, loading)) from err
+
+
+def _damaged_message(checkpoint: str | os.PathLike, what: str, reason: str, loading: bool = False) -> str:
+    previous = previous_checkpoint(checkpoint)
+    advice = (
+        f"resume from the previous checkpoint instead: resume_from_checkpoint={str(previous)!r}"
+        if previous
+        else "resume from an earlier copy, or start over in a new output_dir"
+    )
+    if loading:
+        return (
+            f"Could not load {what} from the checkpoint {checkpoint} ({reason}): it is damaged (not written "
+            f"completely, or changed since) or was written for other models or settings; {advice}."
+        )
+    return (
+        f"The checkpoint {checkpoint} is damaged: {what} could not be read ({reason}). It was not written completely "
+        f"(a crash or a full disk) or was changed since; {advice}."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer side
+# ----------------------------------------------------------------------------------------------------------------
 class CheckpointMixin:
     """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
     The PPO state (``ppo_state.json``) is what ``TrainerState`` does not hold: the episode, the running reward
-    moments, the skip counters and the ptx data position. Resuming restores it with the weights, the optimizer and
-    scheduler and the RNG states, so a resumed run continues exactly as if it had never stopped.
+    moments, the skip counters, the ptx data position and the settings that define the run. Resuming restores it
+    with the weights, the optimizer and scheduler and the RNG states, so a resumed run continues exactly as if it had
+    never stopped; :meth:`_start_run` refuses, before the first rollout, whatever would make it otherwise.
     """
 
+    #: Settings of ``args`` that define a run: a resume with other values would change the data order, the episode
+    #: count or the schedule (``num_processes`` is ``world_size``).
+    RUN_SETTINGS = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_mini_batches",
+        "num_ppo_epochs",
+        "world_size",
+        "batch_size",
+        "total_episodes",
+        "num_total_batches",
+        "seed",
+        "data_seed",
+        "preset",
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        training_args, model = kwargs.get("args"), kwargs.get("model")
+        if training_args is not None and training_args.should_save:
+            probe_writable(training_args.output_dir)
+        self._model_identity = model_identity(model) if hasattr(model, "policy") else {}
+        self._run_started = False
+        self._resume_path: str | None = None
+        super().__init__(*args, **kwargs)
+
+    # -- before the first rollout -----------------------------------------------------------------------------------
+    def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Everything ``train()`` checks before its first rollout: a trainer trains once; a fresh run does not mix
+        with another run's checkpoints in ``output_dir``; a checkpoint to resume is complete, undamaged and from a
+        run with the same settings (each refusal names the fix)."""
+        if self._run_started:
+            raise RuntimeError(
+                f"train() was already called on this trainer (it reached iteration {self.state.global_step}); its "
+                "model, optimizer and counters carry that run. To train again, build a new PPOMaxTrainer; to continue "
+                "a stopped run, build a new PPOMaxTrainer and call train(resume_from_checkpoint=True) (or the path of "
+                "a checkpoint)."
+            )
+        if resume_from_checkpoint:
+            self._resume_path = self._checked_checkpoint(resume_from_checkpoint)
+        else:
+            self._claim_output_dir()
+        self._run_started = True
+
+    def _claim_output_dir(self) -> None:
+        """Refuse a fresh run in an ``output_dir`` holding checkpoints, or (``overwrite_output_dir``) delete them."""
+        args = self.args
+        found = checkpoint_folders(args.output_dir)
+        if not found:
+            return
+        names = ", ".join(p.name for p in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        if not args.overwrite_output_dir:
+            raise ValueError(
+                f"output_dir {args.output_dir!r} already holds checkpoints of a run ({names}); a fresh run there would "
+                "mix with them (rotation, resume). Pass train(resume_from_checkpoint=True) to continue that run, set "
+                "overwrite_output_dir=True to delete them and start over, or choose another output_dir."
+            )
+        logger.warning(
+            "overwrite_output_dir=True: deleting the checkpoints of the previous run in %s: %s.",
+            args.output_dir,
+            names,
+        )
+        if args.should_save:
+            root = Path(args.output_dir)
+            for path in [
+                *found,
+                *root.glob(f".tmp-{PREFIX_CHECKPOINT_DIR}-*"),
+                *root.glob(f".old-{PREFIX_CHECKPOINT_DIR}-*"),
+            ]:
+                shutil.rmtree(path, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def _run_settings(self) -> dict:
+        """The settings that define this run, stored in ``ppo_state.json`` and compared on resume."""
+        settings = {name: getattr(self.args, name) for name in self.RUN_SETTINGS}
+        settings["num_processes"] = settings.pop("world_size")
+        settings["train_dataset_size"] = len(self.train_dataset)
+        return {**settings, **self._model_identity}
+
+    def _checked_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
+        """The checkpoint to resume (a path, or True for the newest in ``output_dir``), once it has been checked:
+        its states readable, the run settings unchanged, no file missing, none damaged. A CheckpointError else."""
+        args = self.args
+        if resume_from_checkpoint is True:
+            path = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        else:
+            path = os.fspath(resume_from_checkpoint)
+        if path is None or not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
+            raise CheckpointError(
+                f"No complete trl-ppomax checkpoint at {path or args.output_dir!r}: expected a checkpoint-N folder "
+                f"holding {PPO_STATE_NAME}. Pass the path of one, or resume_from_checkpoint=None to start over."
+            )
+        if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+            raise CheckpointError(
+                f"The checkpoint {path} is incomplete: missing {TRAINER_STATE_NAME}. Resume from a complete checkpoint."
+            )
+        saved = self._read_state_files(path)
+        self._check_run_settings(path, saved.get("run"))
+        checked = self._required_files(path)
+        for file in checked:
+            problem = file_problem(file)
+            if problem:
+                raise CheckpointError(_damaged_message(path, os.path.relpath(file, path), problem))
+        return path
+
+    def _read_state_files(self, path: str) -> dict:
+        """``ppo_state.json`` (returned) and ``trainer_state.json``, checked to be readable and complete."""
+        with _reading(path, PPO_STATE_NAME):
+            saved = read_json(os.path.join(path, PPO_STATE_NAME))
+            if not isinstance(saved, dict) or any(key not in saved for key in PPO_STATE_KEYS):
+                raise ValueError(f"it must be a JSON object with the keys {list(PPO_STATE_KEYS)}")
+        with _reading(path, TRAINER_STATE_NAME):
+            TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
+        return saved
+
+    def _check_run_settings(self, path: str, saved: dict | None) -> None:
+        if saved is None:
+            logger.warning(
+                "%s predates stored run settings: cannot check that it was written with the same batch sizes, "
+                "episodes, seed, dataset and models; resuming anyway.",
+                path,
+            )
+            return
+        current = self._run_settings()
+        changed = {name: (saved[name], current.get(name)) for name in saved if saved[name] != current.get(name)}
+        if not changed:
+            return
+        lines = "\n".join(f"  {name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in changed.items())
+        message = f"The settings that define the run differ from those of the checkpoint {path}:\n{lines}\n"
+        if self.args.resume_allow_changes:
+            logger.warning(
+                "%sresume_allow_changes=True: resuming anyway; episode counts, the data order and the schedule "
+                "follow the new settings.",
+                message,
+            )
+            return
+        raise CheckpointError(
+            f"{message}Resume with the checkpoint's settings, set resume_allow_changes=True to continue with the new "
+            "ones anyway (episode counts, the data order and the schedule then follow them), or start a fresh run in "
+            "another output_dir."
+        )
+
+    def _required_files(self, path: str) -> list[str]:
+        """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones.
+        With ``resume_weights_only`` only the weights (and the JSON states) are required."""
+        missing, files = [], []
+        for folder in (path, os.path.join(path, CRITIC_DIR)):
+            try:
+                files += [os.fspath(f) for f in weight_files(folder)]
+            except FileNotFoundError as err:
+                missing.append(f"{os.path.relpath(folder, path)} weights ({err})")
+        if not self.args.resume_weights_only:
+            needed = [SCHEDULER_NAME, *self._rng_files()]
+            if self.is_deepspeed_enabled:
+                if not any(Path(path).glob("global_step*")):
+                    missing.append("the DeepSpeed engine folder global_step*/ (weights and optimizer)")
+            elif self.is_fsdp_enabled:
+                if not any(Path(path).glob("optimizer*")):
+                    missing.append("optimizer*")
+            else:
+                needed.insert(0, OPTIMIZER_NAME)
+            for name in needed:
+                if os.path.isfile(os.path.join(path, name)):
+                    files.append(os.path.join(path, name))
+                else:
+                    missing.append(name)
+        if missing:
+            raise CheckpointError(
+                f"The checkpoint {path} is incomplete: missing {'; '.join(missing)}. Resuming without these would "
+                "silently restart Adam and the learning-rate schedule, or sample with other random numbers. Resume "
+                "from a complete checkpoint, or set resume_weights_only=True to load only the weights and the PPO "
+                "state (a fresh optimizer and schedule)."
+            )
+        return files
+
+    def _rng_files(self) -> list[str]:
+        world = self.args.world_size
+        return ["rng_state.pth"] if world <= 1 else [f"rng_state_{i}.pth" for i in range(world)]
+
+    # -- saving -----------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
-        from every shard under DeepSpeed ZeRO-3 or FSDP."""
-        self._save_weights(output_dir or self.args.output_dir, with_critic=False)
+        from every shard under DeepSpeed ZeRO-3 or FSDP.
+
+        The files are written into ``<folder>/.tmp-save`` first and moved into the folder only once all are written
+        (:func:`atomic_directory` with ``merge``): a crash or full disk leaves the folder as it was, and the
+        ``checkpoint-N`` folders or logs beside the model are kept."""
+        with atomic_directory(output_dir or self.args.output_dir, self.accelerator, merge=True) as folder:
+            self._save_weights(folder, with_critic=False)
 
     def _save_weights(self, folder: str, with_critic: bool) -> None:
         try:
@@ -143,7 +554,7 @@ class CheckpointMixin:
                 os.path.join(folder, CRITIC_DIR), state_dict=sub_state_dict(state, "critic.")
             )
         self.processing_class.save_pretrained(folder)
-        torch.save(self.args, os.path.join(folder, TRAINING_ARGS_NAME))
+        torch.save(without_secrets(self.args), os.path.join(folder, TRAINING_ARGS_NAME))  # never a token on disk
 
     def _save_checkpoint(self, model, trial) -> None:
         """Write ``checkpoint-N`` atomically: everything needed to continue the run exactly."""
@@ -172,6 +583,7 @@ class CheckpointMixin:
             "running_reward": self.running_reward.state_dict(),
             "counters": dict(self.counters),
             "ptx_batches_used": self.ptx_batches_used,
+            "run": self._run_settings(),
         }
 
     def _check_finite_weights(self) -> None:
@@ -183,23 +595,39 @@ class CheckpointMixin:
                 "max_grad_norm, and resume from the last checkpoint."
             )
 
+    # -- resuming ---------------------------------------------------------------------------------------------------
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
-        """Restore weights, optimizer, scheduler, counters, running moments, data position and RNG states."""
-        path = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
-        if path is None or not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
-            raise ValueError(
-                f"No complete trl-ppomax checkpoint at {path or self.args.output_dir!r}: expected a checkpoint-N "
-                f"folder holding {PPO_STATE_NAME}. Pass the path of one, or resume_from_checkpoint=None to start over."
-            )
-        self._load_weights_from(path)
-        self._load_optimizer_and_scheduler(path)
+        """Restore weights, optimizer, scheduler, counters, running moments, data position and RNG states from the
+        checkpoint :meth:`_start_run` checked (or, called alone, from ``resume_from_checkpoint`` after checking it).
+        With ``resume_weights_only`` the optimizer, scheduler and RNG states are not restored."""
+        path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
+        weights_only = self.args.resume_weights_only
+        with _reading(path, "the weights", loading=True):
+            self._load_weights_from(path)
+        if not weights_only:
+            with _reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
+                self._load_optimizer_and_scheduler(path)
+        planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
+        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
+            setattr(self.state, name, getattr(planned, name))
         saved = read_json(os.path.join(path, PPO_STATE_NAME))
-        self.state.episode = saved["episode"]
-        self.running_reward.load_state_dict(saved["running_reward"])
-        self.counters.update(saved["counters"])
-        self.ptx_batches_used = saved["ptx_batches_used"]
-        self._load_rng_state(path)
+        with _reading(path, PPO_STATE_NAME):
+            self.state.episode = saved["episode"]
+            self.running_reward.load_state_dict(saved["running_reward"])
+            self.counters.update(saved["counters"])
+            self.ptx_batches_used = saved["ptx_batches_used"]
+        if weights_only:
+            logger.warning(
+                "resume_weights_only=True: resumed the weights and PPO state of %s at iteration %d; the optimizer "
+                "(Adam moments) and the learning-rate schedule restart from scratch and the sampling RNG is not "
+                "restored.",
+                path,
+                self.state.global_step,
+            )
+        else:
+            with _reading(path, "rng_state*.pth", loading=True):
+                self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 
     def _load_weights_from(self, path: str) -> None:

@@ -89,6 +89,7 @@ def push_model(args: argparse.Namespace) -> int:
             commit_message=args.commit_message,
             dry_run=args.dry_run,
             card=card,
+            include_internals=args.include_checkpoint_files,
         )
     except Exception as err:  # invalid folder / repo id, or any Hub or network error: one line, exit 2
         message = " ".join(str(err).split())
@@ -97,6 +98,12 @@ def push_model(args: argparse.Namespace) -> int:
         print(hub.redact_token(f"trl-ppomax push: error: {message}"), file=sys.stderr)
         return 2
     root = Path(args.folder).expanduser()
+    if result.excluded:
+        print(
+            f"trl-ppomax push: not uploading {len(result.excluded)} checkpoint file(s): {', '.join(result.excluded)} "
+            "(pass --include-checkpoint-files to upload them)",
+            file=sys.stderr,
+        )
     if args.dry_run:
         sizes = {rel: (root / rel).stat().st_size for rel in result.files[:-1]}
         where = f"{args.repo_id} ({'private' if args.private else 'public'}, revision {args.revision or 'main'})"
@@ -214,6 +221,12 @@ def _add_push(commands) -> None:
     push.add_argument("--model-type", choices=["reward", "sft", "policy"], help="override the card's model type")
     push.add_argument("--lang", choices=["en", "zh"], help="override the card's language")
     push.add_argument("--base-model", metavar="REPO", help="override the card's base_model")
+    push.add_argument(
+        "--include-checkpoint-files",
+        action="store_true",
+        help="also upload checkpoint internals (optimizer/scheduler/RNG states, training_args.bin, trainer and PPO "
+        "states, critic/, DeepSpeed folders), left out by default",
+    )
     push.set_defaults(run=push_model)
 
 

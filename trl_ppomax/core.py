@@ -44,6 +44,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = Non
     return (total / count).to(x.dtype)
 
 
+def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``Σ x·m / max(Σ m, 1)`` (0-d, dtype of ``x``): :func:`masked_mean` for a loss, except that an empty mask gives 0
+    with a zero gradient instead of NaN — a micro-batch whose samples were all dropped (non-finite rewards) then adds
+    nothing to the update instead of poisoning it."""
+    total, count = masked_sum_and_count(x, mask)
+    return (total / count.clamp(min=1)).to(x.dtype)
+
+
 def masked_var(
     x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce | None = None
 ) -> torch.Tensor:
@@ -66,8 +74,16 @@ def masked_whiten(
     """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the masked (global when ``reduce``) mean and unbiased variance.
 
     With ``shift_mean=False`` the mean is added back afterwards: ``(x − μ) / sqrt(σ² + eps) + μ``. Masked-out positions are returned as 0. Shapes: any, ``mask`` broadcastable to ``x``.
+
+    With fewer than two masked elements (globally) there is no spread to divide by: the masked positions are returned
+    centred (0) with ``shift_mean``, else unchanged — e.g. a minibatch whose samples were all dropped for non-finite
+    rewards gives zeros instead of an error.
     """
-    mean = masked_mean(x, mask, reduce)
+    total, count = masked_sum_and_count(x, mask, reduce)
+    if count < 2:
+        kept = torch.broadcast_to(mask, x.shape).bool()
+        return torch.zeros_like(x) if shift_mean else torch.where(kept, x, torch.zeros_like(x))
+    mean = (total / count).to(x.dtype)
     var = masked_var(x, mask, unbiased=True, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
@@ -273,7 +289,8 @@ def normalize_advantages(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats
+# Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats. An empty mask (every sample of the
+# micro-batch dropped) gives a zero loss with a zero gradient, and NaN stats.
 # --------------------------------------------------------------------------------------------------------------------
 def clipped_policy_loss(
     logprobs: torch.Tensor,
@@ -297,7 +314,7 @@ def clipped_policy_loss(
         pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
         pg_max = torch.max(pg_losses, pg_losses_clipped)
         clipped = (pg_losses_clipped > pg_losses).to(pg_losses.dtype)
-    loss = masked_mean(pg_max, mask)
+    loss = _masked_loss_mean(pg_max, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -329,7 +346,7 @@ def clipped_value_loss(
         clipped_losses = (values_clipped - returns) ** 2
         worst = torch.max(unclipped, clipped_losses)
         clipped = (clipped_losses > unclipped).to(values.dtype)
-    loss = 0.5 * masked_mean(worst, mask)
+    loss = 0.5 * _masked_loss_mean(worst, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -347,9 +364,9 @@ def entropy_loss(
     ``target=None``: the plain bonus ``−mean(H)`` (maximises entropy). ``target=H*``: the release's clipped form
     ``|mean(H) − H*|``, which pulls entropy towards ``H*`` instead of growing it without bound.
     """
-    mean_entropy = masked_mean(entropy, mask)
+    mean_entropy = _masked_loss_mean(entropy, mask)
     loss = -mean_entropy if target is None else (mean_entropy - target).abs()
-    return loss, {"entropy": mean_entropy.detach()}
+    return loss, {"entropy": masked_mean(entropy.detach(), mask)}
 
 
 def lm_loss(

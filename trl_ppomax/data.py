@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
 from functools import partial
@@ -114,17 +115,24 @@ def prepare_prompt_dataset(
     num_proc: int | None = None,
     max_prompt_length: int | None = None,
     truncate: bool = True,
+    name: str = "The prompt dataset",
 ) -> Dataset:
     """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
     (text or conversation, see :func:`tokenize_prompt`).
 
     Prompts longer than ``max_prompt_length``: a conversation first drops its oldest whole turns
     (:func:`drop_oldest_turns`); what is still too long keeps its last tokens (with a warning that counts them) or
-    raises, as ``truncate`` says."""
+    raises, as ``truncate`` says. Empty prompts, and ``prompt`` and ``input_ids`` columns that disagree, are refused
+    (``name`` says which dataset in the message)."""
     if len(dataset) == 0:
-        raise ValueError("The prompt dataset is empty; pass a dataset with at least one rollout batch of prompts.")
+        raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
+    for column in ("prompt", "input_ids"):
+        if column in columns:
+            _refuse_empty_prompts(dataset[column], column, name)
     if "input_ids" in columns:
+        if "prompt" in columns:
+            _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
         dataset = dataset.select_columns(["input_ids"])
     elif "prompt" in columns:
 
@@ -138,12 +146,55 @@ def prepare_prompt_dataset(
             return {"input_ids": tokenize_prompt(prompt, tokenizer)}
 
         dataset = dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing prompts")
+        _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
     else:
         raise ValueError(
             f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
-            f"conversation); this one has {columns}."
+            f"conversation); {name} has {columns}."
         )
     return _limit_prompt_length(dataset, max_prompt_length, truncate) if max_prompt_length else dataset
+
+
+def _is_empty_prompt(prompt) -> bool:
+    """None, blank text, no ids, or a conversation without any non-blank message."""
+    if prompt is None:
+        return True
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if len(prompt) == 0:
+        return True
+    if all(isinstance(m, dict) for m in prompt):  # a conversation
+        return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in prompt)
+    return False
+
+
+def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
+    empty = [i for i, prompt in enumerate(prompts) if _is_empty_prompt(prompt)]
+    if not empty:
+        return
+    what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
+    raise ValueError(
+        f"{name}: {len(empty)} of {len(prompts)} prompts {what} (the first at row {empty[0]}); the policy needs a "
+        f"prompt to respond to. Remove or fill them first, e.g. dataset.filter(...) on the {column!r} column."
+    )
+
+
+def _check_prompts_match_ids(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc, name: str) -> None:
+    """A dataset with both ``prompt`` and ``input_ids``: fine when every ``input_ids`` is the tokenized prompt;
+    otherwise it is ambiguous which one the user meant, so refuse."""
+
+    def same(example: dict) -> dict:
+        return {"same": tokenize_prompt(example["prompt"], tokenizer) == list(example["input_ids"])}
+
+    flags = dataset.map(same, remove_columns=dataset.column_names, num_proc=num_proc, desc="Comparing columns")
+    differ = [i for i, ok in enumerate(flags["same"]) if not ok]
+    if differ:
+        raise ValueError(
+            f"{name} has both a 'prompt' and an 'input_ids' column, and in {len(differ)} of {len(dataset)} rows (the "
+            f"first: row {differ[0]}) the ids are not the tokenized prompt. The 'input_ids' column would be used as "
+            "it is and the prompt ignored. Drop one: dataset.remove_columns('prompt') to train on the ids as they "
+            "are, or dataset.remove_columns('input_ids') to have the prompts tokenized here."
+        )
 
 
 def _limit_prompt_length(dataset: Dataset, max_length: int, truncate: bool) -> Dataset:
@@ -211,15 +262,72 @@ def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callabl
 
 
 def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
-    """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``."""
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``;
+    raises (:func:`check_prompt_budget`) when a prompt and its response cannot fit in that context."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None and hasattr(config, "get_text_config"):
+        context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int):
+        check_prompt_budget(context, max_prompt_length, response_length)
     return _context_limit(max_prompt_length, context, response_length)
+
+
+def check_prompt_budget(context: int, max_prompt_length: int | None, response_length: int) -> None:
+    """Prompt and response share the policy's ``context``: ``response_length`` must leave at least one prompt token,
+    and ``max_prompt_length + response_length`` must fit."""
+    where = f"the policy's context of {context} tokens (config.max_position_embeddings)"
+    if response_length >= context:
+        raise ValueError(
+            f"response_length={response_length} does not fit {where}: prompt and response share it, so "
+            f"{context - response_length} tokens would be left for the prompt. Lower response_length to leave room "
+            f"for your prompts (e.g. response_length={context // 4} leaves {context - context // 4} prompt tokens), "
+            "or use a model with a longer context."
+        )
+    if max_prompt_length is not None and max_prompt_length + response_length > context:
+        left = context - response_length
+        shorter_responses = (
+            f", or lower response_length to {context - max_prompt_length} or less"
+            if max_prompt_length < context
+            else ""
+        )
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length} + response_length={response_length} = "
+            f"{max_prompt_length + response_length} tokens exceed {where}. Lower max_prompt_length to {left} or less "
+            f"(or leave it unset to use the {left} tokens response_length leaves){shorter_responses}."
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Prompt sources for the recipes
 # --------------------------------------------------------------------------------------------------------------------
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+
+DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
+
+
+def looks_local(name: str, data: bool = False) -> bool:
+    """Whether ``name`` is meant as a local path, not a Hub id: it starts with ``.``, ``/`` or ``~``, has more parts
+    than a Hub id's ``org/name``, its first folder exists here, or (a dataset) it ends with a data-file extension."""
+    parts = name.replace(os.sep, "/").split("/")
+    return (
+        name.startswith((".", "/", "~"))
+        or len(parts) > 2
+        or (len(parts) == 2 and os.path.isdir(parts[0]))
+        or (data and name.lower().endswith(DATA_EXTENSIONS))
+    )
+
+
+def check_local_paths(settings: dict[str, str | None]) -> None:
+    """Fail at once, naming the setting, when a model or dataset setting is a local path that does not exist (a
+    typo), instead of trying the Hub and failing there after retries."""
+    for setting, name in settings.items():
+        local = name and looks_local(name, data=setting.endswith("dataset_name"))
+        if local and not os.path.exists(os.path.expanduser(name)):
+            raise FileNotFoundError(
+                f"{setting} not found: {name} (no such local file or folder; a Hub repository is named 'org/name')."
+            )
 
 
 def load_any_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:

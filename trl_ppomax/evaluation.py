@@ -11,7 +11,8 @@ from datasets import Dataset
 from trl.trainer.utils import print_prompt_completions_sample
 
 from . import metrics as M
-from .data import prepare_prompt_dataset, rows_of_this_process
+from .checks import prepare_eval_prompts
+from .data import rows_of_this_process
 from .hub import create_model_card
 from .rewards import decode_texts
 
@@ -22,15 +23,34 @@ class EvaluationMixin:
 
     @torch.no_grad()
     def evaluate(
-        self, eval_dataset: Dataset | None = None, ignore_keys=None, metric_key_prefix: str = "eval"
+        self,
+        eval_dataset: Dataset | dict[str, Dataset] | str | None = None,
+        ignore_keys=None,
+        metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
         """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
-        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``)."""
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``).
+
+        A dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
+        checked); a dict of datasets (here or the trainer's) is evaluated one by one, logged as
+        ``eval_<name>_<metric>``; a name (as the Trainer passes it) picks one of the trainer's datasets."""
+        datasets = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(datasets, dict):
+            metrics = {}
+            for name, part in datasets.items():  # the trainer's own datasets by name: they are prepared already
+                part = name if eval_dataset is None else part
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                raise ValueError(f"evaluate({eval_dataset!r}) needs the trainer's eval_dataset to be a dict with it.")
+            dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is not None:
+            dataset = prepare_eval_prompts(self, eval_dataset)
+        else:
+            dataset = self.eval_dataset
         if not isinstance(dataset, Dataset):
             raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
-        if "input_ids" not in dataset.column_names:
-            dataset = prepare_prompt_dataset(dataset, self.processing_class, self.args.dataset_num_proc)
         device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         rows, weights = rows_of_this_process(len(dataset), self.accelerator)

@@ -8,16 +8,20 @@ specific to MOSS-RLHF.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from trl.trainer.utils import generate_model_card
+
+logger = logging.getLogger(__name__)
 
 PAPER_TITLE = "Secrets of RLHF in Large Language Models Part I: PPO"
 PAPER_ID = "2307.04964"
@@ -80,6 +84,22 @@ NO_LICENCE_SECTION = (
 )
 _SKIP_DIRS = {"__pycache__"}
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+#: Checkpoint internals (file names, at any depth) that :func:`push_folder` leaves out unless asked: optimizer,
+#: scheduler and RNG states, the pickled training arguments, trainer/PPO states, DeepSpeed's helpers.
+CHECKPOINT_FILES = (
+    "optimizer.pt",
+    "optimizer*.bin",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "training_args.bin",
+    "trainer_state.json",
+    "ppo_state.json",
+    "latest",
+    "zero_to_fp32.py",
+)
+#: Checkpoint folders left out unless asked: the critic, DeepSpeed engine states, FSDP optimizer shards.
+CHECKPOINT_DIRS = ("critic", "global_step*", "optimizer_*", "pytorch_model_fsdp_*")
 
 
 def read_json(path: Path) -> dict:
@@ -338,25 +358,78 @@ def model_card(
     )
 
 
-def upload_files(folder: str | os.PathLike) -> list[str]:
-    """The files of ``folder`` that :func:`push_folder` uploads, as sorted relative POSIX paths.
+def check_weights(folder: str | os.PathLike) -> None:
+    """A ValueError unless the model folder's config.json (or adapter_config.json) has its weights next to it, all
+    of them whole: a save interrupted by a crash or a full disk must not reach the Hub."""
+    from .checkpoint import file_problem, weight_files
 
-    Skips hidden files and folders (``.git``, ``.tmp-*`` …), ``checkpoint-*`` and ``__pycache__`` folders, ``*.pyc``
-    and the folder's own top-level README.md (the generated card replaces it).
+    root = _check_folder(folder)
+    try:
+        files = weight_files(root)
+    except FileNotFoundError as err:
+        raise ValueError(
+            f"{root} has a config but no complete weights ({err}): the save did not finish (a crash or a full disk?). "
+            "Save the model again, then push."
+        ) from err
+    for path in files:
+        problem = file_problem(path)
+        if problem:
+            raise ValueError(
+                f"{path} is damaged ({problem}): the save did not finish (a crash or a full disk?). Save the model "
+                "again, then push."
+            )
+
+
+def _is_checkpoint_internal(name: str, is_dir: bool) -> bool:
+    patterns = CHECKPOINT_DIRS if is_dir else CHECKPOINT_FILES
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def upload_plan(folder: str | os.PathLike, include_internals: bool = False) -> tuple[list[str], list[str]]:
+    """What :func:`push_folder` uploads from ``folder`` and what it leaves out, as sorted relative POSIX paths
+    (folders left out end with ``/``).
+
+    Skipped silently: hidden files and folders (``.git``, ``.tmp-*`` …), ``__pycache__``, ``*.pyc`` and the folder's
+    own top-level README.md (the generated card replaces it). Left out and reported: ``checkpoint-*`` folders (push
+    one by its own path) and, unless ``include_internals``, checkpoint internals (:data:`CHECKPOINT_FILES`,
+    :data:`CHECKPOINT_DIRS`: optimizer/scheduler/RNG states, ``training_args.bin``, trainer and PPO states, the
+    critic, DeepSpeed folders).
+
+    Raises:
+        ValueError: the folder is missing, holds no config, or its weights are missing or damaged
+            (:func:`check_weights`).
     """
     root = _check_folder(folder)
-    files = []
+    check_weights(root)
+    files, excluded = [], []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if not (d.startswith(".") or d.startswith("checkpoint-") or d in _SKIP_DIRS)
-        ]
+        here = Path(dirpath).relative_to(root)
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith(".") or d in _SKIP_DIRS:
+                continue
+            if d.startswith("checkpoint-") or (not include_internals and _is_checkpoint_internal(d, is_dir=True)):
+                excluded.append(f"{(here / d).as_posix()}/")
+            else:
+                kept.append(d)
+        dirnames[:] = kept
         for filename in filenames:
             if filename.startswith(".") or filename.endswith(".pyc"):
                 continue
-            rel = (Path(dirpath) / filename).relative_to(root).as_posix()
-            if rel != "README.md":
+            rel = (here / filename).as_posix()
+            if rel == "README.md":
+                continue
+            if not include_internals and _is_checkpoint_internal(filename, is_dir=False):
+                excluded.append(rel)
+            else:
                 files.append(rel)
-    return sorted(files)
+    return sorted(files), sorted(excluded)
+
+
+def upload_files(folder: str | os.PathLike, include_internals: bool = False) -> list[str]:
+    """The files of ``folder`` that :func:`push_folder` uploads, as sorted relative POSIX paths (see
+    :func:`upload_plan`, which also lists what is left out)."""
+    return upload_plan(folder, include_internals)[0]
 
 
 @dataclass
@@ -368,6 +441,8 @@ class PushResult:
     repo_url: str | None = None
     commit_url: str | None = None
     commit_oid: str | None = None
+    #: What was left out (checkpoint internals, ``checkpoint-*`` folders), see :func:`upload_plan`.
+    excluded: list[str] = field(default_factory=list)
 
 
 def push_folder(
@@ -380,6 +455,7 @@ def push_folder(
     dry_run: bool = False,
     card: ModelCard | str | None = None,
     api: HfApi | None = None,
+    include_internals: bool = False,
 ) -> PushResult:
     """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
 
@@ -387,27 +463,36 @@ def push_folder(
     push`` passes :func:`trl_ppomax.moss.card.moss_model_card`, which picks the card by folder). Creates the repo
     (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
     huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. With ``dry_run`` nothing is sent.
-    ``api`` defaults to ``HfApi()``.
+    ``api`` defaults to ``HfApi()``. Checkpoint internals (optimizer/scheduler/RNG states, ``training_args.bin``,
+    trainer and PPO states, ``critic/``, DeepSpeed folders) are left out, with a warning, unless
+    ``include_internals``; a folder whose weights are missing or damaged is refused.
 
     Returns:
         A :class:`PushResult`: the uploaded (or, in a dry run, to-be-uploaded) relative paths, README.md last, the
         card, and the repo and commit URLs.
 
     Raises:
-        ValueError: an invalid ``repo_id``, or the folder is missing or holds no config.json /
-            adapter_config.json.
+        ValueError: an invalid ``repo_id``, or the folder is missing, holds no config.json /
+            adapter_config.json, or its weights are missing or damaged.
     """
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise ValueError(f"Invalid --repo-id {repo_id!r}: {err}") from err
     root = _check_folder(folder)
-    files = upload_files(root)
+    files, excluded = upload_plan(root, include_internals)
+    if excluded:
+        logger.warning(
+            "Not uploading checkpoint files from %s: %s (pass include_internals=True / --include-checkpoint-files "
+            "to upload them).",
+            root,
+            ", ".join(excluded),
+        )
     card = card if card is not None else model_card(root, repo_id)
     card = card if isinstance(card, ModelCard) else ModelCard(str(card))
     paths = [*files, "README.md"]
     if dry_run:
-        return PushResult(paths, card)
+        return PushResult(paths, card, excluded=excluded)
     api = api or HfApi()
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision and revision != "main":
@@ -427,4 +512,5 @@ def push_folder(
         repo_url=str(repo_url) if repo_url else f"https://huggingface.co/{repo_id}",
         commit_url=getattr(info, "commit_url", None),
         commit_oid=getattr(info, "oid", None),
+        excluded=excluded,
     )

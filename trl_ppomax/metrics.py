@@ -51,13 +51,18 @@ CRITIC_GRAD_NORM = "critic/grad_norm"
 GRAD_NORM = "grad_norm"  # with grad_clip_scope="joint": one norm over policy and critic
 
 # ---- run state ------------------------------------------------------------------------------------------------------
-SKIPPED_ITERATIONS = "skipped/iterations"
-SKIPPED_UPDATES = "skipped/updates"
+SKIPPED_ITERATIONS = "skipped/iterations"  # batches not trained on: no finite reward, or a non-finite value/log-prob
+SKIPPED_IN_A_ROW = "skipped/iterations_in_a_row"  # reset by a trained batch; max_skipped_iterations stops the run
+SKIPPED_SAMPLES = "skipped/samples"  # samples masked out of their batch for a non-finite reward
+SKIPPED_UPDATES = "skipped/updates"  # optimizer steps skipped for a non-finite gradient
 EPISODE = "episode"
 EPISODES_PER_SECOND = "eps"
 LEARNING_RATE = "lr"
 CRITIC_LEARNING_RATE = "critic/lr"
 PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
+
+#: The trainer's run-state counters (``trainer.counters``): saved in ``ppo_state.json`` and logged as they stand.
+COUNTERS = (SKIPPED_ITERATIONS, SKIPPED_IN_A_ROW, SKIPPED_SAMPLES, SKIPPED_UPDATES)
 
 # ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
 COLLAPSE_ANY = "collapse/any"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
@@ -74,6 +76,74 @@ def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
     """A field whose default comes from the preset; unset is ``None``, or :data:`FROM_PRESET` when ``None`` is a
     value of its own (e.g. "off")."""
     return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": _preset_help(name, text)})
+
+
+# Numeric fields checked at construction: (field, allowed values as the message says them, test, what the field means
+# or what to set). "or None" in the allowed values lets None through; NaN and ±inf never pass.
+_RANGE_RULES: tuple[tuple[str, str, Callable[[float], bool], str], ...] = (
+    ("learning_rate", "≥ 0", lambda v: v >= 0, "A negative rate is gradient ascent; typical values: 1e-7 to 1e-5."),
+    (
+        "critic_learning_rate",
+        "≥ 0, or None",
+        lambda v: v >= 0,
+        "None uses learning_rate; a negative rate trains the critic away from the returns.",
+    ),
+    (
+        "kl_coef",
+        "≥ 0",
+        lambda v: v >= 0,
+        "A negative coefficient rewards drifting away from the reference policy; 0 disables the KL penalty.",
+    ),
+    ("cliprange", "≥ 0, or None", lambda v: v >= 0, "None disables policy clipping; the usual ε is 0.2."),
+    ("cliprange_value", "≥ 0, or None", lambda v: v >= 0, "None disables value clipping; the usual ε_v is 0.2."),
+    ("gamma", "in [0, 1]", lambda v: 0 <= v <= 1, "The discount factor of GAE; RLHF uses 1.0."),
+    ("lam", "in [0, 1]", lambda v: 0 <= v <= 1, "The λ of GAE; the usual value is 0.95."),
+    (
+        "vf_coef",
+        "≥ 0",
+        lambda v: v >= 0,
+        "A negative weight trains the critic away from the returns; the usual weight is 0.1.",
+    ),
+    (
+        "total_episodes",
+        "> 0, or None",
+        lambda v: v > 0,
+        "The number of prompts to train on; None trains num_train_epochs × the dataset size.",
+    ),
+    ("num_train_epochs", "> 0", lambda v: v > 0, "Passes over the prompts when total_episodes is None."),
+    (
+        "missing_eos_penalty",
+        "≥ 0, or None",
+        lambda v: v >= 0,
+        "Subtracted from the score of a response without the stop token; None disables it.",
+    ),
+    ("temperature", "> 0", lambda v: v > 0, "The sampling temperature; 1.0 samples the model as it is."),
+    ("top_p", "in (0, 1]", lambda v: 0 < v <= 1, "The nucleus-sampling threshold; 1.0 disables it."),
+    (
+        "critic_adam_epsilon",
+        "> 0, or None",
+        lambda v: v > 0,
+        "None uses adam_epsilon; the release used 1e-8 for the critic.",
+    ),
+    (
+        "max_skipped_iterations",
+        "≥ 1",
+        lambda v: v >= 1,
+        "Consecutive iterations skipped for non-finite numbers before the run stops with an error.",
+    ),
+    ("stop_token_id", "≥ 0, or None", lambda v: v >= 0, "A token id of the tokenizer; None uses stop_token."),
+)
+
+
+def _check_range(name: str, value: Any, allowed: str, test: Callable[[float], bool], hint: str) -> None:
+    """Raise a ``ValueError`` naming ``name``, the ``allowed`` values and the ``hint`` unless ``value`` is a finite
+    number that passes ``test`` (or None, where ``allowed`` says so)."""
+    if value is None and allowed.endswith("or None"):
+        return
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if number and math.isfinite(value) and test(value):
+        return
+    raise ValueError(f"{name} must be a finite number {allowed}; got {value!r}. {hint}")
 
 
 @dataclass
@@ -367,10 +437,15 @@ class PPOMaxConfig(TrainingArguments):
                 setattr(self, name, value)
 
     def _validate(self) -> None:
+        """Reject, at construction, every setting that would crash late or train silently wrong; each message names
+        the field, the allowed range and what to set instead."""
+
         def require(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
+        for name, allowed, test, hint in _RANGE_RULES:
+            _check_range(name, getattr(self, name), allowed, test, hint)
         require(self.response_length >= 1, f"response_length must be ≥ 1, got {self.response_length}.")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "local_rollout_forward_batch_size"):
             require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}.")
@@ -382,18 +457,12 @@ class PPOMaxConfig(TrainingArguments):
             not (self.stop_token is not None and self.stop_token_id is not None),
             "Set either stop_token='eos' or stop_token_id, not both.",
         )
-        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}.")
         require(
             self.logprob_temperature is None or self.logprob_temperature > 0,
             f"logprob_temperature must be > 0, or None for the sampling temperature; got {self.logprob_temperature}.",
         )
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}.")
         require(self.num_ppo_epochs >= 1, f"num_ppo_epochs must be ≥ 1, got {self.num_ppo_epochs}.")
         require(self.num_mini_batches >= 1, f"num_mini_batches must be ≥ 1, got {self.num_mini_batches}.")
-        require(
-            self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
-            f"missing_eos_penalty must be ≥ 0 (it is subtracted), got {self.missing_eos_penalty}.",
-        )
         require(
             self.reward_clip is None or self.reward_clip > 0,
             f"reward_clip must be > 0, or None to disable it; got {self.reward_clip}.",

@@ -26,7 +26,7 @@ from transformers.trainer_utils import SaveStrategy
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy, use_adapter
 
-from . import core, data, modeling, optim, rewards
+from . import checks, core, data, modeling, optim, rewards
 from . import metrics as M
 from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
@@ -75,13 +75,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         ptx_dataset: Dataset | None = None,
         rollout_metrics: dict[str, rewards.RewardFunction] | None = None,
     ) -> None:
-        if not isinstance(args, PPOMaxConfig):
-            raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
-        if args.ptx_coef > 0 and ptx_dataset is None:
-            raise ValueError(
-                "ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0."
-            )
-        data.check_tokenizer(processing_class)
+        models = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        # Checks that fail before anything expensive, naming the argument and the fix; paths are loaded (checks.py)
+        processing_class, model, ref_model, reward_model, value_model = checks.check_inputs(
+            args, processing_class, models, train_dataset, eval_dataset, ptx_dataset
+        )
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         # missing_eos_penalty punishes the absence of the stop token, or of eos when none is configured
         self._stop_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
@@ -90,10 +88,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         )
         self.is_peft_model = modeling.is_peft(policy)
         self.reward_model = reward_model
-        prepare = data.prompt_preparer(args, processing_class, policy)
-        train_dataset = prepare(train_dataset)
-        if isinstance(eval_dataset, Dataset):
-            eval_dataset = prepare(eval_dataset)
+        built = dict(policy=policy, ref_model=self.ref_model, reward_model=reward_model, value_model=critic)
+        train_dataset, eval_dataset = checks.prepare_and_check(
+            args, processing_class, built, self.stop_token_id, train_dataset, eval_dataset, rollout_metrics
+        )
         args.set_run_length(len(train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
         self.ptx_dataset = ptx_dataset
         self.rollout_metrics = dict(rollout_metrics or {})
@@ -111,7 +109,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
         self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
         self.running_reward = rewards.initial_reward_moments(reward_model, args.reward_norm)
-        self.counters = {M.SKIPPED_ITERATIONS: 0, M.SKIPPED_UPDATES: 0}  # logged as metrics
+        self.counters = dict.fromkeys(M.COUNTERS, 0)  # logged as metrics, saved in checkpoints
         self.ptx_batches_used = 0
         self._prepare_models()
 
@@ -172,6 +170,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """Run ``num_total_batches`` PPO-max iterations; ``resume_from_checkpoint`` (a path, or True for the newest
         checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped."""
         args = self.args
+        self._start_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks (checkpoint.py)
         set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
         self._begin_state()
         if resume_from_checkpoint:
@@ -195,14 +194,13 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self._load_best_model()
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
-        """One PPO-max iteration on rollout batch ``iteration``; a batch with non-finite numbers is skipped."""
+        """One PPO-max iteration on rollout batch ``iteration``. Samples with a non-finite reward are dropped; a batch
+        with none left, or a non-finite value or log-prob, is skipped (:func:`rewards.count_skipped_iteration`)."""
         batch = {k: v.to(self.accelerator.device) for k, v in self.prompt_batches[iteration - 1].items()}
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"])
         experience, metrics = self.make_experience(rollout)
-        if experience is None:
-            self.counters[M.SKIPPED_ITERATIONS] += 1
-            logger.warning("Iteration %d skipped: non-finite rewards, values or log-probs.", iteration)
-        else:
+        rewards.count_skipped_iteration(self.counters, self._skip_reason, self.args, iteration)
+        if experience is not None:
             metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
         metrics.update({name: float(value) for name, value in self.counters.items()})
         return metrics
@@ -329,30 +327,33 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float]]:
-        """Shape rewards (normalise + clip, token KL) and compute GAE advantages and returns (§5.3).
-
-        Returns ``(None, {})`` on every process when any process saw a non-finite score, log-prob or value, so
-        that such a batch neither trains nor enters the running reward moments.
-        """
+        """Shape rewards (normalise + clip, token KL), compute GAE advantages and returns (§5.3); samples with a
+        non-finite score are masked out (:func:`rewards.drop_non_finite`). ``(None, {})`` on every process, the reason
+        in ``_skip_reason``, when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
+        rollout, keep, dropped, self._skip_reason = rewards.drop_non_finite(rollout, self._reduce_sum)
         args, mask, reduce = self.args, rollout.response_mask, self._reduce_sum
-        if not self._all_finite(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.values):
+        self.counters[M.SKIPPED_SAMPLES] += dropped
+        if self._skip_reason:
             return None, {}
-        self.running_reward.update(rollout.scores, reduce=reduce)
+        moments = self.running_reward.state_dict()  # restored if the batch is skipped below
+        self.running_reward.update(rollout.scores[keep], reduce=reduce)
         scores, kl = self._shape_scores(rollout)
-        rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
+        token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
-            rewards = core.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
-        advantages, returns = core.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
+            token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=reduce)
+        advantages, returns = core.compute_gae(token_rewards, rollout.values, mask, args.gamma, args.lam)
         normalised = advantages
         if args.advantage_whitening_scope == "batch":  # else per minibatch, in ppo_update
             normalised = core.normalize_advantages(
                 advantages, mask, args.whiten_advantages, args.advantage_clip, reduce
             )
         if not self._all_finite(normalised, returns):
+            self.running_reward.load_state_dict(moments)
+            self._skip_reason = "non-finite advantages or returns"
             return None, {}
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout, old, advantages=normalised, returns=returns, raw_advantages=advantages)
-        return experience, self._rollout_metrics(rollout, scores, kl, advantages, returns)
+        return experience, self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
 
     def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised and clipped scores (B,) with the current running moments, and the per-token KL (B, T)."""
@@ -368,12 +369,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self._stop_id),
         }
 
-    def _rollout_metrics(self, rollout, scores, kl, advantages, returns) -> dict[str, float]:
-        per_response = self._response_metrics(rollout, scores, kl)
+    def _rollout_metrics(self, rollout, keep, scores, kl, advantages, returns) -> dict[str, float]:
+        per_response = self._response_metrics(rollout.select(keep), scores[keep], kl[keep])  # the kept samples only
         metrics = {name: M.global_mean(value, self._reduce_sum) for name, value in per_response.items()}
-        batch = M.batch_metrics(
-            rollout, advantages, returns, self.running_reward, self._reduce_sum, self.accelerator.gather
-        )
+        gather = rewards.kept_gather(keep, self.accelerator.gather)
+        batch = M.batch_metrics(rollout, advantages, returns, self.running_reward, self._reduce_sum, gather)
         return {**metrics, **batch}
 
     def _all_finite(self, *tensors: torch.Tensor) -> bool:
@@ -405,7 +405,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                         stats[name].append(value)
                 for name, value in self._optimizer_step(critic_only).items():
                     stats[name].append(value)
-        means = torch.stack([torch.stack(values).float().mean() for values in stats.values()])
+        means = torch.stack([torch.stack(values).float().nanmean() for values in stats.values()])
         means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
         return dict(zip(stats.keys(), means.tolist(), strict=True))
 

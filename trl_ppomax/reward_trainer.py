@@ -105,6 +105,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
                 f"or without 'prompt'), or tokenized 'chosen_ids'/'rejected_ids'; it has {sorted(columns)}. For raw "
                 "Anthropic HH-RLHF rows use trl_ppomax.hh_rlhf.convert_hh_rlhf first."
             )
+        check_preference_rows(dataset, dataset_name)
         dataset = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
         if "response_start" in (dataset.column_names or []):
             return dataset
@@ -225,6 +226,37 @@ class ChosenResponseCollator:
         ends = torch.tensor([len(e["chosen_ids"]) for e in examples])
         batch["chosen_response_mask"] = ((positions >= starts[:, None]) & (positions < ends[:, None])).long()
         return batch
+
+
+PAIR_COLUMNS = ("chosen", "rejected", "chosen_ids", "rejected_ids")
+
+
+def check_preference_rows(dataset, dataset_name: str) -> None:
+    """Raise ``ValueError`` naming the column and the row when a row's chosen or rejected response (text,
+    conversation or token ids) is missing (None) or empty, which would otherwise fail deep inside tokenization or
+    train on an empty response. Checked on the Arrow columns at once; streamed datasets are not checked."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not isinstance(dataset, Dataset):
+        return
+    table = dataset.with_format("arrow")
+    for column in (name for name in PAIR_COLUMNS if name in dataset.column_names):
+        values = table[column]
+        missing = values.is_null()
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            missing = pc.or_kleene(missing, pc.equal(pc.utf8_length(values), 0))
+        elif pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            missing = pc.or_kleene(missing, pc.equal(pc.list_value_length(values), 0))
+        row = pc.index(pc.fill_null(missing, True), True).as_py()
+        if row >= 0:
+            what = f"no {column!r} (None)" if values[row].as_py() is None else f"an empty {column!r}"
+            chosen, rejected = ("chosen_ids", "rejected_ids") if column.endswith("_ids") else ("chosen", "rejected")
+            raise ValueError(
+                f"Row {row} of the {dataset_name} dataset has {what}: every preference pair needs a chosen and a "
+                f"rejected response. Drop or fix such rows first, e.g. "
+                f"dataset.filter(lambda row: bool(row[{chosen!r}]) and bool(row[{rejected!r}]))."
+            )
 
 
 def _response_start(example: dict, processing_class) -> dict[str, int]:

@@ -78,6 +78,27 @@ class IntegrityError(ValueError):
 # --------------------------------------------------------------------------------------------------------------------
 # Reading checkpoints tensor by tensor
 # --------------------------------------------------------------------------------------------------------------------
+def load_bin_shard(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.bin`` checkpoint file, memory-mapped (an old non-zip ``torch.save`` file is read whole).
+
+    A truncated or corrupt file (an interrupted download) raises ``ValueError`` naming it, instead of torch's
+    "[Errno 22] Invalid argument" or "PytorchStreamReader failed".
+    """
+    try:
+        with open(path, "rb") as file:
+            is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since 1.6; mmap needs it
+        return torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except Exception as error:  # torch raises OSError, RuntimeError, EOFError, IndexError, UnpicklingError…
+        first_line = (str(error).strip().splitlines() or [""])[0][:160]
+        reason = f"{type(error).__name__}: {first_line}"
+        raise ValueError(
+            f"Shard {path} ({path.stat().st_size:,} bytes) is truncated or corrupt: torch cannot read it ({reason}). "
+            "Re-download it (compare its size with the source's), then run the command again."
+        ) from error
+
+
 class TensorFolder:
     """Lazy, memory-mapped access to the tensors of a Hugging Face checkpoint folder: safetensors or ``.bin``,
     sharded (with an ``*.index.json``) or single-file."""
@@ -113,7 +134,7 @@ class TensorFolder:
             if file.endswith(".safetensors"):
                 self._open = safe_open(str(path), framework="pt")
             else:
-                self._open = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                self._open = load_bin_shard(path)
             self._open_file = file
         return self._open
 

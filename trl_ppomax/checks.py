@@ -1,0 +1,276 @@
+"""Checks of :class:`~trl_ppomax.PPOMaxTrainer`'s inputs, run by its constructor before anything expensive.
+
+A PPO run costs hours of accelerator time, so every fault that can be seen in the arguments fails here, with a message
+that names the argument and the fix, instead of as an ``IndexError`` deep in the first rollout or as silently wrong
+training. The numeric settings are checked earlier still, when the config is built (``PPOMaxConfig._validate``).
+
+- :func:`check_inputs`: the arguments themselves (types, missing ones, the ptx dataset, the tokenizer, the stop token);
+  models given as a path or Hub id are loaded, as TRL's trainers accept them.
+- :func:`prepare_and_check`: once the policy, reference and critic are built: vocabulary sizes, the stop token id,
+  the score heads, the prompt datasets (prepared, and their ids checked against the policy's vocabulary), and
+  ``metric_for_best_model``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+
+from datasets import Dataset
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from . import data, modeling
+from . import metrics as M
+from .ppo_config import PPOMaxConfig
+
+logger = logging.getLogger(__name__)
+
+#: How a model argument given as a path or Hub id is loaded.
+MODEL_LOADERS = {
+    "model": (AutoModelForCausalLM, {}),
+    "ref_model": (AutoModelForCausalLM, {}),
+    "reward_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
+    "value_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
+}
+
+_MISSING = {
+    "model": "pass the policy to train: a causal LM (AutoModelForCausalLM.from_pretrained(...)) or its path / Hub id",
+    "reward_model": "pass a reward model (AutoModelForSequenceClassification with num_labels=1, or its path / Hub id) "
+    "or a reward function (prompts: list[str], completions: list[str]) -> list[float]",
+    "train_dataset": "pass a datasets.Dataset of prompts (a 'prompt' or an 'input_ids' column)",
+}
+
+
+def check_inputs(args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset) -> tuple:
+    """Check the constructor's arguments and load the models given as paths.
+
+    ``models`` maps ``model``, ``ref_model``, ``reward_model`` and ``value_model`` to what was passed. Returns
+    ``(processing_class, model, ref_model, reward_model, value_model)``: the tokenizer (loaded from ``model``'s path
+    when ``processing_class`` is None and ``model`` is a path) and the models, loaded where they were paths."""
+    if not isinstance(args, PPOMaxConfig):
+        raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
+    for name, value in (("model", models["model"]), ("reward_model", models["reward_model"])):
+        if value is None:
+            raise ValueError(f"{name} is None: {_MISSING[name]}.")
+    _check_datasets(train_dataset, eval_dataset)
+    if args.ptx_coef > 0 and ptx_dataset is None:
+        raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
+    if processing_class is None:
+        if not _is_path(models["model"]):
+            raise ValueError(
+                "processing_class is None: pass the policy's tokenizer, e.g. "
+                "processing_class=AutoTokenizer.from_pretrained(<the policy's path or Hub id>)."
+            )
+        processing_class = AutoTokenizer.from_pretrained(os.fspath(models["model"]))
+    data.check_tokenizer(processing_class)
+    _check_stop_token(args, processing_class)
+    loaded = {name: load_model(name, value) for name, value in models.items()}  # last: loading may take minutes
+    return processing_class, loaded["model"], loaded["ref_model"], loaded["reward_model"], loaded["value_model"]
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, str | os.PathLike)
+
+
+def load_model(name: str, value):
+    """``value`` itself, or, for a path or Hub id, the model loaded from it as :data:`MODEL_LOADERS` says."""
+    if not _is_path(value):
+        return value
+    cls, kwargs = MODEL_LOADERS[name]
+    logger.info("Loading %s from %s with %s.from_pretrained.", name, value, cls.__name__)
+    try:
+        return cls.from_pretrained(os.fspath(value), **kwargs)
+    except (OSError, ValueError) as error:
+        kind = OSError if isinstance(error, OSError) else ValueError
+        raise kind(f"{name}={os.fspath(value)!r} could not be loaded with {cls.__name__}: {error}") from error
+
+
+def _check_datasets(train_dataset, eval_dataset) -> None:
+    if train_dataset is None:
+        raise ValueError(f"train_dataset is None: {_MISSING['train_dataset']}.")
+    for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
+        _check_dataset_type(name, dataset)
+
+
+def _check_dataset_type(name: str, dataset) -> None:
+    if isinstance(dataset, Dataset):
+        return
+    if isinstance(dataset, dict):
+        fix = f"pass one split, e.g. {name}=dataset[{next(iter(dataset), 'train')!r}]"
+    else:
+        fix = "PPO samples prompts by index, so pass a datasets.Dataset (not a streaming IterableDataset)"
+    raise TypeError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}: {fix}.")
+
+
+def _named_eval_datasets(eval_dataset) -> list[tuple[str, object]]:
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"eval_dataset[{key!r}]", value) for key, value in eval_dataset.items()]
+    return [("eval_dataset", eval_dataset)]
+
+
+def _check_stop_token(args, tokenizer) -> None:
+    if args.stop_token == "eos" and tokenizer.eos_token_id is None:
+        raise ValueError(
+            "stop_token='eos' but the tokenizer has no eos token, so responses would never stop (and every one "
+            "would get missing_eos_penalty). Set stop_token_id to the id that ends a response, give the tokenizer an "
+            "eos token (tokenizer.eos_token = ...), or set stop_token=None to generate response_length tokens."
+        )
+    if args.missing_eos_penalty is not None and args.stop_token_id is None and tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"missing_eos_penalty={args.missing_eos_penalty} needs a stop token, but stop_token_id is None and the "
+            "tokenizer has no eos token, so every response would be penalised. Set stop_token_id, or "
+            "missing_eos_penalty=None."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Once the models are built
+# --------------------------------------------------------------------------------------------------------------------
+def prepare_and_check(
+    args, tokenizer, built: dict[str, nn.Module | None], stop_token_id, train_dataset, eval_dataset, rollout_metrics
+) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]:
+    """Check the built models (``built``: ``policy``, ``ref_model``, ``reward_model``, ``value_model``, the last
+    being the critic) and the stop token id, prepare the prompt datasets (:func:`data.prompt_preparer`) and check
+    their ids and ``metric_for_best_model``. Returns the prepared ``(train_dataset, eval_dataset)``."""
+    policy = built["policy"]
+    check_vocabularies(tokenizer, built)
+    check_stop_token_id(stop_token_id, tokenizer, embedding_size(policy))
+    for name in ("reward_model", "value_model"):
+        if isinstance(built[name], nn.Module):
+            modeling.backbone_and_head(built[name])  # raises, naming the fix, for a model without a score head
+    prepare = data.prompt_preparer(args, tokenizer, policy)
+    vocab = embedding_size(policy)
+
+    def prepared(dataset: Dataset, name: str) -> Dataset:
+        dataset = prepare(dataset, name=name)
+        check_prompt_ids(dataset, vocab, name)
+        return dataset
+
+    train_dataset = prepared(train_dataset, "train_dataset")
+    if isinstance(eval_dataset, dict):
+        eval_dataset = {key: prepared(value, f"eval_dataset[{key!r}]") for key, value in eval_dataset.items()}
+    elif eval_dataset is not None:
+        eval_dataset = prepared(eval_dataset, "eval_dataset")
+    check_best_metric(args.metric_for_best_model, eval_dataset, rollout_metrics)
+    return train_dataset, eval_dataset
+
+
+def prepare_eval_prompts(trainer, dataset: Dataset, name: str = "eval_dataset") -> Dataset:
+    """A dataset passed to ``evaluate()`` prepared exactly as the training prompts: tokenized, cut to the same prompt
+    budget, its ids checked."""
+    _check_dataset_type(name, dataset)
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    dataset = data.prompt_preparer(trainer.args, trainer.processing_class, policy)(dataset, name=name)
+    check_prompt_ids(dataset, embedding_size(policy), name)
+    return dataset
+
+
+def embedding_size(model) -> int | None:
+    """Rows of ``model``'s input embedding (the ids it can read), or its config's ``vocab_size``; None if unknown."""
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    size = getattr(embeddings, "num_embeddings", None)  # kept under ZeRO-3, where the weight is a placeholder
+    if size is None and getattr(embeddings, "weight", None) is not None and embeddings.weight.ndim == 2:
+        size = embeddings.weight.shape[0]
+    if size is None:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
+    """Every model must read every id the policy can generate or the tokenizer can produce; the pad id must be one
+    the policy can read (padding is embedded too)."""
+    policy_size, tokens = embedding_size(built["policy"]), len(tokenizer)
+    if policy_size is not None and tokenizer.pad_token_id >= policy_size:
+        raise ValueError(
+            f"The tokenizer's pad token id {tokenizer.pad_token_id} is outside the policy's embedding ({policy_size} "
+            f"ids), so padded batches would fail. Resize the policy after adding tokens: "
+            f"model.resize_token_embeddings(len(tokenizer)) (= {tokens}), or use a pad token the policy knows."
+        )
+    for name in ("ref_model", "reward_model", "value_model"):
+        size = embedding_size(built.get(name))
+        if size is not None and size < tokens:
+            raise ValueError(
+                f"{name} has an embedding for {size} token ids, fewer than the tokenizer's {tokens} tokens: prompts "
+                f"and responses can hold ids up to {tokens - 1}, which {name} cannot read (an IndexError, or a "
+                f"device-side assert on GPU, in the first rollout). Use a {name} built for the policy's tokenizer, or "
+                f"resize it: {name}.resize_token_embeddings({tokens})."
+            )
+        if size is not None and policy_size is not None and size < policy_size:
+            logger.warning(
+                "%s reads %d token ids, the policy's embedding has %d rows (padded past the tokenizer's %d tokens, as "
+                "e.g. Qwen's are): should the policy ever sample one of the padding ids, %s cannot read it.",
+                name,
+                size,
+                policy_size,
+                tokens,
+                name,
+            )
+
+
+def check_stop_token_id(stop_token_id: int | None, tokenizer, policy_size: int | None) -> None:
+    """The stop token must be an id the tokenizer has and the policy can generate, or responses never stop."""
+    if stop_token_id is None:
+        return
+    limit = min(len(tokenizer), policy_size or len(tokenizer))
+    if not 0 <= stop_token_id < limit:
+        raise ValueError(
+            f"stop_token_id={stop_token_id} is outside the vocabulary (the tokenizer has {len(tokenizer)} tokens, "
+            f"the policy's embedding {policy_size} ids), so the policy can never generate it and responses would never "
+            f"stop. Use an id below {limit}, e.g. the eos id {tokenizer.eos_token_id}, or stop_token='eos'."
+        )
+
+
+def check_prompt_ids(dataset: Dataset, vocab_size: int | None, name: str) -> None:
+    """Every prompt id must be in ``[0, vocab_size)`` of the policy (computed with Arrow, without a Python pass)."""
+    if vocab_size is None or len(dataset) == 0:
+        return
+    import pyarrow.compute as pc
+
+    bounds = pc.min_max(pc.list_flatten(dataset.with_format("arrow")["input_ids"]))
+    low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    if low is None or (low >= 0 and high < vocab_size):
+        return
+    row = next(i for i, ids in enumerate(dataset["input_ids"]) if min(ids) < 0 or max(ids) >= vocab_size)
+    raise ValueError(
+        f"{name} holds input_ids outside the policy's vocabulary [0, {vocab_size}): they range from {low} to {high} "
+        f"(the first such row: {row}). They were tokenized with another tokenizer or hold a placeholder such as -100. "
+        "Tokenize the prompts with this trainer's processing_class, or pass a 'prompt' column and let the trainer "
+        "tokenize it."
+    )
+
+
+def evaluation_metric_names(eval_dataset, rollout_metrics) -> list[str]:
+    """The names ``evaluate()`` logs: ``eval_<metric>``, or ``eval_<name>_<metric>`` for a dict of datasets."""
+    prefixes = [f"eval_{key}" for key in eval_dataset] if isinstance(eval_dataset, dict) else ["eval"]
+    names = [*M.PER_RESPONSE, *(rollout_metrics or {})]
+    return [M.eval_name(name, prefix) for prefix in prefixes for name in names]
+
+
+def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_metrics) -> None:
+    """``metric_for_best_model`` must be one that ``evaluate()`` logs, or the first evaluation fails (in the
+    Trainer's ``_determine_best_metric``), hours into the run."""
+    if metric_for_best_model is None:
+        return
+    key = metric_for_best_model if metric_for_best_model.startswith("eval_") else f"eval_{metric_for_best_model}"
+    logged = evaluation_metric_names(eval_dataset, rollout_metrics)
+    if key in logged:
+        return
+    close = difflib.get_close_matches(key, logged, n=4, cutoff=0.5)
+    hint = f"Close names: {', '.join(close)}. " if close else ""
+    raise ValueError(
+        f"metric_for_best_model={metric_for_best_model!r} is never logged: evaluate() reports no {key!r}, so choosing "
+        f"the best model would fail at the first evaluation. {hint}evaluate() logs: {', '.join(logged)}. Set "
+        "metric_for_best_model to one of them (the 'eval_' prefix is optional), e.g. 'objective/scores' for the mean "
+        "reward."
+    )
