@@ -194,3 +194,17 @@ def test_evaluation_samples_like_training_when_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "rollout", spy)
     trainer.evaluate()
     assert calls == [True]
+
+
+def test_policy_learning_rate_is_zero_during_critic_warmup(tmp_path):
+    """So that no engine moves the policy then, weight decay included (AdamW decays by lr · wd · θ)."""
+    trainer = make_trainer(tmp_path, critic_warmup_steps=1, lr_scheduler_type="constant", weight_decay=0.1)
+    groups, scheduler = trainer.optimizer.param_groups, trainer.lr_scheduler
+    critic_steps = trainer.args.num_ppo_epochs * trainer.args.num_mini_batches
+    for step in range(critic_steps + 1):
+        lrs = {group["model"]: group["lr"] for group in groups}
+        warming_up = step < critic_steps
+        assert lrs["policy"] == (0.0 if warming_up else trainer.args.learning_rate)
+        assert lrs["critic"] == trainer.args.effective_critic_learning_rate
+        trainer.optimizer.step()
+        scheduler.step()

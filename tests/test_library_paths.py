@@ -12,6 +12,7 @@ from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_e
 from trl_ppomax import core
 from trl_ppomax.checkpoint import load_weights
 from trl_ppomax.data import rows_of_this_process
+from trl_ppomax.modeling import reference_policy
 from trl_ppomax.tiny import build_models
 
 
@@ -80,7 +81,7 @@ def test_reference_adapter_switch_restores_the_active_adapter(tmp_path):
     policy.add_adapter("reference", lora)
     policy.add_adapter("other", lora)
     policy.set_adapter("other")
-    with trainer._reference_policy(trainer.model) as reference:
+    with reference_policy(trainer.ref_model, policy, trainer.args.ref_adapter_name) as reference:
         assert reference.active_adapter == "reference"
     assert policy.active_adapter == "other"  # the hand-written switch reset to "default"
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -237,3 +239,48 @@ def prepare_frozen(module: nn.Module, accelerator) -> nn.Module:
     if accelerator.distributed_type == DistributedType.FSDP:
         return prepare_fsdp(module, accelerator)
     return module.to(accelerator.device)
+
+
+@contextmanager
+def policy_for_generation(model: nn.Module, accelerator, args) -> Iterator[PolicyAndCritic]:
+    """The unwrapped :class:`PolicyAndCritic` ready for generation (trl's ``unwrap_model_for_generation``), except that
+    under DeepSpeed ZeRO-3 with ``ds3_gather_for_generation`` only the **policy's** parameters are gathered: the critic,
+    as large as the policy, stays sharded (use only ``.policy`` inside the block)."""
+    from trl.models.utils import add_hooks, remove_hooks, unwrap_model_for_generation
+
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    checkpointing_kwargs = args.activation_checkpointing_kwargs
+    if not (plugin is not None and plugin.zero_stage == 3 and args.ds3_gather_for_generation):
+        gather = args.ds3_gather_for_generation
+        with unwrap_model_for_generation(
+            model, accelerator, gather, gradient_checkpointing_kwargs=checkpointing_kwargs
+        ) as w:
+            yield w
+        return
+    import deepspeed
+
+    wrapper = accelerator.unwrap_model(model)
+    checkpointing = wrapper.is_gradient_checkpointing
+    if checkpointing:
+        wrapper.gradient_checkpointing_disable()
+    with deepspeed.zero.GatheredParameters(list(wrapper.policy.parameters())):
+        remove_hooks(model)  # the engine's fetch/release hooks would re-partition the gathered policy
+        try:
+            yield wrapper
+        finally:
+            add_hooks(model)
+    if checkpointing:
+        wrapper.gradient_checkpointing_enable(checkpointing_kwargs)
+
+
+@contextmanager
+def reference_policy(ref_model: nn.Module | None, policy: nn.Module, ref_adapter_name: str | None):
+    """The reference model, or, for a PEFT policy, the policy with its adapter disabled (or switched to
+    ``ref_adapter_name``, the active adapter restored afterwards: trl's ``use_adapter``)."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    from trl.trainer.utils import use_adapter
+
+    with use_adapter(policy, ref_adapter_name):
+        yield policy

@@ -56,26 +56,45 @@ def clip_gradients(
     return norms
 
 
+def deepspeed_step(engine) -> tuple[dict[str, torch.Tensor], bool]:
+    """What a DeepSpeed engine did at its last step (it clips with ``gradient_clipping = max_grad_norm`` and steps
+    inside ``backward``): ``({"grad_norm": norm before clipping}, applied)``; the engine skips the step when the norm
+    is not finite (fp32, fp16, and bf16 with ``check_grad_overflow``)."""
+    from .metrics import GRAD_NORM
+
+    norm = engine.get_global_grad_norm()
+    stats = {GRAD_NORM: torch.tensor(float(norm))} if norm is not None else {}
+    return stats, bool(engine.was_step_applied())
+
+
 def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):
-    """``scheduler`` as it is, or, with critic warm-up and ``critic_warmup_replaces_lr_warmup``, shifted by
-    :func:`after_critic_warmup` (a ``LambdaLR`` only; other schedulers are left alone)."""
-    if not (args.critic_warmup_steps and args.critic_warmup_replaces_lr_warmup and isinstance(scheduler, LambdaLR)):
+    """``scheduler`` with critic warm-up taken into account (a ``LambdaLR``; other schedulers are left alone): the
+    policy's learning rate is 0 while only the critic trains, so that no engine moves it (not even by weight decay,
+    which AdamW applies as ``lr · wd · θ``), and with ``critic_warmup_replaces_lr_warmup`` the schedules are shifted
+    by :func:`after_critic_warmup`."""
+    if not (args.critic_warmup_steps and isinstance(scheduler, LambdaLR)):
         return scheduler
     critic_steps = args.critic_warmup_steps * args.num_ppo_epochs * args.num_mini_batches
-    return after_critic_warmup(scheduler, critic_steps, args.get_warmup_steps(num_training_steps))
+    warmup_steps = args.get_warmup_steps(num_training_steps)
+    return after_critic_warmup(
+        scheduler, critic_steps, warmup_steps, replace_lr_warmup=args.critic_warmup_replaces_lr_warmup
+    )
 
 
-def after_critic_warmup(scheduler: LambdaLR, critic_steps: int, warmup_steps: int) -> LambdaLR:
-    """The schedule with critic pre-training replacing the LR warm-up (§5.3.3: "we recommend replacing the learning
-    rate warm-up with the critic model pre-training"): the policy's multiplier starts when the policy starts training,
-    after ``critic_steps`` optimizer steps, ``λ(max(0, t − critic_steps))``; the critic's skips the warm-up,
-    ``λ(max(t, warmup_steps))``."""
+def after_critic_warmup(
+    scheduler: LambdaLR, critic_steps: int, warmup_steps: int, replace_lr_warmup: bool = True
+) -> LambdaLR:
+    """The schedule around ``critic_steps`` optimizer steps of critic warm-up: the policy's multiplier is 0 during
+    them. With ``replace_lr_warmup`` (§5.3.3: "we recommend replacing the learning rate warm-up with the critic model
+    pre-training") the policy's schedule then starts from its beginning, ``λ(t − critic_steps)``, and the critic's
+    skips the warm-up, ``λ(max(t, warmup_steps))``; otherwise both follow ``λ(t)``."""
     optimizer = scheduler.optimizer
 
     def shifted(base: Callable[[int], float], model: str) -> Callable[[int], float]:
         if model == "policy":
-            return lambda step: base(max(0, step - critic_steps))
-        return lambda step: base(max(step, warmup_steps))
+            offset = critic_steps if replace_lr_warmup else 0
+            return lambda step: 0.0 if step < critic_steps else base(step - offset)
+        return (lambda step: base(max(step, warmup_steps))) if replace_lr_warmup else base
 
     lambdas = [
         shifted(base, group.get("model", "policy"))

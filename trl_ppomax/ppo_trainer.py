@@ -15,7 +15,6 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 from accelerate.utils import set_seed
@@ -23,8 +22,7 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import SaveStrategy
-from trl.models.utils import unwrap_model_for_generation
-from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy, use_adapter
+from trl.trainer.utils import selective_log_softmax_and_entropy
 
 from . import checks, core, data, modeling, optim, rewards
 from . import metrics as M
@@ -33,7 +31,15 @@ from .evaluation import EvaluationMixin
 from .hub import TAGS
 from .modeling import PolicyAndCritic
 from .ppo_config import PPOMaxConfig
-from .rollout import Experience, Rollout, concat_rollouts, generate_responses, generation_kwargs, sequence_inputs
+from .rollout import (
+    Experience,
+    Rollout,
+    concat_rollouts,
+    generate_responses,
+    generation_kwargs,
+    logprobs_and_perplexity,
+    sequence_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,75 +258,58 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     @torch.no_grad()
     def rollout(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True) -> Rollout:
         """Generate (sampled, or greedy with ``sampling=False``) and score responses for left-padded prompts, in
-        chunks of ``local_rollout_forward_batch_size``."""
-        chunk = self.args.local_rollout_forward_batch_size
+        chunks of ``local_rollout_forward_batch_size``: first generation and the policy's and reference's log-probs,
+        with only the policy gathered under ZeRO-3 (the critic stays sharded), then the critic's values and the
+        rewards."""
+        size = self.args.local_rollout_forward_batch_size
+        chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
         self.model.eval()
-        with unwrap_model_for_generation(
-            self.model_wrapped,
-            self.accelerator,
-            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=self.args.activation_checkpointing_kwargs,
-        ) as wrapper:
-            parts = [
-                self._rollout_chunk(wrapper, query_ids[i : i + chunk], query_mask[i : i + chunk], sampling)
-                for i in range(0, len(query_ids), chunk)
-            ]
+        with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
+            generated = [self._generate(wrapper, ids, mask, sampling) for ids, mask in chunks]
+        critic = self.accelerator.unwrap_model(self.model_wrapped).critic
+        parts = [self._score(critic, fields) for fields in generated]
         self.model.train()
         return concat_rollouts(parts, self.processing_class.pad_token_id)
 
-    def _rollout_chunk(
-        self, wrapper: PolicyAndCritic, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool
-    ) -> Rollout:
+    def _generate(self, wrapper: PolicyAndCritic, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool):
+        """Responses of one chunk and the policy's and reference's log-probs and perplexities: Rollout fields."""
         kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
         responses, mask = generate_responses(wrapper.policy, query_ids, query_mask, kwargs)
         width = max(int(mask.sum(1).max()), 1)
         responses, mask = responses[:, :width], mask[:, :width]
         inputs = sequence_inputs(query_ids, query_mask, responses, mask)
-        logprobs, policy_perplexity = self._logprobs_and_perplexity(
-            modeling.response_logits(wrapper.policy, inputs, width), responses, mask
-        )
-        with self._reference_policy(wrapper) as reference:
-            ref_logprobs, ref_perplexity = self._logprobs_and_perplexity(
-                modeling.response_logits(reference, inputs, width), responses, mask
-            )
-        scores = rewards.score_responses(self.reward_model, self.processing_class, inputs, query_mask, mask)
-        return Rollout(
+        temperature = self.args.effective_logprob_temperature
+        policy_logits = modeling.response_logits(wrapper.policy, inputs, width)
+        logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
+        with modeling.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
+            ref_logits = modeling.response_logits(reference, inputs, width)
+            ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
+        return dict(
             query_ids=query_ids,
             query_mask=query_mask,
             response_ids=responses,
             response_mask=mask,
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
-            values=modeling.token_values(wrapper.critic, inputs, width) * mask,
-            scores=rewards.apply_missing_eos_penalty(
-                scores, responses, mask, self._stop_id, self.args.missing_eos_penalty
-            ),
             policy_perplexity=policy_perplexity,
             ref_perplexity=ref_perplexity,
         )
 
-    def _logprobs_and_perplexity(
-        self, logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked log-probs (B, T) at ``logprob_temperature`` (:func:`core.logprobs_from_logits`) and the
-        perplexity (B,) at temperature 1, with trl's fused/row-wise ``selective_log_softmax``."""
-        temperature = self.args.effective_logprob_temperature
-        logprobs = selective_log_softmax(logits, responses, temperature=temperature)
-        at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
-        return logprobs * mask, core.sequence_perplexity(at_one, mask)
+    def _score(self, critic: nn.Module, fields: dict) -> Rollout:
+        """A generated chunk with the critic's values and its rewards (minus the missing-stop-token penalty)."""
+        responses, mask = fields["response_ids"], fields["response_mask"]
+        inputs = sequence_inputs(fields["query_ids"], fields["query_mask"], responses, mask)
+        scores = rewards.score_responses(self.reward_model, self.processing_class, inputs, fields["query_mask"], mask)
+        penalty = self.args.missing_eos_penalty
+        return Rollout(
+            **fields,
+            values=modeling.token_values(critic, inputs, mask.shape[1]) * mask,
+            scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, penalty),
+        )
 
     def _generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
         pad_id = self.processing_class.pad_token_id
         return generation_kwargs(self.args, self.stop_token_id, pad_id, sampling, prompt_width)
-
-    @contextmanager
-    def _reference_policy(self, wrapper: PolicyAndCritic):
-        """The reference model, or, for PEFT, the policy with its adapter disabled (or the reference adapter)."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        else:
-            with use_adapter(wrapper.policy, self.args.ref_adapter_name):
-                yield wrapper.policy
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 2: rewards and advantages
@@ -479,20 +468,25 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
-        """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is
-        non-finite, in which case the step is skipped and counted (the gradients are identical on every process)."""
-        wrapper, args = self.accelerator.unwrap_model(self.model_wrapped), self.args
-        stats = {}
-        if not self.is_deepspeed_enabled:  # DeepSpeed clips (gradient_clipping = max_grad_norm) inside its engine
+        """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is non-finite: then the
+        step is skipped and counted (the gradients are identical on every process). Under DeepSpeed the engine clips
+        and steps inside ``backward`` and skips a non-finite step itself; its norm and decision are read back."""
+        args = self.args
+        if self.is_deepspeed_enabled:
+            stats, applied = optim.deepspeed_step(self.model_wrapped)
+        else:
+            wrapper = self.accelerator.unwrap_model(self.model_wrapped)
             stats = optim.clip_gradients(
                 self.accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only
             )
-        if stats and not torch.isfinite(torch.stack(list(stats.values()))).all():
+            applied = not stats or bool(torch.isfinite(torch.stack(list(stats.values()))).all())
+            if applied:
+                self.optimizer.step()
+        if applied:
+            self.lr_scheduler.step()
+        else:
             self.counters[M.SKIPPED_UPDATES] += 1
             logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
             stats = {}
-        else:
-            self.optimizer.step()
-            self.lr_scheduler.step()
         self.optimizer.zero_grad()
         return stats

@@ -16,8 +16,9 @@ from transformers import (
     TemperatureLogitsWarper,
     TopPLogitsWarper,
 )
+from trl.trainer.utils import selective_log_softmax
 
-from .core import response_mask_from_stop
+from .core import response_mask_from_stop, sequence_perplexity
 
 
 @dataclass
@@ -120,3 +121,14 @@ def generation_kwargs(
             processors.append(TopPLogitsWarper(args.top_p))
         kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
     return kwargs
+
+
+def logprobs_and_perplexity(
+    logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked log-probs (B, T) of ``responses`` at ``temperature`` (:func:`core.logprobs_from_logits`) and the
+    perplexity (B,) at temperature 1, with trl's fused (GPU) or row-wise ``selective_log_softmax``; one pass when
+    ``temperature`` is 1."""
+    logprobs = selective_log_softmax(logits, responses, temperature=temperature)
+    at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
+    return logprobs * mask, sequence_perplexity(at_one, mask)
