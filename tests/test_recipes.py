@@ -79,7 +79,9 @@ def test_accelerate_configs_load(config):
     from accelerate.commands.config.config_args import load_config_from_file
 
     loaded = load_config_from_file(str(RECIPES / "accelerate" / config))
-    assert loaded.num_processes >= 1 and loaded.mixed_precision == "bf16"
+    on_cpu = config.endswith("_cpu.yaml")  # CPU processes train in fp32
+    assert loaded.num_processes >= 1 and loaded.mixed_precision == ("no" if on_cpu else "bf16")
+    assert loaded.use_cpu == on_cpu
     assert (RECIPES / "accelerate" / config).read_text().startswith("#")
 
 

@@ -1,0 +1,238 @@
+"""Tiny PPO-max run under any accelerate engine (DDP, DeepSpeed ZeRO-2/3, FSDP2), for ``tests/test_engines.py``.
+
+Usage (under ``accelerate launch --config_file recipes/accelerate/<engine>_cpu.yaml``)::
+
+    engine_run.py OUTPUT_DIR [--stop-at K] [--resume] [--weight-decay W] [--critic-warmup N] [--no-ds3-gather]
+                             [--fsdp-on-cpu]
+
+4 iterations of 16 prompts (2 processes × 4 prompts × 2 accumulation steps), fp32 on CPU, a checkpoint every
+2 iterations. Each process writes ``OUTPUT_DIR/rank{r}.json``: the engine, ``global_step``, the running reward
+moments, the counters, float64 checksums of the full (gathered) policy and critic weights at the start, after the
+critic warm-up (end of iteration N, with Adam's step counts per model then) and at the end, the policy's logits on a fixed input (computed under the engine,
+every process calling the forward) and the logged metrics; then the policy is saved to ``OUTPUT_DIR/policy``.
+
+``--fsdp-on-cpu``: accelerate (≤ 1.15) enables FSDP only for GPU-like process groups; CPU processes get
+``DistributedType.MULTI_CPU`` and the FSDP settings of the launcher are silently dropped (the run is DDP). This flag
+presents the CPU (gloo) process group as ``MULTI_GPU`` to accelerate before the trainer builds its ``Accelerator``,
+so that FSDP2 really shards the models on CPU (torch's ``fully_shard`` supports CPU and gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.tiny import build_models, prompt_texts
+
+#: The fixed input whose logits the test compares with the saved model's.
+FIXED_TEXT = "hello how are you today"
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--critic-warmup", type=int, default=0)
+    parser.add_argument("--no-ds3-gather", action="store_true")
+    parser.add_argument("--fsdp-on-cpu", action="store_true")
+    return parser.parse_args()
+
+
+def let_fsdp_run_on_cpu() -> None:
+    """Make accelerate build FSDP on a CPU process group (see the module docstring)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def checksums(trainer) -> dict[str, float] | None:
+    """float64 sums of the full policy and critic weights (on the main process; None elsewhere). A collective: every
+    process must call it."""
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if not trainer.accelerator.is_main_process:
+        return None
+    sums = {"policy": 0.0, "critic": 0.0}
+    for name, tensor in state.items():
+        model = name.split(".", 1)[0]
+        if model in sums:
+            sums[model] += tensor.detach().double().sum().item()
+    return sums
+
+
+class Recorder(TrainerCallback):
+    """Stops the run after iteration ``stop_at`` (a simulated pre-emption) and takes the weight checksums at the end
+    of iteration ``warmup`` (the last critic-only iteration)."""
+
+    def __init__(self, stop_at: int | None, warmup: int) -> None:
+        self.stop_at, self.warmup = stop_at, warmup
+        self.trainer = None
+        self.after_warmup = None
+        self.adam_steps_after_warmup = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.warmup and state.global_step == self.warmup:
+            self.after_warmup = checksums(self.trainer)
+            self.adam_steps_after_warmup = adam_steps(self.trainer)
+        if self.stop_at is not None and state.global_step == self.stop_at:
+            control.should_training_stop = True
+        return control
+
+
+def adam_steps(trainer) -> dict[str, int]:
+    """How many steps Adam has counted for the policy's and the critic's parameters (its bias correction uses them):
+    the largest ``state["step"]`` over the parameter groups of each model in the innermost torch optimizer (under
+    ZeRO-3 the groups are empty between steps; its flat fp32 partitions are looked up instead)."""
+    chain = [trainer.optimizer]
+    while hasattr(chain[-1], "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO optimizer
+        chain.append(chain[-1].optimizer)
+    optimizer = chain[-1]
+    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
+    if zero3 is not None:
+        pairs = [
+            (optimizer.param_groups[zero3.sub_group_to_group_id[i]], flat)
+            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
+        ]
+    else:
+        pairs = [(group, param) for group in optimizer.param_groups for param in group["params"]]
+    steps = {"policy": 0, "critic": 0}
+    for group, param in pairs:
+        step = optimizer.state.get(param, {}).get("step")
+        if step is not None:
+            steps[group.get("model", "policy")] = max(steps[group.get("model", "policy")], int(step))
+    return steps
+
+
+def fixed_input_logits(trainer) -> torch.Tensor:
+    """The policy's logits on :data:`FIXED_TEXT`, computed as the rollout does (under the engine, every process)."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    ids = trainer.processing_class(FIXED_TEXT, return_tensors="pt")["input_ids"].to(trainer.accelerator.device)
+    trainer.model.eval()
+    with (
+        torch.no_grad(),
+        unwrap_model_for_generation(
+            trainer.model_wrapped, trainer.accelerator, gather_deepspeed3_params=trainer.args.ds3_gather_for_generation
+        ) as wrapper,
+        fsdp_root_unsharded(trainer.model_wrapped),
+    ):
+        logits = wrapper.policy(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    trainer.model.train()
+    return logits.float().cpu()
+
+
+@contextmanager
+def fsdp_root_unsharded(model):
+    """Under FSDP2, the parameters of the root unit (``PolicyAndCritic``: embeddings, final norm, heads) gathered, so
+    that ``model.policy`` can be called on its own (only the root's ``forward`` gathers them otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # as the root's first forward would (a no-op after it)
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+def engine_name(trainer) -> str:
+    if trainer.is_deepspeed_enabled:
+        return f"deepspeed-zero{trainer.model_wrapped.zero_optimization_stage()}"
+    if trainer.is_fsdp_enabled:
+        return f"fsdp{trainer.accelerator.state.fsdp_plugin.fsdp_version}"
+    return "ddp" if trainer.accelerator.num_processes > 1 else "single"
+
+
+def main() -> None:
+    options = parse()
+    output = options.output_dir
+    tokenizer, policy, reward = build_models("llama", seed=0)
+    args = PPOMaxConfig(
+        output_dir=str(output),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_mini_batches=1,
+        num_ppo_epochs=2,
+        total_episodes=64,  # 4 iterations of 2 processes × 4 prompts × 2 accumulation steps
+        response_length=6,
+        stop_token="eos",
+        learning_rate=1e-3,
+        weight_decay=options.weight_decay,
+        critic_warmup_steps=options.critic_warmup,
+        num_sample_generations=0,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        ds3_gather_for_generation=not options.no_ds3_gather,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    if options.fsdp_on_cpu:
+        let_fsdp_run_on_cpu()
+    recorder = Recorder(options.stop_at, options.critic_warmup)
+    trainer = PPOMaxTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+        value_model=None,
+        callbacks=[recorder],
+    )
+    recorder.trainer = trainer
+    initial = checksums(trainer)
+    trainer.train(resume_from_checkpoint=True if options.resume else None)
+    final = checksums(trainer)
+    logits = fixed_input_logits(trainer)
+    accelerator = trainer.accelerator
+    metrics = [entry for entry in trainer.state.log_history if "objective/kl" in entry]
+    result = {
+        "engine": engine_name(trainer),
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "world_size": accelerator.num_processes,
+        "rank": accelerator.process_index,
+        "global_step": trainer.state.global_step,
+        "moments": trainer.running_reward.state_dict(),
+        "counters": dict(trainer.counters),
+        "checksum_initial": initial,
+        "checksum_after_warmup": recorder.after_warmup,
+        "adam_steps_after_warmup": recorder.adam_steps_after_warmup,
+        "checksum": final,
+        "fixed_input": FIXED_TEXT,
+        "logits": logits.tolist(),
+        "logits_sum": logits.double().sum().item(),
+        "metrics": metrics,
+        "metrics_finite": all(
+            math.isfinite(v) for entry in metrics for v in entry.values() if isinstance(v, int | float)
+        ),
+    }
+    (output / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    trainer.save_model(str(output / "policy"))
+    # Tear the process group down before exit: left to the interpreter's shutdown, a DeepSpeed process sometimes
+    # aborts there ("terminate called without an active exception", SIGABRT) after everything was written.
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

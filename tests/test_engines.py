@@ -1,0 +1,246 @@
+"""Every engine on CPU: 2 processes through ``accelerate launch`` with the shipped ``recipes/accelerate/*_cpu.yaml``
+configs, running ``tests/scripts/engine_run.py`` (4 PPO-max iterations of the tiny models, a checkpoint every 2).
+
+For each engine: it trains; a run stopped after iteration 2 and resumed ends exactly where an uninterrupted run
+ends; ``save_model`` writes a plain transformers model that loads without the engine and gives the in-process
+logits; the running reward moments are the same on both ranks. Plus a simulated 2-node run (one process per
+``machine_rank``, meeting at 127.0.0.1). Slow (a few minutes on 2 cores): ``pytest -m slow tests/test_engines.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "scripts" / "engine_run.py"
+CONFIGS = ROOT / "recipes" / "accelerate"
+#: Every run: critic warm-up in iteration 1, with weight decay (which must not move the policy during warm-up).
+COMMON = ("--critic-warmup", "1", "--weight-decay", "0.1")
+STEPS = 4
+
+# FSDP2 (really sharded, with --fsdp-on-cpu) fails in the trainer, not in the test set-up:
+# 1. the rollout calls ``wrapper.policy`` / ``critic`` / the reward model's backbone beneath their FSDP roots, so the
+#    roots' own parameters (embeddings, norms, heads) stay sharded DTensors: "aten.embedding.default got mixed
+#    torch.Tensor and DTensor" at the first generate (engine_run.fsdp_root_unsharded shows the fix);
+# 2. ``accelerator.clip_grad_norm_`` returns a DTensor norm, and the update's stats ``all_reduce`` rejects it;
+# 3. resume loads plain tensors into DTensor parameters (``load_state_dict``) and blames a "damaged" checkpoint.
+# With those three fixed (checked with a patched trainer) every FSDP2 test here passes, resume exactly: then remove
+# the xfail (it is strict, so a fixed trainer fails these tests until it is removed).
+FSDP2_TRAINER_BUGS = "PPOMaxTrainer is not FSDP2-ready: submodules called beneath the sharded root (see above)"
+
+#: engine id -> (accelerate config, worker options, the engine the worker must report)
+ENGINES = {
+    "zero2": ("deepspeed_zero2_cpu.yaml", (), "deepspeed-zero2"),
+    "zero3": ("deepspeed_zero3_cpu.yaml", (), "deepspeed-zero3"),
+    "zero3-no-gather": ("deepspeed_zero3_cpu.yaml", ("--no-ds3-gather",), "deepspeed-zero3"),
+    # accelerate drops FSDP for CPU process groups; --fsdp-on-cpu makes it build FSDP2 anyway (see engine_run.py)
+    "fsdp2": ("fsdp2_cpu.yaml", ("--fsdp-on-cpu",), "fsdp2"),
+}
+PARAMS = [
+    pytest.param(engine, marks=pytest.mark.xfail(strict=True, reason=FSDP2_TRAINER_BUGS))
+    if engine == "fsdp2"
+    else engine
+    for engine in ENGINES
+]
+ENV = {
+    **os.environ,
+    "CUDA_VISIBLE_DEVICES": "",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "WANDB_DISABLED": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(config: str, output: Path, *worker_args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / config),
+        "--num_processes",
+        "2",
+        *(launcher or ("--main_process_port", str(free_port()))),
+        str(WORKER),
+        str(output),
+        *worker_args,
+    ]
+
+
+def failure_tail(text: str) -> str:
+    """The end of a launch's output without the warnings every DeepSpeed/FSDP step prints."""
+    noise = ("FutureWarning", "return func(", "Writing model shards", "Loading weights", "warnings.warn(")
+    return "\n".join(line for line in text.splitlines() if not any(n in line for n in noise))[-4000:]
+
+
+def ranks(output: Path) -> list[dict]:
+    return [json.loads((output / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def launch(config: str, output: Path, *worker_args: str) -> list[dict]:
+    result = subprocess.run(
+        launch_command(config, output, *worker_args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"accelerate launch failed ({result.returncode}):\n{failure_tail(result.stderr)}")
+    return ranks(output)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(engine)``: the uninterrupted run and the stopped-then-resumed run of ``engine`` (each launched once per
+    module, one after the other; a failed launch fails every test of that engine)."""
+    cache: dict[str, dict | Exception] = {}
+
+    def get(engine: str) -> dict:
+        config, options, _ = ENGINES[engine]
+        if "deepspeed" in config:
+            pytest.importorskip("deepspeed")
+        if engine not in cache:
+            root = tmp_path_factory.mktemp(engine)
+            try:
+                full = launch(config, root / "full", *COMMON, *options)
+                launch(config, root / "resumed", *COMMON, *options, "--stop-at", "2")
+                resumed = launch(config, root / "resumed", *COMMON, *options, "--resume")
+                cache[engine] = {"full": full, "resumed": resumed, "dir": root}
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+                cache[engine] = error
+        if isinstance(cache[engine], Exception):
+            pytest.fail(str(cache[engine]), pytrace=False)
+        return cache[engine]
+
+    return get
+
+
+@pytest.mark.parametrize("engine", PARAMS)
+def test_engine_trains(runs, engine):
+    full = runs(engine)["full"]
+    main = full[0]
+    assert [r["engine"] for r in full] == [ENGINES[engine][2]] * 2  # the engine really ran (not DDP)
+    assert main["world_size"] == 2 and main["global_step"] == STEPS
+    assert main["metrics"] and len(main["metrics"]) == STEPS and main["metrics_finite"]
+    start, warm, end = main["checksum_initial"], main["checksum_after_warmup"], main["checksum"]
+    # Critic warm-up (iteration 1) moves the critic only, weight decay included; then both models train.
+    assert warm["policy"] == start["policy"] and warm["critic"] != start["critic"]
+    assert end["policy"] != start["policy"] and end["critic"] != warm["critic"]
+
+
+@pytest.mark.parametrize("engine", PARAMS)
+def test_resume_is_exact(runs, engine):
+    """Stopped after iteration 2 (checkpoint-2) and resumed: the same weights, moments, counters and logits as the
+    uninterrupted run — the optimizer, scheduler, RNG, data position and PPO state all come back."""
+    run = runs(engine)
+    full, resumed = run["full"], run["resumed"]
+    assert (run["dir"] / "resumed" / "checkpoint-2").is_dir()
+    for a, b in zip(full, resumed, strict=True):
+        assert b["global_step"] == a["global_step"] == STEPS
+        assert b["counters"] == a["counters"]
+        assert b["moments"]["count"] == a["moments"]["count"]
+        assert b["moments"] == pytest.approx(a["moments"], rel=1e-9, abs=1e-12)
+        assert b["logits_sum"] == pytest.approx(a["logits_sum"], rel=1e-9)
+    assert resumed[0]["checksum"] == pytest.approx(full[0]["checksum"], rel=1e-9)
+    assert torch.allclose(torch.tensor(resumed[0]["logits"]), torch.tensor(full[0]["logits"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", PARAMS)
+def test_saved_policy_loads_without_the_engine(runs, engine):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = runs(engine)
+    folder, main = run["dir"] / "full" / "policy", run["full"][0]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(main["fixed_input"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert torch.allclose(logits, torch.tensor(main["logits"]), atol=1e-5, rtol=1e-5)
+    total = sum(t.double().sum().item() for t in model.state_dict().values())
+    assert total == pytest.approx(main["checksum"]["policy"], rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", PARAMS)
+def test_running_moments_identical_on_both_ranks(runs, engine):
+    for run in (runs(engine)["full"], runs(engine)["resumed"]):
+        assert run[0]["moments"] == run[1]["moments"]  # global statistics: bit-identical on every rank
+        assert run[0]["moments"]["count"] == 16 * STEPS
+        assert run[0]["counters"] == run[1]["counters"]
+        assert run[0]["logits_sum"] == run[1]["logits_sum"]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(
+            "zero2",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Under DeepSpeed the policy gets zero gradients (not none) during critic warm-up, so Adam "
+                "counts those steps for it: its bias correction is then off for the policy's first real steps.",
+            ),
+        ),
+    ],
+)
+def test_critic_warmup_leaves_the_policy_adam_state_alone(runs, engine):
+    main = runs(engine)["full"][0]
+    assert main["adam_steps_after_warmup"] == {"policy": 0, "critic": 2}  # 2 epochs × 1 minibatch of critic steps
+
+
+def test_simulated_two_nodes(tmp_path):
+    """Two launchers, machine_rank 0 and 1, one process each, meeting at 127.0.0.1 (multi_node_cpu.yaml)."""
+    port = str(free_port())
+    commands = [
+        launch_command(
+            "multi_node_cpu.yaml",
+            tmp_path,
+            *COMMON,
+            "--stop-at",
+            "2",
+            launcher=(
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+            ),
+        )
+        for rank in (0, 1)
+    ]
+    nodes = [
+        subprocess.Popen(c, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    try:
+        errors = [node.communicate(timeout=600)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, error in zip(nodes, errors, strict=True):
+        assert node.returncode == 0, failure_tail(error)
+    node0, node1 = ranks(tmp_path)
+    assert node0["engine"] == node1["engine"] == "ddp" and node0["world_size"] == 2
+    assert node0["global_step"] == node1["global_step"] == 2
+    assert node0["moments"] == node1["moments"] and node0["moments"]["count"] == 32
+    assert node0["counters"] == node1["counters"]
+    assert node0["checksum_after_warmup"]["policy"] == node0["checksum_initial"]["policy"]
+    assert node0["adam_steps_after_warmup"] == {"policy": 0, "critic": 2}  # DDP: the policy's Adam state untouched
