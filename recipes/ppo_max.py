@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    trainer.accelerator.end_training()  # tear the process group down cleanly (ZeRO-3 could abort at exit)
     return trainer
 
 

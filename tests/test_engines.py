@@ -28,16 +28,6 @@ CONFIGS = ROOT / "recipes" / "accelerate"
 COMMON = ("--critic-warmup", "1", "--weight-decay", "0.1")
 STEPS = 4
 
-# FSDP2 (really sharded, with --fsdp-on-cpu) fails in the trainer, not in the test set-up:
-# 1. the rollout calls ``wrapper.policy`` / ``critic`` / the reward model's backbone beneath their FSDP roots, so the
-#    roots' own parameters (embeddings, norms, heads) stay sharded DTensors: "aten.embedding.default got mixed
-#    torch.Tensor and DTensor" at the first generate (engine_run.fsdp_root_unsharded shows the fix);
-# 2. ``accelerator.clip_grad_norm_`` returns a DTensor norm, and the update's stats ``all_reduce`` rejects it;
-# 3. resume loads plain tensors into DTensor parameters (``load_state_dict``) and blames a "damaged" checkpoint.
-# With those three fixed (checked with a patched trainer) every FSDP2 test here passes, resume exactly: then remove
-# the xfail (it is strict, so a fixed trainer fails these tests until it is removed).
-FSDP2_TRAINER_BUGS = "PPOMaxTrainer is not FSDP2-ready: submodules called beneath the sharded root (see above)"
-
 #: engine id -> (accelerate config, worker options, the engine the worker must report)
 ENGINES = {
     "zero2": ("deepspeed_zero2_cpu.yaml", (), "deepspeed-zero2"),
@@ -46,12 +36,7 @@ ENGINES = {
     # accelerate drops FSDP for CPU process groups; --fsdp-on-cpu makes it build FSDP2 anyway (see engine_run.py)
     "fsdp2": ("fsdp2_cpu.yaml", ("--fsdp-on-cpu",), "fsdp2"),
 }
-PARAMS = [
-    pytest.param(engine, marks=pytest.mark.xfail(strict=True, reason=FSDP2_TRAINER_BUGS))
-    if engine == "fsdp2"
-    else engine
-    for engine in ENGINES
-]
+PARAMS = list(ENGINES)
 ENV = {
     **os.environ,
     "CUDA_VISIBLE_DEVICES": "",
@@ -184,20 +169,10 @@ def test_running_moments_identical_on_both_ranks(runs, engine):
         assert run[0]["logits_sum"] == run[1]["logits_sum"]
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        pytest.param(
-            "zero2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Under DeepSpeed the policy gets zero gradients (not none) during critic warm-up, so Adam "
-                "counts those steps for it: its bias correction is then off for the policy's first real steps.",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_critic_warmup_leaves_the_policy_adam_state_alone(runs, engine):
+    """Under DeepSpeed the policy's gradients during warm-up are zeros, not absent: the trainer restarts its Adam
+    step counter when the policy starts training (optim.restart_policy_adam), so its bias correction is right."""
     main = runs(engine)["full"][0]
     assert main["adam_steps_after_warmup"] == {"policy": 0, "critic": 2}  # 2 epochs × 1 minibatch of critic steps
 
@@ -244,3 +219,24 @@ def test_simulated_two_nodes(tmp_path):
     assert node0["counters"] == node1["counters"]
     assert node0["checksum_after_warmup"]["policy"] == node0["checksum_initial"]["policy"]
     assert node0["adam_steps_after_warmup"] == {"policy": 0, "critic": 2}  # DDP: the policy's Adam state untouched
+
+
+def test_zero3_generation_gathers_the_policy_only(tmp_path):
+    """Under ZeRO-3 with ds3_gather_for_generation, generation holds the whole policy and none of the critic (every
+    parameter partitioned: stage3_param_persistence_threshold 0), measured by benchmarks/engine_memory.py."""
+    output = tmp_path / "memory.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "engine_memory.py"),
+        "--runs",
+        "zero3",
+        "--output",
+        str(output),
+    ]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (run,) = json.loads(output.read_text())["summary"]
+    held, full = run["measured_max_over_ranks"], run["full_size"]
+    assert held["gen_policy"] == full["policy"]  # the whole policy, gathered for generate()
+    assert held["gen_critic"] == 0  # the critic stays sharded
+    assert held["params"] == full["trained"] // 2  # and outside generation every rank holds half of each

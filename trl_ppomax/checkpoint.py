@@ -636,6 +636,11 @@ class CheckpointMixin:
 
             deepspeed_load_checkpoint(self.model_wrapped, path)
             return
+        if self.is_fsdp_enabled:  # sharded parameters: the FSDP checkpoint the Trainer wrote beside the weights
+            from accelerate.utils import load_fsdp_model
+
+            load_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model_wrapped, path)
+            return
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
         load_weights(wrapper.policy, path)
         load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))

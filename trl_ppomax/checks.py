@@ -274,3 +274,14 @@ def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_m
         "metric_for_best_model to one of them (the 'eval_' prefix is optional), e.g. 'objective/scores' for the mean "
         "reward."
     )
+
+
+def check_engine(trainer) -> None:
+    """Warn when the launcher asked for FSDP but the trainer runs without it: accelerate (1.x) enables FSDP only on
+    GPU-type process groups, so on CPU processes the FSDP settings are silently dropped and the run is plain DDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not trainer.is_fsdp_enabled:
+        logger.warning(
+            "FSDP was requested (ACCELERATE_USE_FSDP=true) but is not active: accelerate enables it only on GPU "
+            "process groups (this one is %s), so this run replicates every model on every process (DDP).",
+            trainer.accelerator.distributed_type,
+        )

@@ -37,6 +37,15 @@ class PolicyAndCritic(nn.Module):
         self.critic = critic
 
     @property
+    def _no_split_modules(self) -> list[str]:
+        """The policy's and the critic's layer classes: FSDP's transformer auto-wrap shards layer by layer."""
+        names = []
+        for model in (self.policy, self.critic):
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            names += list(getattr(base, "_no_split_modules", None) or [])
+        return list(dict.fromkeys(names))
+
+    @property
     def value_model(self) -> nn.Module:
         """The critic, under trl 1.12's name (``trainer.model.value_model``)."""
         return self.critic
@@ -284,3 +293,21 @@ def reference_policy(ref_model: nn.Module | None, policy: nn.Module, ref_adapter
 
     with use_adapter(policy, ref_adapter_name):
         yield policy
+
+
+@contextmanager
+def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
+    """Under FSDP2, the root units of ``models`` gathered (embeddings, final norm, heads: what no layer unit holds),
+    so that their submodules can be called on their own — ``policy.generate``, a backbone and its score head —
+    rather than only through the root's ``forward``; layer units still gather themselves. A no-op otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [model for model in models if isinstance(model, FSDPModule)]
+    for root in roots:
+        root._get_fsdp_state()._lazy_init()  # what the root's first forward would do (a no-op after it)
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()

@@ -52,7 +52,8 @@ def clip_gradients(
     for name, parts in modules.items():
         params = [p for part in parts for p in part.parameters() if p.grad is not None]
         if params:
-            norms[name] = accelerator.clip_grad_norm_(params, max_norm or float("inf")).detach()
+            norm = accelerator.clip_grad_norm_(params, max_norm or float("inf")).detach()
+            norms[name] = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
     return norms
 
 
@@ -65,6 +66,35 @@ def deepspeed_step(engine) -> tuple[dict[str, torch.Tensor], bool]:
     norm = engine.get_global_grad_norm()
     stats = {GRAD_NORM: torch.tensor(float(norm))} if norm is not None else {}
     return stats, bool(engine.was_step_applied())
+
+
+def restart_policy_adam(optimizer) -> None:
+    """Reset the Adam step counter of the policy's parameters to 0 when the policy starts training after critic
+    warm-up. Under DeepSpeed the policy's gradients during warm-up are zeros, not absent, so the engine's optimizer
+    advanced its step counter while its moments stayed 0; left as it is, Adam's bias correction would make the
+    policy's first updates several times too large. Exact, since the moments are 0. A no-op where the policy's
+    parameters had no gradient (no state)."""
+    for state in _policy_states(optimizer):
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+
+
+def _policy_states(optimizer) -> list[dict]:
+    """The innermost torch optimizer's state of every parameter of the policy's groups, through accelerate's and
+    DeepSpeed's wrappers (under ZeRO-3 the groups are empty between steps: its flat fp32 partitions are used)."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "optimizer"):
+        chain.append(chain[-1].optimizer)
+    inner = chain[-1]
+    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
+    if zero3 is not None:
+        pairs = [
+            (inner.param_groups[zero3.sub_group_to_group_id[i]], flat)
+            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
+        ]
+    else:
+        pairs = [(group, parameter) for group in inner.param_groups for parameter in group["params"]]
+    return [inner.state[p] for group, p in pairs if group.get("model") == "policy" and p in inner.state]
 
 
 def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):

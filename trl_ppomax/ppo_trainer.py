@@ -136,6 +136,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if self.args.activation_checkpointing:
             self.model.gradient_checkpointing_enable(self.args.activation_checkpointing_kwargs)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        checks.check_engine(self)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         for name in ("ref_model", "reward_model"):
@@ -208,6 +209,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         rewards.count_skipped_iteration(self.counters, self._skip_reason, self.args, iteration)
         if experience is not None:
             metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
+        if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
+            optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
         metrics.update({name: float(value) for name, value in self.counters.items()})
         return metrics
 
@@ -264,10 +267,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         size = self.args.local_rollout_forward_batch_size
         chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
         self.model.eval()
-        with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-            generated = [self._generate(wrapper, ids, mask, sampling) for ids, mask in chunks]
-        critic = self.accelerator.unwrap_model(self.model_wrapped).critic
-        parts = [self._score(critic, fields) for fields in generated]
+        with modeling.fsdp_unsharded(self.model_wrapped, self.reward_model):
+            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
+                generated = [self._generate(wrapper, ids, mask, sampling) for ids, mask in chunks]
+            critic = self.accelerator.unwrap_model(self.model_wrapped).critic
+            parts = [self._score(critic, fields) for fields in generated]
         self.model.train()
         return concat_rollouts(parts, self.processing_class.pad_token_id)
 
