@@ -10,6 +10,7 @@ logits; the running reward moments are the same on both ranks. Plus a simulated 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -240,3 +241,15 @@ def test_zero3_generation_gathers_the_policy_only(tmp_path):
     assert held["gen_policy"] == full["policy"]  # the whole policy, gathered for generate()
     assert held["gen_critic"] == 0  # the critic stays sharded
     assert held["params"] == full["trained"] // 2  # and outside generation every rank holds half of each
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2"])
+def test_non_finite_gradients_are_skipped_and_counted(tmp_path, engine):
+    """NaN gradients in iteration 3: its optimizer steps are skipped and counted (under DeepSpeed the engine skips
+    them and the trainer reads that back), the weights stay finite, and the run finishes."""
+    config, options, _ = ENGINES[engine]
+    run = launch(config, tmp_path, *options, "--nan-grad-at", "3")
+    main = run[0]
+    assert main["global_step"] == STEPS
+    assert main["counters"]["skipped/updates"] == 2  # 2 epochs × 1 minibatch in iteration 3
+    assert all(math.isfinite(v) for v in main["checksum"].values())

@@ -45,7 +45,20 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--critic-warmup", type=int, default=0)
     parser.add_argument("--no-ds3-gather", action="store_true")
     parser.add_argument("--fsdp-on-cpu", action="store_true")
+    parser.add_argument("--nan-grad-at", type=int, default=None, help="make the gradients of iteration K NaN")
     return parser.parse_args()
+
+
+def poison_gradients(trainer, iteration: int) -> None:
+    """During iteration ``iteration`` every micro-batch loss is NaN (on every rank), so every gradient is, and each
+    optimizer step of that iteration must be skipped and counted, whatever the engine."""
+    loss_of = trainer.micro_batch_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = loss_of(*args, **kwargs)
+        return (loss * float("nan") if trainer.state.global_step + 1 == iteration else loss), stats
+
+    trainer.micro_batch_loss = poisoned
 
 
 def let_fsdp_run_on_cpu() -> None:
@@ -200,6 +213,8 @@ def main() -> None:
         callbacks=[recorder],
     )
     recorder.trainer = trainer
+    if options.nan_grad_at is not None:
+        poison_gradients(trainer, options.nan_grad_at)
     initial = checksums(trainer)
     trainer.train(resume_from_checkpoint=True if options.resume else None)
     final = checksums(trainer)
