@@ -5,9 +5,8 @@ Run under ``accelerate launch --config_file recipes/accelerate/<engine>_cpu.yaml
 
     engine_memory_worker.py OUTPUT_DIR [--no-ds3-gather] [--persistence-threshold N] [--fsdp-on-cpu]
 
-``--fsdp-on-cpu`` makes FSDP2 really shard on CPU processes and applies the work-arounds the trainer's rollout needs
-under FSDP2 as of this benchmark (:func:`unshard_roots_for_rollouts`); the FSDP2 numbers describe the memory layout
-under them.
+``--fsdp-on-cpu`` makes FSDP2 really shard on CPU processes (:func:`trl_ppomax.testing.let_fsdp_run_on_cpu`; accelerate
+runs DDP on CPU otherwise).
 
 Builds a :class:`~trl_ppomax.PPOMaxTrainer` on the tiny models (fp32, CPU, two iterations of 2 PPO epochs × 2
 mini-batches = 4 optimizer steps each) and writes ``OUTPUT_DIR/rank{r}.json`` with, in bytes **held by this rank**:
@@ -42,7 +41,8 @@ from torch import nn
 from transformers import TrainerCallback
 
 import trl_ppomax.ppo_trainer as ppo_trainer_module
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, optim
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.testing import engine_name, let_fsdp_run_on_cpu
 from trl_ppomax.tiny import build_models, prompt_texts
 
 
@@ -282,51 +282,6 @@ class AfterIteration(TrainerCallback):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-def let_fsdp_run_on_cpu() -> None:
-    """accelerate (≤ 1.15) enables FSDP only for GPU-like process groups and silently runs DDP on CPU; present the
-    CPU (gloo) group as MULTI_GPU so that FSDP2 really shards (as ``tests/scripts/engine_run.py --fsdp-on-cpu``)."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    state = PartialState()
-    if state.distributed_type == DistributedType.MULTI_CPU:
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-
-
-def unshard_roots_for_rollouts() -> None:
-    """Under FSDP2 the rollout calls ``wrapper.policy.generate``, the critic's and the reward model's backbones
-    (``modeling.sequence_scores``) beneath their FSDP roots, so the roots' own parameters (embeddings, final norms,
-    heads; the decoder layers are FSDP units of their own) stay sharded DTensors and the first embedding fails with
-    "got mixed torch.Tensor and DTensor" (trl_ppomax as of this benchmark). Unshard the roots of the trained wrapper
-    and of the reward model around each rollout, as their root pre-forward would; the decoder layers still gather
-    one at a time."""
-    original = PPOMaxTrainer.rollout
-
-    def rollout(self, *args, **kwargs):
-        roots = [m for m in (self.model_wrapped, self.reward_model) if hasattr(m, "unshard")]
-        for root in roots:
-            root._get_fsdp_state()._lazy_init()  # else a decoder-layer unit, run first, would claim to be the root
-            root.unshard()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            for root in roots:
-                root.reshard()
-
-    PPOMaxTrainer.rollout = rollout
-
-    # the gradient norms of DTensor gradients are DTensors, which the metrics' all-reduce cannot take
-    clip = optim.clip_gradients
-
-    def clip_gradients(*args, **kwargs):
-        return {name: local_norm(norm) for name, norm in clip(*args, **kwargs).items()}
-
-    optim.clip_gradients = clip_gradients
-
-
-def local_norm(norm: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm
 
 
 def set_persistence_threshold(threshold: int) -> None:
@@ -349,14 +304,6 @@ def fsdp_units(trainer) -> list[str]:
     except ImportError:
         return []
     return [name for name, m in trainer.model_wrapped.named_modules() if isinstance(m, FSDPModule)]
-
-
-def engine_name(trainer) -> str:
-    if trainer.is_deepspeed_enabled:
-        return f"deepspeed-zero{trainer.model_wrapped.zero_optimization_stage()}"
-    if trainer.is_fsdp_enabled:
-        return f"fsdp{trainer.accelerator.state.fsdp_plugin.fsdp_version}"
-    return "ddp" if trainer.accelerator.num_processes > 1 else "single"
 
 
 def main() -> None:
@@ -390,7 +337,6 @@ def main() -> None:
     )
     if options.fsdp_on_cpu:
         let_fsdp_run_on_cpu()  # after PPOMaxConfig, which sets up the process state
-        unshard_roots_for_rollouts()
     probe = Probe()
     trainer = PPOMaxTrainer(
         args=args,

@@ -74,14 +74,15 @@ def restart_policy_adam(optimizer) -> None:
     advanced its step counter while its moments stayed 0; left as it is, Adam's bias correction would make the
     policy's first updates several times too large. Exact, since the moments are 0. A no-op where the policy's
     parameters had no gradient (no state)."""
-    for state in _policy_states(optimizer):
-        if "step" in state:
+    for model, state in adam_states(optimizer):
+        if model == "policy" and "step" in state:
             state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
 
-def _policy_states(optimizer) -> list[dict]:
-    """The innermost torch optimizer's state of every parameter of the policy's groups, through accelerate's and
-    DeepSpeed's wrappers (under ZeRO-3 the groups are empty between steps: its flat fp32 partitions are used)."""
+def adam_states(optimizer) -> list[tuple[str, dict]]:
+    """``(model, state)`` for every parameter of the innermost torch optimizer (``model`` = "policy" or "critic"),
+    through accelerate's and DeepSpeed's wrappers (under ZeRO-3 the groups are empty between steps: its flat fp32
+    partitions are used)."""
     chain = [optimizer]
     while hasattr(chain[-1], "optimizer"):
         chain.append(chain[-1].optimizer)
@@ -94,7 +95,7 @@ def _policy_states(optimizer) -> list[dict]:
         ]
     else:
         pairs = [(group, parameter) for group in inner.param_groups for parameter in group["params"]]
-    return [inner.state[p] for group, p in pairs if group.get("model") == "policy" and p in inner.state]
+    return [(group.get("model", "policy"), inner.state[p]) for group, p in pairs if p in inner.state]
 
 
 def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):

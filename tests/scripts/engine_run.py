@@ -30,6 +30,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.optim import adam_states
+from trl_ppomax.testing import engine_name, let_fsdp_run_on_cpu
 from trl_ppomax.tiny import build_models, prompt_texts
 
 #: The fixed input whose logits the test compares with the saved model's.
@@ -59,16 +61,6 @@ def poison_gradients(trainer, iteration: int) -> None:
         return (loss * float("nan") if trainer.state.global_step + 1 == iteration else loss), stats
 
     trainer.micro_batch_loss = poisoned
-
-
-def let_fsdp_run_on_cpu() -> None:
-    """Make accelerate build FSDP on a CPU process group (see the module docstring)."""
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    state = PartialState()
-    if state.distributed_type == DistributedType.MULTI_CPU:
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
 def checksums(trainer) -> dict[str, float] | None:
@@ -105,26 +97,11 @@ class Recorder(TrainerCallback):
 
 
 def adam_steps(trainer) -> dict[str, int]:
-    """How many steps Adam has counted for the policy's and the critic's parameters (its bias correction uses them):
-    the largest ``state["step"]`` over the parameter groups of each model in the innermost torch optimizer (under
-    ZeRO-3 the groups are empty between steps; its flat fp32 partitions are looked up instead)."""
-    chain = [trainer.optimizer]
-    while hasattr(chain[-1], "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO optimizer
-        chain.append(chain[-1].optimizer)
-    optimizer = chain[-1]
-    zero3 = next((o for o in chain if hasattr(o, "fp32_partitioned_groups_flat")), None)
-    if zero3 is not None:
-        pairs = [
-            (optimizer.param_groups[zero3.sub_group_to_group_id[i]], flat)
-            for i, flat in enumerate(zero3.fp32_partitioned_groups_flat)
-        ]
-    else:
-        pairs = [(group, param) for group in optimizer.param_groups for param in group["params"]]
+    """How many steps Adam has counted for the policy's and the critic's parameters (its bias correction uses them)."""
     steps = {"policy": 0, "critic": 0}
-    for group, param in pairs:
-        step = optimizer.state.get(param, {}).get("step")
-        if step is not None:
-            steps[group.get("model", "policy")] = max(steps[group.get("model", "policy")], int(step))
+    for model, state in adam_states(trainer.optimizer):
+        if "step" in state:
+            steps[model] = max(steps[model], int(state["step"]))
     return steps
 
 
@@ -161,14 +138,6 @@ def fsdp_root_unsharded(model):
         yield
     finally:
         model.reshard()
-
-
-def engine_name(trainer) -> str:
-    if trainer.is_deepspeed_enabled:
-        return f"deepspeed-zero{trainer.model_wrapped.zero_optimization_stage()}"
-    if trainer.is_fsdp_enabled:
-        return f"fsdp{trainer.accelerator.state.fsdp_plugin.fsdp_version}"
-    return "ddp" if trainer.accelerator.num_processes > 1 else "single"
 
 
 def main() -> None:
