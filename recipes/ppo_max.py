@@ -1,199 +1,28 @@
-"""Train a policy with PPO-max: one command from a laptop CPU to many GPUs.
+"""Train a policy with PPO-max: a thin wrapper around `trl_ppomax.scripts.ppo` (the `trl-ppomax ppo` command).
 
     # no arguments: the toy world (SFT → reward model → PPO-max, with a known gold reward), CPU, a few minutes
     accelerate launch recipes/ppo_max.py
-    # tiny CPU run (builds its own tiny models on first use)
+    # tiny CPU run (builds its own tiny models on first use); `--config tiny_cpu` (a shipped config) works too
     accelerate launch recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml
-    # two CPU processes (accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, gloo on CPU)
+    # two CPU processes
     accelerate launch --multi_gpu --num_processes 2 recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml
     # the paper's English setting on 8 GPUs with DeepSpeed ZeRO-2
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/ppo_max.py \
         --config recipes/configs/moss_7b_en.yaml
 
-Fields come from `PPOMaxScriptArguments` (below), `PPOMaxConfig` and trl's `ModelConfig`; any of them can be set in
-the YAML file or on the command line (`--kl_coef 0.02`). Models: `sft_model_path` (policy and reference, or
-`model_name_or_path`), `reward_model_path`, `value_model_path` (default: the reward model). Prompts: a Hub id, a
-folder or a file, in trl's prompt formats, `messages` conversations, raw Anthropic HH-RLHF, or the release's JSON
-prompt lists.
+The same without the repository: `trl-ppomax ppo --config tiny_cpu`, `trl-ppomax ppo --config moss_7b_en
+--accelerate_config zero2`. The code, and every field's documentation, is in `trl_ppomax/scripts/ppo.py`.
 """
 
-from __future__ import annotations
-
-import os
 import sys
-from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
 
-from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+# From a checkout, use this checkout's trl_ppomax (the code these wrappers belong to), even if another is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.data import check_local_paths, load_any_dataset, to_prompt_dataset
-from trl_ppomax.monitor import CollapseMonitor
-from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.plan import plan
+from trl_ppomax.scripts.ppo import PPOMaxScriptArguments, check_combination, main, run
 
-
-@dataclass
-class PPOMaxScriptArguments(ScriptArguments):
-    """Where the models and prompts come from."""
-
-    value_model_path: str | None = field(
-        default=None, metadata={"help": "Critic initialisation; default: the reward model (§5.3.3)."}
-    )
-    prompt_format: Literal["auto", "moss_en", "moss_zh"] = field(
-        default="auto",
-        metadata={
-            "help": "'auto': the tokenizer's chat template; 'moss_en'/'moss_zh': the paper's released-model format "
-            "(Human:/Assistant: or <|Human|>/<|MOSS|>, joined by </s>), set on the tokenizer."
-        },
-    )
-    eval_samples: int = field(
-        default=0, metadata={"help": "Hold out this many prompts for evaluation when there is no test split."}
-    )
-    eval_dataset_name: str | None = field(
-        default=None,
-        metadata={"help": "Evaluation prompts from another dataset or prompt file (e.g. the release's valid.json)."},
-    )
-    max_train_prompts: int | None = field(default=None, metadata={"help": "Use at most this many training prompts."})
-    ptx_dataset_name: str | None = field(
-        default=None, metadata={"help": "Pre-training/SFT texts ('text' column) for the PPO-ptx loss (ptx_coef)."}
-    )
-    ptx_dataset_split: str = field(default="train", metadata={"help": "Split of the ptx dataset."})
-    collapse_monitor: bool = field(
-        default=True, metadata={"help": "Watch for pattern collapse (§5.2) with trl_ppomax.monitor.CollapseMonitor."}
-    )
-    stop_on_collapse: bool = field(
-        default=False, metadata={"help": "Stop training when the collapse monitor fires (it always warns)."}
-    )
-    tiny_models_dir: str | None = field(
-        default=None,
-        metadata={"help": "Build tiny offline models and datasets here (trl-ppomax tiny) if the folder is missing."},
-    )
-
-
-def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfig, peft_config):
-    """Policy, reference (None under PEFT: the adapter is disabled instead), reward and value models."""
-    kwargs = dict(
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-        quantization_config=get_quantization_config(model_args),
-    )
-    policy_path = model_args.model_name_or_path or training_args.sft_model_path
-    value_path = script_args.value_model_path or training_args.reward_model_path
-    policy = AutoModelForCausalLM.from_pretrained(policy_path, **kwargs)
-    reference = None if peft_config else AutoModelForCausalLM.from_pretrained(policy_path, **kwargs)
-    reward = AutoModelForSequenceClassification.from_pretrained(
-        training_args.reward_model_path, num_labels=1, **kwargs
-    )
-    value = AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1, **kwargs)
-    return policy_path, policy, reference, reward, value
-
-
-def load_tokenizer(policy_path: str, prompt_format: str):
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    if prompt_format != "auto":
-        return setup_tokenizer(tokenizer, lang=prompt_format.removeprefix("moss_"))
-    if tokenizer.pad_token is None:
-        raise ValueError(
-            f"The tokenizer of {policy_path} has no pad token. Give it one (a dedicated token, resized embeddings) "
-            "or use a MOSS prompt format, whose pad token is <unk>."
-        )
-    return tokenizer
-
-
-def load_prompts(script_args):
-    """Training and (optional) evaluation prompts."""
-    train = to_prompt_dataset(
-        load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    )
-    if script_args.max_train_prompts:
-        train = train.select(range(min(script_args.max_train_prompts, len(train))))
-    evaluation = None
-    if script_args.eval_dataset_name:
-        evaluation = to_prompt_dataset(load_any_dataset(script_args.eval_dataset_name, split="train"))
-        if script_args.eval_samples:
-            evaluation = evaluation.select(range(min(script_args.eval_samples, len(evaluation))))
-    elif script_args.eval_samples:
-        split = train.train_test_split(test_size=script_args.eval_samples, seed=0)
-        train, evaluation = split["train"], split["test"]
-    return train, evaluation
-
-
-def check_combination(script_args, training_args: PPOMaxConfig, model_args: ModelConfig) -> None:
-    """Fail before loading anything on settings that cannot work together."""
-    if not script_args.dataset_name:
-        raise ValueError("Set dataset_name: a Hub id, a folder, or a prompt file.")
-    if training_args.ptx_coef > 0 and not script_args.ptx_dataset_name:
-        raise ValueError("ptx_coef > 0 needs ptx_dataset_name (texts for the PPO-ptx loss).")
-    if model_args.use_peft and script_args.value_model_path == (
-        model_args.model_name_or_path or training_args.sft_model_path
-    ):
-        raise ValueError("value_model_path must be a sequence classifier, not the (PEFT) policy checkpoint.")
-    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
-        raise ValueError("A quantised policy can only be trained with LoRA: add --use_peft.")
-
-
-def main(argv: list[str] | None = None) -> PPOMaxTrainer:
-    parser = TrlParser((PPOMaxScriptArguments, PPOMaxConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    if script_args.tiny_models_dir and not os.path.isdir(script_args.tiny_models_dir):
-        with PartialState().main_process_first():
-            if not os.path.isdir(script_args.tiny_models_dir):
-                from trl_ppomax.tiny import save_tiny_models
-
-                save_tiny_models(script_args.tiny_models_dir)
-    check_combination(script_args, training_args, model_args)
-    policy_setting = "model_name_or_path" if model_args.model_name_or_path else "sft_model_path"
-    check_local_paths(
-        {
-            policy_setting: model_args.model_name_or_path or training_args.sft_model_path,
-            "reward_model_path": training_args.reward_model_path,
-            "value_model_path": script_args.value_model_path,
-            "dataset_name": script_args.dataset_name,
-            "eval_dataset_name": script_args.eval_dataset_name,
-            "ptx_dataset_name": script_args.ptx_dataset_name,
-        }
-    )
-    peft_config = get_peft_config(model_args)
-    policy_path, policy, reference, reward, value = load_models(script_args, training_args, model_args, peft_config)
-    tokenizer = load_tokenizer(policy_path, script_args.prompt_format)
-    with PartialState().local_main_process_first():
-        train_prompts, eval_prompts = load_prompts(script_args)
-        ptx = None
-        if script_args.ptx_dataset_name:
-            ptx = load_any_dataset(script_args.ptx_dataset_name, split=script_args.ptx_dataset_split)
-
-    trainer = PPOMaxTrainer(
-        args=training_args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=reference,
-        reward_model=reward,
-        train_dataset=train_prompts,
-        value_model=value,
-        eval_dataset=eval_prompts,
-        peft_config=peft_config,
-        ptx_dataset=ptx,
-    )
-    if script_args.collapse_monitor:
-        CollapseMonitor(stop_training=script_args.stop_on_collapse).attach(trainer)
-    if trainer.accelerator.is_main_process:
-        print(plan(trainer), flush=True)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    trainer.accelerator.end_training()  # tear the process group down cleanly (ZeRO-3 could abort at exit)
-    return trainer
-
+__all__ = ["PPOMaxScriptArguments", "check_combination", "main", "run"]
 
 if __name__ == "__main__":
-    if len(sys.argv) == 1:
-        from trl_ppomax.toyworld.demo import run_demo
-
-        run_demo()
-    else:
-        main()
+    run()

@@ -1,88 +1,24 @@
-"""Train a PPO-max reward model: pairwise loss + imitation (LM) loss on the chosen response (§3.1 of the paper).
+"""Train a PPO-max reward model: a thin wrapper around `trl_ppomax.scripts.reward` (the `trl-ppomax reward` command).
 
-    # tiny CPU run (build the tiny models first)
-    trl-ppomax tiny tiny
+    # tiny CPU run (builds its own tiny models on first use); `--config reward_tiny_cpu` (a shipped config) works too
     accelerate launch recipes/reward_modeling.py --config recipes/configs/reward_tiny_cpu.yaml
-
     # the paper's setting (LLaMA-7B-style SFT model, Anthropic HH-RLHF)
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/reward_modeling.py \
         --config recipes/configs/reward_moss_7b_en.yaml
 
-Any config field can be overridden on the command line (`--learning_rate 1e-5`). The dataset is a Hub id, a local
-folder, or a local .json/.jsonl/.parquet/.csv file, in any trl preference format; raw HH-RLHF rows
-(`chosen`/`rejected` dialogues with "\\n\\nHuman:" turns) are converted automatically.
+The same without the repository: `trl-ppomax reward --config reward_tiny_cpu`. The code is in
+`trl_ppomax/scripts/reward.py`.
 """
 
-from __future__ import annotations
+import sys
+from pathlib import Path
 
-import os
+# From a checkout, use this checkout's trl_ppomax (the code these wrappers belong to), even if another is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accelerate import PartialState
-from datasets import DatasetDict, load_dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl_ppomax.scripts.reward import RewardScriptArguments, load_preferences, main
 
-from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
-from trl_ppomax.data import check_local_paths
-from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
-
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def load_preferences(script_args: ScriptArguments) -> DatasetDict:
-    """A DatasetDict from a Hub id, a folder, or a single data file (which becomes the 'train' split)."""
-    name = script_args.dataset_name
-    extension = os.path.splitext(name)[1]
-    if os.path.isfile(name) and extension in FILE_BUILDERS:
-        dataset = load_dataset(FILE_BUILDERS[extension], data_files={"train": name})
-    else:
-        dataset = load_dataset(name, name=script_args.dataset_config)
-    if is_hh_rlhf(dataset[script_args.dataset_train_split]):
-        dataset = DatasetDict({split: convert_hh_rlhf(part) for split, part in dataset.items()})
-    return dataset
-
-
-def load_model(model_args: ModelConfig, training_args: PPOMaxRewardConfig):
-    """The causal LM (imitation loss on) or a one-label sequence classifier (lm_loss_coef = 0)."""
-    quantization_config = get_quantization_config(model_args)
-    kwargs = dict(
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-        quantization_config=quantization_config,
-    )
-    if training_args.lm_loss_coef > 0:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
-    return AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=1, **kwargs)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = TrlParser((ScriptArguments, PPOMaxRewardConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    check_local_paths({"model_name_or_path": model_args.model_name_or_path, "dataset_name": script_args.dataset_name})
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    with PartialState().local_main_process_first():
-        dataset = load_preferences(script_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no":
-        if script_args.dataset_test_split not in dataset:
-            dataset = dataset[script_args.dataset_train_split].train_test_split(test_size=0.1, seed=training_args.seed)
-            dataset = DatasetDict({script_args.dataset_train_split: dataset["train"], "test": dataset["test"]})
-        eval_dataset = dataset[script_args.dataset_test_split if script_args.dataset_test_split in dataset else "test"]
-
-    trainer = PPOMaxRewardTrainer(
-        model=load_model(model_args, training_args),
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-
+__all__ = ["RewardScriptArguments", "load_preferences", "main"]
 
 if __name__ == "__main__":
     main()

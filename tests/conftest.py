@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from trl_ppomax.tiny import save_tiny_models
+from trl_ppomax.toyworld import WorldSettings, prepare_world
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -25,3 +26,19 @@ def tiny_dir(tmp_path_factory):
     shutil.copyfile(paths["llama"]["prompts"], data / "train.jsonl")
     paths["data"] = str(data)
     return paths
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory):
+    """What TRL_PPOMAX_CACHE points at; the toy world caches under its ``toyworld/``."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def world_cache(cache_root):
+    return cache_root / "toyworld"
+
+
+@pytest.fixture(scope="session")
+def world(world_cache):
+    return prepare_world(WorldSettings(), cache_dir=world_cache)

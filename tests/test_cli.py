@@ -1,5 +1,11 @@
+import argparse
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from trl_ppomax.cli import main
 
@@ -12,9 +18,155 @@ def test_presets_table(capsys):
 
 def test_env_lists_versions(capsys):
     assert main(["env"]) == 0
-    assert "trl:" in capsys.readouterr().out
+    assert "- trl version:" in capsys.readouterr().out
 
 
 def test_console_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "trl_ppomax.cli", "presets"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A fast, helpful command line (issue 15, item 4)
+# ------------------------------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`trl-ppomax ARGS` from this checkout (the console script runs `trl_ppomax.cli:main`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "trl_ppomax.cli", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    start = time.perf_counter()
+    result = cli("--help")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert elapsed < 3, f"trl-ppomax --help took {elapsed:.1f} s"
+    for command in ("ppo", "reward", "env", "push", "plot"):
+        assert f"    {command} " in result.stdout
+    probe = "import sys, trl_ppomax.cli; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    for heavy in ("torch", "transformers", "trl", "accelerate", "datasets", "huggingface_hub"):
+        assert f"'{heavy}'" not in loaded.stdout, f"import trl_ppomax.cli imports {heavy}"
+
+
+def test_lazy_package_keeps_the_public_api():
+    import trl_ppomax
+
+    assert set(trl_ppomax.__all__) <= set(dir(trl_ppomax))
+    from trl_ppomax import PPOMaxTrainer
+    from trl_ppomax.ppo_trainer import PPOMaxTrainer as direct
+
+    assert PPOMaxTrainer is direct
+    with pytest.raises(AttributeError):
+        trl_ppomax.NoSuchThing  # noqa: B018
+
+
+def test_version():
+    import trl_ppomax
+
+    result = cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"trl-ppomax {trl_ppomax.__version__}"
+
+
+def test_every_flag_shows_its_default():
+    from trl_ppomax.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS and action.dest != "help":
+                assert action.help, f"trl-ppomax {name} {action.option_strings[0]} has no help"
+    assert "(default: 100)" in " ".join(cli("demo", "--help").stdout.split())
+    assert "(default: 2GB)" in " ".join(cli("moss", "recover", "--help").stdout.split())
+
+
+def test_env_lists_everything_a_bug_report_needs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "default_config.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "Platform:",
+        "Python version:",
+        "torch version:",
+        "transformers version:",
+        "trl version:",
+        "accelerate version:",
+        "peft version:",
+        "datasets version:",
+        "deepspeed version:",
+        "vllm version:",
+        "bitsandbytes version:",
+        "trl-ppomax version:",
+        "Accelerators:",
+        "Accelerate default config:",
+    ):
+        assert f"- {key}" in out, key
+    assert "num_processes: 8" in out and str(tmp_path) in out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Installed training commands (issue 15, item 1): shipped configs, kept identical to the repository's recipes/
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shipped, repo", [("configs", "configs"), ("accelerate_configs", "accelerate")])
+def test_shipped_configs_are_the_recipes_configs(shipped, repo):
+    in_package = {p.name: p.read_text() for p in (ROOT / "trl_ppomax" / shipped).glob("*.yaml")}
+    in_recipes = {p.name: p.read_text() for p in (ROOT / "recipes" / repo).glob("*.yaml")}
+    assert in_package and in_package == in_recipes, (
+        f"recipes/{repo} and trl_ppomax/{shipped} (shipped in the wheel) differ: "
+        f"cp recipes/{repo}/*.yaml trl_ppomax/{shipped}/ (or the other way round)"
+    )
+
+
+def test_config_names_resolve_to_shipped_files(tmp_path):
+    from trl_ppomax.scripts import resolve_accelerate_config, resolve_config, resolve_config_argv
+
+    assert resolve_config("tiny_cpu").endswith("trl_ppomax/configs/tiny_cpu.yaml")
+    assert resolve_config("tiny_cpu.yaml") == resolve_config("tiny_cpu")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("seed: 1\n")
+    assert resolve_config(str(mine)) == str(mine)
+    assert resolve_config_argv(["--config=tiny_cpu", "--seed", "1"])[0] == "--config=" + resolve_config("tiny_cpu")
+    for name, file in [("zero2", "deepspeed_zero2"), ("zero3", "deepspeed_zero3"), ("fsdp2", "fsdp")]:
+        assert resolve_accelerate_config(name).endswith(f"accelerate_configs/{file}.yaml")
+    assert resolve_accelerate_config("multi_gpu").endswith("accelerate_configs/multi_gpu.yaml")
+    with pytest.raises(FileNotFoundError, match="not a shipped config"):
+        resolve_config("no_such_config")
+
+
+def test_training_commands_report_bad_names():
+    result = cli("ppo", "--config", "no_such_config")
+    assert result.returncode == 2 and "not a shipped config" in result.stderr and "tiny_cpu" in result.stderr
+    result = cli("reward", "--config", "reward_tiny_cpu", "--accelerate_config", "zero9")
+    assert result.returncode == 2 and "zero2" in result.stderr
+    result = cli("ppo", "--help")
+    assert result.returncode == 0 and "--accelerate_config" in result.stdout and "tiny_cpu" in result.stdout
+
+
+def test_accelerate_config_relaunches_through_accelerate(monkeypatch):
+    from trl_ppomax import cli as module
+
+    calls = []
+    monkeypatch.setattr(module.subprocess, "call", lambda command: calls.append(command) or 0)
+    assert module.main(["ppo", "--config", "tiny_cpu", "--accelerate_config", "zero2", "--seed", "3"]) == 0
+    (command,) = calls
+    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    assert command[3] == "--config_file" and command[4].endswith("accelerate_configs/deepspeed_zero2.yaml")
+    assert command[5].endswith("trl_ppomax/scripts/ppo.py")
+    assert command[6:] == ["--config", module_config("tiny_cpu"), "--seed", "3"]
+
+
+def module_config(name: str) -> str:
+    from trl_ppomax.scripts import resolve_config
+
+    return resolve_config(name)

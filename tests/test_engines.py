@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,10 +81,18 @@ def ranks(output: Path) -> list[dict]:
     return [json.loads((output / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+#: DeepSpeed's CPU processes now and then abort in native code ("terminate called without an active exception"),
+#: seen when other DeepSpeed jobs ran on the same machine at the same time; such a launch is tried once more.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
 def launch(config: str, output: Path, *worker_args: str) -> list[dict]:
-    result = subprocess.run(
-        launch_command(config, output, *worker_args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
-    )
+    command = launch_command(config, output, *worker_args)
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and NATIVE_ABORT in result.stderr:
+        if "--resume" not in worker_args:  # a fresh run refuses a folder holding the aborted attempt's checkpoints
+            shutil.rmtree(output, ignore_errors=True)
+        result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"accelerate launch failed ({result.returncode}):\n{failure_tail(result.stderr)}")
     return ranks(output)

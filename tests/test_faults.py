@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -458,7 +457,7 @@ def test_agreeing_prompt_and_input_ids_columns_are_accepted(tmp_path, rollout_fo
     texts = prompt_texts(32)
     ids = [tokenize_prompt(text, tokenizer) for text in texts]
     trainer = make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": texts, "input_ids": ids}))
-    assert trainer.train_dataset.column_names == ["input_ids"]
+    assert trainer.train_dataset.column_names == ["prompt", "input_ids"]  # prompt kept for the reward functions
     assert trainer.train_dataset["input_ids"] == ids
 
 
@@ -469,7 +468,7 @@ def test_a_dict_of_evaluation_datasets_is_evaluated_with_prefixes(tmp_path):
     }
     trainer = make_trainer(tmp_path, eval_dataset=eval_dataset, metric_for_best_model="short_objective/scores")
     assert set(trainer.eval_dataset) == {"short", "long"}
-    assert all(d.column_names == ["input_ids"] for d in trainer.eval_dataset.values())
+    assert all(d.column_names == ["prompt", "input_ids"] for d in trainer.eval_dataset.values())
     metrics = trainer.evaluate()
     for name in ("short", "long"):
         assert math.isfinite(metrics[f"eval_{name}_objective/scores"])
@@ -486,9 +485,9 @@ def test_evaluate_cuts_raw_prompts_to_the_training_budget(tmp_path, monkeypatch)
     widths = []
     original = PPOMaxTrainer.rollout
 
-    def recording(self, query_ids, query_mask, sampling=True):
+    def recording(self, query_ids, query_mask, sampling=True, **kwargs):
         widths.append(query_ids.shape[1])
-        return original(self, query_ids, query_mask, sampling)
+        return original(self, query_ids, query_mask, sampling, **kwargs)
 
     monkeypatch.setattr(PPOMaxTrainer, "rollout", recording)
     long_prompts = Dataset.from_dict({"prompt": [" ".join(["hello"] * 60)] * 2 + prompt_texts(2)})
@@ -1135,11 +1134,10 @@ def test_masked_whiten_with_fewer_than_two_elements(mask, shift_mean, expected):
 # Recipes: a local path that does not exist fails at once, naming the setting
 # ------------------------------------------------------------------------------------------------------------------
 def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_faults", RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The module behind recipes/<name>.py (a thin wrapper): trl_ppomax.scripts.ppo or trl_ppomax.scripts.reward."""
+    return importlib.import_module(
+        {"ppo_max": "trl_ppomax.scripts.ppo", "reward_modeling": "trl_ppomax.scripts.reward"}[name]
+    )
 
 
 class NoLoading:

@@ -187,9 +187,9 @@ def test_evaluation_samples_like_training_when_asked(tmp_path, monkeypatch):
     calls = []
     original = trainer.rollout
 
-    def spy(query_ids, query_mask, sampling=True):
+    def spy(query_ids, query_mask, sampling=True, **kwargs):
         calls.append(sampling)
-        return original(query_ids, query_mask, sampling=sampling)
+        return original(query_ids, query_mask, sampling=sampling, **kwargs)
 
     monkeypatch.setattr(trainer, "rollout", spy)
     trainer.evaluate()

@@ -100,7 +100,8 @@ def test_input_ids_datasets_stay_untouched(lang_tok):
     rows = [[5, 6, 7], [1, 1, 9], [3]]
     dataset = Dataset.from_dict({"input_ids": rows, "other": ["a", "b", "c"]})
     prepared = prepare_prompt_dataset(dataset, tokenizer)
-    assert prepared.column_names == ["input_ids"] and prepared["input_ids"] == rows
+    assert prepared["input_ids"] == rows  # untouched; the other columns are kept for reward functions
+    assert prepared["other"] == ["a", "b", "c"]
 
 
 def test_release_prompt_file(lang_tok, tmp_path):

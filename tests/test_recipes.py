@@ -123,11 +123,12 @@ def test_ppo_recipe_runs_the_tiny_config(tmp_path, processes):
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (RECIPES / "configs").glob("reward_*.yaml")))
 def test_reward_configs_parse(config, tmp_path):
-    from trl import ModelConfig, ScriptArguments, TrlParser
+    from trl import ModelConfig, TrlParser
 
     from trl_ppomax import PPOMaxRewardConfig
+    from trl_ppomax.scripts.reward import RewardScriptArguments
 
-    parser = TrlParser((ScriptArguments, PPOMaxRewardConfig, ModelConfig))
+    parser = TrlParser((RewardScriptArguments, PPOMaxRewardConfig, ModelConfig))
     path = str(RECIPES / "configs" / config)
     script_args, training_args, model_args = parser.parse_args_and_config(
         ["--config", path, "--bf16", "False", "--output_dir", str(tmp_path)]

@@ -43,22 +43,6 @@ def test_sft_data_is_mediocre():
     assert -0.5 < sum(scores) / len(scores) < 0.6 and max(scores) == 1.5
 
 
-@pytest.fixture(scope="session")
-def cache_root(tmp_path_factory):
-    """What TRL_PPOMAX_CACHE points at; the toy world caches under its ``toyworld/``."""
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="session")
-def world_cache(cache_root):
-    return cache_root / "toyworld"
-
-
-@pytest.fixture(scope="session")
-def world(world_cache):
-    return prepare_world(WorldSettings(), cache_dir=world_cache)
-
-
 def test_world_is_cached_and_the_reward_model_is_an_imperfect_proxy(world, world_cache):
     assert 0.6 < world.report["held_out_accuracy"] < 0.95
     start = time.time()

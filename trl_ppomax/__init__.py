@@ -1,13 +1,25 @@
-"""trl-ppomax: PPO-max (Zheng et al., 2023) as a TRL-style trainer on the current TRL / transformers stack."""
+"""trl-ppomax: PPO-max (Zheng et al., 2023) as a TRL-style trainer on the current TRL / transformers stack.
+
+The public classes are imported on first access (PEP 562), so that ``import trl_ppomax`` (and the ``trl-ppomax``
+command's ``--help``) does not pull in torch, transformers and trl.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .core import RunningMoments
-from .monitor import CollapseMonitor
-from .ppo_config import PPOMaxConfig
-from .ppo_trainer import PPOMaxTrainer
-from .reward_config import PPOMaxRewardConfig
-from .reward_trainer import PPOMaxRewardTrainer
+# public name -> submodule that defines it
+_LAZY = {
+    "CollapseMonitor": ".monitor",
+    "PPOMaxConfig": ".ppo_config",
+    "PPOMaxRewardConfig": ".reward_config",
+    "PPOMaxRewardTrainer": ".reward_trainer",
+    "PPOMaxTrainer": ".ppo_trainer",
+    "RunningMoments": ".core",
+}
 
 __all__ = [
     "CollapseMonitor",
@@ -18,3 +30,23 @@ __all__ = [
     "RunningMoments",
     "__version__",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported lazily by __getattr__
+    from .core import RunningMoments
+    from .monitor import CollapseMonitor
+    from .ppo_config import PPOMaxConfig
+    from .ppo_trainer import PPOMaxTrainer
+    from .reward_config import PPOMaxRewardConfig
+    from .reward_trainer import PPOMaxRewardTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later accesses skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

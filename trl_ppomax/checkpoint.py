@@ -30,15 +30,23 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import TrainerState
+from transformers import PreTrainedModel, TrainerCallback, TrainerState
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
+    HubStrategy,
     get_last_checkpoint,
     load_sharded_checkpoint,
     rotate_checkpoints,
 )
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from transformers.utils import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    PushInProgress,
+)
+from transformers.utils.hub import hf_api
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +64,20 @@ PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
 SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
 NOT_SECRETS = frozenset({"stop_token"})
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+#: Files of a checkpoint's top level that a push during training does not copy into ``output_dir``.
+PUSH_SKIPPED = ("optimizer*", "scheduler.pt", "scaler.pt", "rng_state*", TRAINER_STATE_NAME, PPO_STATE_NAME)
+
+
+class _WaitForHubPush(TrainerCallback):
+    """At the end of training, wait for the checkpoint pushes still in flight (as transformers' Trainer does)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._finish_current_push()
 
 
 class CheckpointError(ValueError):
@@ -247,7 +269,14 @@ def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
 
         set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
         return
-    if (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
+    if isinstance(module, PreTrainedModel):
+        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out)
+        if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
+        dtype = next(module.parameters()).dtype
+        saved = type(module).from_pretrained(folder, dtype=dtype).state_dict()
+        missing, unexpected = module.load_state_dict(saved, strict=False)
+    elif (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
         missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
     else:
         if not (folder / SAFE_WEIGHTS_NAME).exists():
@@ -372,6 +401,11 @@ class CheckpointMixin:
         self._run_started = False
         self._resume_path: str | None = None
         super().__init__(*args, **kwargs)
+        from .plotting import DynamicsFigureCallback  # plotting imports this module
+
+        self.add_callback(DynamicsFigureCallback())  # the training-dynamics figure to the trackers, when one is on
+        if self.args.push_to_hub:
+            self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
 
     # -- before the first rollout -----------------------------------------------------------------------------------
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
@@ -536,6 +570,8 @@ class CheckpointMixin:
         ``checkpoint-N`` folders or logs beside the model are kept."""
         with atomic_directory(output_dir or self.args.output_dir, self.accelerator, merge=True) as folder:
             self._save_weights(folder, with_critic=False)
+        if self.args.push_to_hub and not _internal_call:  # as transformers' Trainer: a user's save is pushed
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_weights(self, folder: str, with_critic: bool) -> None:
         try:
@@ -573,8 +609,56 @@ class CheckpointMixin:
             if self.args.should_save:
                 self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
                 write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
         if self.args.should_save:
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Push the policy of ``checkpoint_folder`` (and, with ``hub_strategy`` "checkpoint"/"all_checkpoints", the
+        folder itself) to ``hub_model_id``, as transformers' Trainer does, in the background; the model card comes
+        along, and ``training_args.bin`` is written without secrets."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END or self.hub_model_id is None:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        output_dir, source = self.args.output_dir, Path(checkpoint_folder)
+        for entry in source.iterdir():  # the policy folder at the top of the checkpoint, not its internals
+            if entry.is_file() and not any(fnmatch.fnmatch(entry.name, p) for p in PUSH_SKIPPED):
+                shutil.copy(entry, os.path.join(output_dir, entry.name))
+        torch.save(without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+        self.create_model_card()
+        message = f"Training in progress, step {self.state.global_step}"
+        jobs = [
+            hf_api().upload_folder(
+                repo_id=self.hub_model_id,
+                folder_path=output_dir,
+                commit_message=message,
+                token=self.args.hub_token,
+                run_as_future=True,
+                ignore_patterns=["_*", ".*", f"{PREFIX_CHECKPOINT_DIR}-*"],
+                revision=self.args.hub_revision,
+            )
+        ]
+        if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            jobs.append(
+                hf_api().upload_folder(
+                    repo_id=self.hub_model_id,
+                    folder_path=checkpoint_folder,
+                    path_in_repo="last-checkpoint"
+                    if self.args.hub_strategy == HubStrategy.CHECKPOINT
+                    else source.name,
+                    commit_message=f"{message}, checkpoint",
+                    token=self.args.hub_token,
+                    run_as_future=True,
+                    revision=self.args.hub_revision,
+                )
+            )
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress(jobs)
+        else:
+            self.push_in_progress.jobs.extend(jobs)
 
     def _ppo_state(self) -> dict:
         return {

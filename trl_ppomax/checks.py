@@ -38,7 +38,8 @@ MODEL_LOADERS = {
 _MISSING = {
     "model": "pass the policy to train: a causal LM (AutoModelForCausalLM.from_pretrained(...)) or its path / Hub id",
     "reward_model": "pass a reward model (AutoModelForSequenceClassification with num_labels=1, or its path / Hub id) "
-    "or a reward function (prompts: list[str], completions: list[str]) -> list[float]",
+    "or a reward function (prompts=, completions=, completion_ids=, **columns) -> list[float], or a list of them "
+    "(reward_funcs=)",
     "train_dataset": "pass a datasets.Dataset of prompts (a 'prompt' or an 'input_ids' column)",
 }
 
@@ -76,6 +77,8 @@ def _is_path(value) -> bool:
 
 def load_model(name: str, value):
     """``value`` itself, or, for a path or Hub id, the model loaded from it as :data:`MODEL_LOADERS` says."""
+    if isinstance(value, list | tuple):  # several reward sources: models, paths and functions
+        return [load_model(name, item) for item in value]
     if not _is_path(value):
         return value
     cls, kwargs = MODEL_LOADERS[name]
@@ -139,9 +142,9 @@ def prepare_and_check(
     policy = built["policy"]
     check_vocabularies(tokenizer, built)
     check_stop_token_id(stop_token_id, tokenizer, embedding_size(policy))
-    for name in ("reward_model", "value_model"):
-        if isinstance(built[name], nn.Module):
-            modeling.backbone_and_head(built[name])  # raises, naming the fix, for a model without a score head
+    for name, module in built.items():  # reward_model (reward_model[i] for several sources) and value_model
+        if name.startswith(("reward_model", "value_model")) and isinstance(module, nn.Module):
+            modeling.backbone_and_head(module)  # raises, naming the fix, for a model without a score head
     prepare = data.prompt_preparer(args, tokenizer, policy)
     vocab = embedding_size(policy)
 
@@ -189,7 +192,7 @@ def embedding_size(model) -> int | None:
 
 def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
     """Every model must read every id the policy can generate or the tokenizer can produce; the pad id must be one
-    the policy can read (padding is embedded too)."""
+    the policy can read (padding is embedded too). Reward models with their own tokenizer are not in ``built``."""
     policy_size, tokens = embedding_size(built["policy"]), len(tokenizer)
     if policy_size is not None and tokenizer.pad_token_id >= policy_size:
         raise ValueError(
@@ -197,7 +200,7 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
             f"ids), so padded batches would fail. Resize the policy after adding tokens: "
             f"model.resize_token_embeddings(len(tokenizer)) (= {tokens}), or use a pad token the policy knows."
         )
-    for name in ("ref_model", "reward_model", "value_model"):
+    for name in [name for name in built if name != "policy"]:
         size = embedding_size(built.get(name))
         if size is not None and size < tokens:
             raise ValueError(

@@ -1,23 +1,39 @@
-"""The ``trl-ppomax`` command line: ``env``, ``presets``, ``tiny``, ``push``, ``moss recover`` and ``plot``."""
+"""The ``trl-ppomax`` command line: ``ppo``, ``reward``, ``env``, ``presets``, ``demo``, ``tiny``, ``push``,
+``moss recover`` and ``plot``.
+
+Nothing heavy (torch, transformers, trl, the Hub client) is imported here at module level: each command imports what
+it needs, so that ``trl-ppomax --help`` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from . import __version__
+
 PACKAGES = (
     "trl-ppomax",
-    "trl",
+    "torch",
     "transformers",
+    "trl",
     "accelerate",
     "peft",
     "datasets",
     "huggingface_hub",
-    "torch",
+    "tokenizers",
     "deepspeed",
+    "vllm",
+    "bitsandbytes",
+    "liger-kernel",
+    "wandb",
+    "trackio",
+    "tensorboard",
 )
 
 
@@ -28,14 +44,74 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def show_env(_: argparse.Namespace) -> int:
-    """Print the versions to paste into a bug report."""
-    import torch
+def _accelerate_config_file() -> str | None:
+    """accelerate's default config file (``accelerate config`` writes it), as ``accelerate launch`` looks it up."""
+    cache = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    folder = os.path.join(os.path.expanduser(cache), "accelerate")
+    for name in ("default_config.yaml", "default_config.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
 
-    print(f"- Python: {platform.python_version()} ({platform.platform()})")
+
+def _accelerate_config_lines() -> list[str]:
+    path = _accelerate_config_file()
+    if path is None:
+        return ["not found (run `accelerate config` to write one)"]
+    try:
+        text = Path(path).read_text()
+        if path.endswith(".json"):
+            import json
+
+            items = json.loads(text).items()
+        else:
+            import yaml  # a dependency of transformers, accelerate and datasets
+
+            items = (yaml.safe_load(text) or {}).items()
+    except Exception as err:  # unreadable: show the path and why
+        return [f"{path} (unreadable: {type(err).__name__}: {err})"]
+    return [path] + [f"  - {key}: {value}" for key, value in items]
+
+
+def _gpu_lines() -> list[str]:
+    try:
+        import torch
+    except ImportError:
+        return ["torch not installed"]
+    lines = []
+    if torch.cuda.is_available():
+        lines.append(
+            f"CUDA {torch.version.cuda or '-'} (HIP {torch.version.hip})"
+            if torch.version.hip
+            else f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+        )
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            lines.append(f"  - GPU {i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
+    else:
+        lines.append(f"CUDA not available (torch built with CUDA {torch.version.cuda})")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        lines.append("MPS available")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        lines.append(f"XPU available ({torch.xpu.device_count()} device(s))")
+    return lines
+
+
+def show_env(_: argparse.Namespace) -> int:
+    """Print the platform, package versions, GPUs and accelerate config to paste into a bug report."""
+    print("Copy-paste the following information when reporting an issue:\n")
+    print(f"- Platform: {platform.platform()}")
+    print(f"- Python version: {platform.python_version()} ({sys.executable})")
     for name in PACKAGES:
-        print(f"- {name}: {_version(name)}")
-    print(f"- CUDA available: {torch.cuda.is_available()} ({torch.cuda.device_count()} device(s))")
+        print(f"- {name} version: {_version(name)}")
+    gpus = _gpu_lines()
+    print(f"- Accelerators: {gpus[0]}")
+    for line in gpus[1:]:
+        print(line)
+    config = _accelerate_config_lines()
+    print(f"- Accelerate default config: {config[0]}")
+    for line in config[1:]:
+        print(line)
     return 0
 
 
@@ -183,20 +259,122 @@ def run_toy_world(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default (unless its help already says it), and keeps the descriptions' line breaks."""
+
+    def _get_help_string(self, action):
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help (and its sub-commands' help) shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+TRAINING_COMMANDS = {
+    "ppo": (
+        "trl_ppomax.scripts.ppo",
+        "run",
+        "Train a policy with PPO-max (PPOMaxTrainer); no arguments: the toy world demo.",
+    ),
+    "reward": (
+        "trl_ppomax.scripts.reward",
+        "main",
+        "Train a PPO-max reward model (PPOMaxRewardTrainer: pairwise + imitation loss).",
+    ),
+}
+
+TRAINING_EPILOG = """\
+All other flags are the fields of the script's arguments, its training config and trl's ModelConfig, parsed by
+trl's TrlParser as in `trl grpo`; set them in the YAML file or on the command line (`--learning_rate 1e-5`).
+Run `trl-ppomax {name} --config {example} --help` for every field with its default and help.
+"""
+
+
+def _split_accelerate_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--accelerate_config NAME`` (or ``=NAME``) out of ``argv``."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        item = argv[i]
+        if item in ("--accelerate_config", "--accelerate-config"):
+            if i + 1 >= len(argv):
+                raise ValueError(f"{item} needs a value")
+            value, i = argv[i + 1], i + 2
+            continue
+        if item.startswith(("--accelerate_config=", "--accelerate-config=")):
+            value = item.partition("=")[2]
+        else:
+            rest.append(item)
+        i += 1
+    return value, rest
+
+
+def run_training(name: str, argv: list[str]) -> int:
+    """``trl-ppomax ppo|reward [--config X] [--accelerate_config Y] [flags]``: in this process, or re-launched
+    through ``accelerate launch --config_file <shipped accelerate config>`` (as ``trl`` does)."""
+    from .scripts import resolve_accelerate_config, resolve_config_argv, shipped_accelerate_configs, shipped_configs
+
+    module, function, about = TRAINING_COMMANDS[name]
+    if argv and argv[0] in ("-h", "--help") and "--config" not in argv:
+        print(f"usage: trl-ppomax {name} [--config CONFIG] [--accelerate_config NAME] [FIELD VALUE ...]\n")
+        print(about + "\n")
+        print("  --config CONFIG         a YAML file, or a shipped config by name: " + ", ".join(shipped_configs()))
+        print("  --accelerate_config NAME")
+        print(
+            "                          re-launch through `accelerate launch --config_file` with a shipped accelerate"
+        )
+        print("                          config: " + ", ".join(shipped_accelerate_configs()) + ", or a file")
+        print("                          (default: none, run in this process)\n")
+        print(TRAINING_EPILOG.format(name=name, example="tiny_cpu" if name == "ppo" else "reward_tiny_cpu"))
+        return 0
+    try:
+        accelerate_config, argv = _split_accelerate_config(argv)
+        argv = resolve_config_argv(argv)
+        config_file = resolve_accelerate_config(accelerate_config) if accelerate_config else None
+    except (ValueError, FileNotFoundError) as err:
+        print(f"trl-ppomax {name}: error: {err}", file=sys.stderr)
+        return 2
+    if config_file is not None:
+        import importlib.util
+
+        script = importlib.util.find_spec(module).origin
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, script, *argv]
+        print("Launching: " + " ".join(command[1:]), file=sys.stderr, flush=True)
+        return subprocess.call(command)
+    import importlib
+
+    getattr(importlib.import_module(module), function)(argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trl-ppomax", description="PPO-max for the Hugging Face stack.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("env", help=show_env.__doc__).set_defaults(run=show_env)
-    commands.add_parser("presets", help=show_presets.__doc__).set_defaults(run=show_presets)
+    parser = Parser(
+        prog="trl-ppomax",
+        description="PPO-max for the Hugging Face stack.",
+        epilog="Run `trl-ppomax COMMAND --help` for a command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, _, about) in TRAINING_COMMANDS.items():  # dispatched by main() before argparse
+        commands.add_parser(name, help=about, description=about, add_help=False)
+    commands.add_parser("env", help=show_env.__doc__, description=show_env.__doc__).set_defaults(run=show_env)
+    commands.add_parser("presets", help=show_presets.__doc__, description=show_presets.__doc__).set_defaults(
+        run=show_presets
+    )
     demo = commands.add_parser("demo", help=run_toy_world.__doc__, description=run_toy_world.__doc__)
     demo.add_argument("--output-dir", default="output/toyworld", help="where the figure and summary go")
     demo.add_argument("--iterations", type=int, default=100, help="PPO-max iterations (32 prompts each)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.set_defaults(run=run_toy_world)
     tiny = commands.add_parser("tiny", help=save_tiny.__doc__, description=save_tiny.__doc__)
     tiny.add_argument("output_dir", metavar="OUTPUT_DIR", help="folder to create (must be absent or empty)")
     tiny.add_argument("--arch", choices=["llama", "gpt_neox"], default="llama", help="model architecture")
-    tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default: 0)")
+    tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
     tiny.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR even if it is not empty")
     tiny.set_defaults(run=save_tiny)
     _add_push(commands)
@@ -238,14 +416,14 @@ def _add_moss(commands) -> None:
     recover.add_argument("--raw", required=True, help="LLaMA-7B in Hugging Face format: a folder or a Hub id")
     recover.add_argument("--diff", required=True, help="the release's diff: a folder or a Hub id")
     recover.add_argument("--output", required=True, help="folder to write (must be absent or empty)")
-    recover.add_argument("--model-type", required=True, choices=["reward", "sft", "policy"])
-    recover.add_argument("--lang", choices=["en", "zh"], default="en")
+    recover.add_argument("--model-type", required=True, choices=["reward", "sft", "policy"], help="which model")
+    recover.add_argument("--lang", choices=["en", "zh"], default="en", help="the release's language")
     recover.add_argument("--expected-sum", type=float, help="override the published parameter sum")
     recover.add_argument("--skip-integrity-check", action="store_true", help="do not check the parameter sum")
-    recover.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     recover.add_argument(
-        "--max-shard-size", default="2GB", help="size of the output shards, e.g. 500MB or 5GB (default: 2GB)"
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of the written weights"
     )
+    recover.add_argument("--max-shard-size", default="2GB", help="size of the output shards, e.g. 500MB or 5GB")
     recover.set_defaults(run=recover_moss)
 
 
@@ -268,6 +446,9 @@ def _add_plot(commands) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TRAINING_COMMANDS:  # TrlParser parses these, as `trl grpo` does
+        return run_training(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 class PromptCollator:
     """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask; a ``loss_mask``
-    column (ptx on dialogues) is padded alongside with 0."""
+    column (ptx on dialogues) is padded alongside with 0. Every other column (``prompt``, ``solution``, …: what
+    reward functions are given as keywords) is passed through as a list."""
 
     def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
         self.pad_token_id, self.padding_side = pad_token_id, padding_side
@@ -34,7 +35,20 @@ class PromptCollator:
         if "loss_mask" in examples[0]:
             loss_masks = [torch.as_tensor(e["loss_mask"], dtype=torch.long) for e in examples]
             batch["loss_mask"] = pad(loss_masks, padding_value=0, padding_side=self.padding_side)
+        for key in examples[0].keys() - batch.keys():
+            batch[key] = [e[key] for e in examples]
         return batch
+
+
+def rows_of(columns: dict[str, list] | None, start: int, size: int) -> dict[str, list]:
+    """Rows ``start : start + size`` of every column (a rollout chunk's share)."""
+    return {key: values[start : start + size] for key, values in (columns or {}).items()}
+
+
+def split_batch(batch: dict, device) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """``(tensors on device, other columns)`` of a collated prompt batch: the columns go to the reward functions."""
+    tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
 
 
 class ShuffledBatches:
@@ -123,7 +137,8 @@ def prepare_prompt_dataset(
     Prompts longer than ``max_prompt_length``: a conversation first drops its oldest whole turns
     (:func:`drop_oldest_turns`); what is still too long keeps its last tokens (with a warning that counts them) or
     raises, as ``truncate`` says. Empty prompts, and ``prompt`` and ``input_ids`` columns that disagree, are refused
-    (``name`` says which dataset in the message)."""
+    (``name`` says which dataset in the message). The other columns (and ``prompt``) are kept: reward functions get
+    them as keywords, as TRL's GRPO does."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
@@ -133,7 +148,6 @@ def prepare_prompt_dataset(
     if "input_ids" in columns:
         if "prompt" in columns:
             _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
-        dataset = dataset.select_columns(["input_ids"])
     elif "prompt" in columns:
 
         def tokenize(example: dict) -> dict:
@@ -145,7 +159,8 @@ def prepare_prompt_dataset(
                 prompt = fitting or prompt[-1:]
             return {"input_ids": tokenize_prompt(prompt, tokenizer)}
 
-        dataset = dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing prompts")
+        dropped = [c for c in ("attention_mask", "loss_mask") if c in columns]
+        dataset = dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
         _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
     else:
         raise ValueError(

@@ -8,12 +8,14 @@ from collections import defaultdict
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
+from tqdm.auto import tqdm
 from trl.trainer.utils import print_prompt_completions_sample
 
 from . import metrics as M
 from .checks import prepare_eval_prompts
-from .data import rows_of_this_process
+from .data import rows_of_this_process, split_batch
 from .hub import create_model_card
+from .plotting import log_table
 from .rewards import decode_texts
 
 
@@ -54,12 +56,21 @@ class EvaluationMixin:
         device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         rows, weights = rows_of_this_process(len(dataset), self.accelerator)
+        bar = tqdm(
+            total=len(rows),
+            desc="Evaluating",
+            unit="prompt",
+            leave=False,
+            disable=self.args.disable_tqdm or not self.accelerator.is_local_main_process or len(rows) <= chunk,
+        )
         for start in range(0, len(rows), chunk):
+            bar.update(len(rows[start : start + chunk]))
             rollout = self._rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
             weight = torch.tensor(weights[start : start + chunk], device=device)
             for name, values in self._response_metrics(rollout, *self._shape_scores(rollout)).items():
                 totals[name] += (values.float() * weight).sum()
             totals["count"] += weight.sum()
+        bar.close()
         names = list(totals)
         sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
         count = sums[names.index("count")]
@@ -74,7 +85,8 @@ class EvaluationMixin:
 
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:
-        """Generate for a few evaluation (or training) prompts, print a table and return the rows."""
+        """Generate for a few evaluation (or training) prompts, print a table (and log it as ``completions`` to
+        wandb/trackio when ``report_to`` names them) and return the rows."""
         dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
         rollout = self._rollout_rows(dataset, list(range(min(num_prompts, len(dataset)))), sampling)
         tokenizer = self.processing_class
@@ -89,17 +101,22 @@ class EvaluationMixin:
             scores = {"score": [row["score"] for row in rows]}
             queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
+            log_table(self.args, "completions", rows, self.state.global_step)  # to wandb / trackio, when reported to
         return rows
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
-        """README.md in ``output_dir``: the policy's base model, the tags and the paper's citation."""
+        """README.md in ``output_dir``: the policy's base model, tags, PPO-max settings, final evaluation numbers,
+        tracker URLs and the paper's citation (:func:`trl_ppomax.hub.create_model_card`)."""
         if not self.is_world_process_zero():
             return
         policy = self.accelerator.unwrap_model(self.model).policy
-        card = create_model_card(policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names)
+        history = self.state.log_history
+        card = create_model_card(
+            policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history
+        )
         card.save(f"{self.args.output_dir}/README.md")
 
     def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool):
         batch = self.data_collator([dataset[i] for i in rows])
-        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
-        return self.rollout(batch["input_ids"], batch["attention_mask"], sampling=sampling)
+        batch, columns = split_batch(batch, self.accelerator.device)  # columns: for the reward functions
+        return self.rollout(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,27 +37,106 @@ CITATION = """\
 TAGS = ["trl", "trl-ppomax", "ppo", "ppo-max", "rlhf"]
 
 
+#: The PPO-max settings a trainer's model card lists (the preset and the tricks of the paper's §5).
+CARD_SETTINGS = (
+    "preset",
+    "reward_norm",
+    "reward_clip",
+    "whiten_advantages",
+    "advantage_clip",
+    "kl_coef",
+    "kl_estimator",
+    "critic_warmup_steps",
+    "max_grad_norm",
+    "ptx_coef",
+    "entropy_coef",
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "learning_rate",
+    "total_episodes",
+    "num_ppo_epochs",
+)
+
+
+def tracker_urls() -> dict[str, str]:
+    """The URLs of the active tracker runs (wandb run, trackio Space), read only from modules already imported."""
+    urls = {}
+    wandb = sys.modules.get("wandb")
+    url = getattr(getattr(wandb, "run", None), "url", None)
+    if isinstance(url, str):
+        urls["Weights & Biases"] = url
+    if "trackio" in sys.modules:
+        try:
+            from trl.trainer.utils import get_trackio_space_url
+
+            url = get_trackio_space_url()
+        except Exception:  # an older or stub trackio: no URL
+            url = None
+        if isinstance(url, str):
+            urls["Trackio"] = url
+    return urls
+
+
+def final_eval_metrics(log_history) -> dict[str, float]:
+    """The ``eval_*`` numbers of the last entry of ``log_history`` (``state.log_history``) that has any."""
+    for entry in reversed(list(log_history or [])):
+        found = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        if found:
+            return found
+    return {}
+
+
+def training_sections(args, log_history=None, urls: dict[str, str] | None = None) -> str:
+    """Markdown for a trainer's card: the PPO-max settings, the final evaluation numbers and the tracker URLs."""
+    parts = []
+    rows = [(name, getattr(args, name)) for name in CARD_SETTINGS if hasattr(args, name)]
+    if rows:
+        table = "\n".join(f"| `{name}` | `{value!r}` |" for name, value in rows)
+        parts.append(f"## PPO-max settings\n\n| setting | value |\n|---|---|\n{table}")
+    evals = final_eval_metrics(log_history)
+    if evals:
+        table = "\n".join(f"| `{name}` | {value:.4g} |" for name, value in evals.items())
+        parts.append(f"## Final evaluation\n\n| metric | value |\n|---|---|\n{table}")
+    urls = tracker_urls() if urls is None else urls
+    if urls:
+        parts.append("## Training logs\n\n" + "\n".join(f"- {name}: <{url}>" for name, url in urls.items()))
+    return "\n\n".join(parts)
+
+
 def create_model_card(
-    model, args, hub_model_id: str | None, model_name: str | None, dataset_name: str | None, tags, default_tags
+    model,
+    args,
+    hub_model_id: str | None,
+    model_name: str | None,
+    dataset_name: str | None,
+    tags,
+    default_tags,
+    log_history=None,
 ) -> ModelCard:
-    """A model card for a PPO-max policy: base model, tags ``trl-ppomax``/``ppo-max`` and the paper's citation."""
+    """A model card for a PPO-max policy: its base model (a Hub id, never a local path), tags ``trl-ppomax``/
+    ``ppo-max``, the PPO-max settings, the final ``eval_*`` numbers of ``log_history``, the tracker URLs and the
+    paper's citation."""
     config = getattr(model, "config", None)
-    base_model = getattr(config, "_name_or_path", None) or None
+    base_model = repo_like(getattr(config, "_name_or_path", None))
     extra = [tags] if isinstance(tags, str) else list(tags or [])
     all_tags = list(dict.fromkeys([*default_tags, *TAGS, *extra]))
-    return generate_model_card(
+    urls = tracker_urls()
+    card = generate_model_card(
         base_model=base_model,
         model_name=model_name or (args.output_dir.rstrip("/").split("/")[-1] if args.output_dir else "model"),
         hub_model_id=hub_model_id or "",
         dataset_name=dataset_name,
         tags=all_tags,
-        wandb_url=None,
-        trackio_url=None,
+        wandb_url=urls.get("Weights & Biases"),
+        trackio_url=urls.get("Trackio"),
         trainer_name="PPO-max (trl-ppomax)",
         trainer_citation=CITATION,
         paper_title=PAPER_TITLE,
         paper_id=PAPER_ID,
     )
+    sections = training_sections(args, log_history, urls)
+    return ModelCard(redact_token(f"{card.content.rstrip()}\n\n{sections}\n")) if sections else card
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -134,3 +134,19 @@ def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, 
         RETURNS: masked_mean(returns.float(), mask, reduce=reduce).item(),
         ADVANTAGES_RAW: masked_mean(advantages.float(), mask, reduce=reduce).item(),
     }
+
+
+def schedule_metrics(state, lr_scheduler, start: tuple[float, int]) -> dict[str, float]:
+    """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
+    import time
+
+    lrs = lr_scheduler.get_last_lr()
+    metrics = {
+        EPISODE: float(state.episode),
+        EPISODES_PER_SECOND: (state.episode - start[1]) / max(time.time() - start[0], 1e-9),
+        LEARNING_RATE: lrs[0],
+        CRITIC_LEARNING_RATE: lrs[-1],
+    }
+    if torch.cuda.is_available():
+        metrics[PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
+    return metrics

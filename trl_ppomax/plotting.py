@@ -287,3 +287,68 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
     if not isinstance(history, list):
         raise ValueError(f"{state_file} has no log_history list")
     return [entry for entry in history if isinstance(entry, dict)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Trackers: what the terminal shows (sample tables, figures) also goes to wandb / trackio when they are reported to.
+# --------------------------------------------------------------------------------------------------------------------
+TRACKERS = ("wandb", "trackio")
+
+
+def active_trackers(args) -> list[Any]:
+    """The tracker modules (wandb with a run, trackio) that ``args.report_to`` names; imported only then."""
+    import importlib
+
+    report_to = getattr(args, "report_to", None) or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    found = []
+    for name in TRACKERS:
+        if name not in report_to and "all" not in report_to:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if name == "wandb" and getattr(module, "run", None) is None:
+            continue  # no run: wandb.log would start one
+        found.append(module)
+    return found
+
+
+def log_table(args, key: str, rows: Sequence[Mapping[str, Any]], step: int | None = None) -> list[str]:
+    """Log ``rows`` (dicts with the same keys) as the table ``key`` to each :func:`active_trackers` (as GRPO's
+    ``log_completions``); returns the names of the trackers logged to."""
+    trackers = active_trackers(args)
+    if not trackers or not rows:
+        return []
+    import pandas as pd
+
+    frame = pd.DataFrame({"step": [step] * len(rows), **{c: [r[c] for r in rows] for c in rows[0]}})
+    for tracker in trackers:
+        tracker.log({key: tracker.Table(dataframe=frame)})
+    return [t.__name__ for t in trackers]
+
+
+def log_image(args, key: str, path: str | Path) -> list[str]:
+    """Log the image file ``path`` as ``key`` to each :func:`active_trackers`; returns their names."""
+    trackers = active_trackers(args)
+    for tracker in trackers:
+        tracker.log({key: tracker.Image(str(path))})
+    return [t.__name__ for t in trackers]
+
+
+try:
+    from transformers import TrainerCallback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object
+
+
+class DynamicsFigureCallback(_Callback):
+    """At the end of training, draw :func:`plot_training_dynamics` into ``output_dir/training_dynamics.png`` and log
+    it to the active trackers (only when one is on)."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero or not active_trackers(args):
+            return
+        path = plot_training_dynamics(state.log_history, Path(args.output_dir) / "training_dynamics.png")
+        log_image(args, "training_dynamics", path)

@@ -290,6 +290,13 @@ class PPOMaxConfig(TrainingArguments):
             "(a batch whose rewards are all non-finite, a non-finite value or log-prob)."
         },
     )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Weights of the reward sources (reward_model / reward_funcs as a list), one per source, as in "
+            "TRL's GRPOConfig; the weighted sum is the score PPO-max normalises. Default: all 1."
+        },
+    )
 
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
     num_total_batches: int | None = field(

@@ -52,8 +52,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         processing_class: the tokenizer (a pad token is required).
         model: the policy, a causal LM (a PEFT model, or wrapped with ``peft_config``).
         ref_model: frozen reference policy; ``None`` copies ``model``, or, for PEFT, disables the adapter.
-        reward_model: a sequence-classification model with one label, or a callable
-            ``(prompts: list[str], completions: list[str]) -> list[float]``.
+        reward_model: a sequence-classification model with one label (or its path / Hub id), a reward function as
+            TRL's GRPO takes (``f(prompts=, completions=, completion_ids=, **dataset columns)``, or the old positional
+            ``f(prompts, completions)``), or a list mixing them, summed with ``args.reward_weights``.
+        reward_funcs: TRL's name for the same; takes precedence over ``reward_model``. ``reward_processing_classes``:
+            one tokenizer per source for reward models with their own vocabulary (None: the policy's).
         train_dataset: prompts, as ``input_ids`` (trl 1.12 style) or ``prompt`` (text or conversation).
         value_model: the critic; ``None`` initialises it from the reward model (§5.3.3).
         ptx_dataset: texts (``text``/``input_ids``) for the PPO-ptx loss, used when ``args.ptx_coef > 0``.
@@ -69,8 +72,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         processing_class: PreTrainedTokenizerBase,
         model: nn.Module,
         ref_model: nn.Module | None,
-        reward_model: nn.Module | rewards.RewardFunction,
-        train_dataset: Dataset,
+        reward_model: nn.Module | rewards.RewardFunction | list | None = None,
+        train_dataset: Dataset | None = None,
         value_model: nn.Module | None = None,
         data_collator: Callable | None = None,
         eval_dataset: Dataset | dict[str, Dataset] | None = None,
@@ -80,7 +83,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         *,
         ptx_dataset: Dataset | None = None,
         rollout_metrics: dict[str, rewards.RewardFunction] | None = None,
+        reward_funcs: nn.Module | rewards.RewardFunction | list | None = None,
+        reward_processing_classes: list | None = None,
     ) -> None:
+        reward_model = reward_funcs if reward_funcs is not None else reward_model
         models = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Checks that fail before anything expensive, naming the argument and the fix; paths are loaded (checks.py)
         processing_class, model, ref_model, reward_model, value_model = checks.check_inputs(
@@ -89,12 +95,14 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         # missing_eos_penalty punishes the absence of the stop token, or of eos when none is configured
         self._stop_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
+        self.reward_sources = rewards.RewardSources(reward_model, reward_processing_classes, args.reward_weights)
+        reward_model = self.reward_model = self.reward_sources.critic_source(value_model)
         policy, self.ref_model, critic = modeling.build_models(
             args, model, ref_model, reward_model, value_model, peft_config
         )
         self.is_peft_model = modeling.is_peft(policy)
-        self.reward_model = reward_model
-        built = dict(policy=policy, ref_model=self.ref_model, reward_model=reward_model, value_model=critic)
+        built = dict(policy=policy, ref_model=self.ref_model, **self.reward_sources.shared_vocabulary_models())
+        built["value_model"] = critic
         train_dataset, eval_dataset = checks.prepare_and_check(
             args, processing_class, built, self.stop_token_id, train_dataset, eval_dataset, rollout_metrics
         )
@@ -139,10 +147,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         checks.check_engine(self)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
-        for name in ("ref_model", "reward_model"):
-            module = getattr(self, name)
-            if isinstance(module, nn.Module):
-                setattr(self, name, modeling.prepare_frozen(module, self.accelerator))
+        if isinstance(self.ref_model, nn.Module):
+            self.ref_model = modeling.prepare_frozen(self.ref_model, self.accelerator)
+        self.reward_sources.prepare(lambda module: modeling.prepare_frozen(module, self.accelerator))
         self.prompt_batches, self.ptx_batches = data.batch_streams(
             self.train_dataset,
             self.ptx_dataset,
@@ -203,8 +210,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def training_iteration(self, iteration: int) -> dict[str, float]:
         """One PPO-max iteration on rollout batch ``iteration``. Samples with a non-finite reward are dropped; a batch
         with none left, or a non-finite value or log-prob, is skipped (:func:`rewards.count_skipped_iteration`)."""
-        batch = {k: v.to(self.accelerator.device) for k, v in self.prompt_batches[iteration - 1].items()}
-        rollout = self.rollout(batch["input_ids"], batch["attention_mask"])
+        batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
+        rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns)
         experience, metrics = self.make_experience(rollout)
         rewards.count_skipped_iteration(self.counters, self._skip_reason, self.args, iteration)
         if experience is not None:
@@ -230,7 +237,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         evaluate, print samples and save as the callbacks ask."""
         if self.control.should_log or iteration == self.num_total_batches:
             means = {name: sum(values) / len(values) for name, values in pending.items()}
-            self.log({**means, **self._schedule_metrics(start)})
+            self.log({**means, **M.schedule_metrics(self.state, self.lr_scheduler, start)})
             pending.clear()
         if self.control.should_evaluate:
             is_best = self._determine_best_metric(self.evaluate(), trial=None)
@@ -242,36 +249,26 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _schedule_metrics(self, start: tuple[float, int]) -> dict[str, float]:
-        """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
-        lrs = self.lr_scheduler.get_last_lr()
-        metrics = {
-            M.EPISODE: float(self.state.episode),
-            M.EPISODES_PER_SECOND: (self.state.episode - start[1]) / max(time.time() - start[0], 1e-9),
-            M.LEARNING_RATE: lrs[0],
-            M.CRITIC_LEARNING_RATE: lrs[-1],
-        }
-        if torch.cuda.is_available():
-            metrics[M.PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
-        return metrics
-
     # ------------------------------------------------------------------------------------------------------------
     # Phase 1: rollout
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True) -> Rollout:
+    def rollout(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None) -> Rollout:
         """Generate (sampled, or greedy with ``sampling=False``) and score responses for left-padded prompts, in
         chunks of ``local_rollout_forward_batch_size``: first generation and the policy's and reference's log-probs,
         with only the policy gathered under ZeRO-3 (the critic stays sharded), then the critic's values and the
-        rewards."""
+        rewards (given the dataset's other ``columns`` of these prompts, lists)."""
         size = self.args.local_rollout_forward_batch_size
         chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
         self.model.eval()
-        with modeling.fsdp_unsharded(self.model_wrapped, self.reward_model):
+        with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
             with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
                 generated = [self._generate(wrapper, ids, mask, sampling) for ids, mask in chunks]
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
-            parts = [self._score(critic, fields) for fields in generated]
+            parts = [
+                self._score(critic, fields, data.rows_of(columns, i * size, size))
+                for i, fields in enumerate(generated)
+            ]
         self.model.train()
         return concat_rollouts(parts, self.processing_class.pad_token_id)
 
@@ -299,14 +296,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             ref_perplexity=ref_perplexity,
         )
 
-    def _score(self, critic: nn.Module, fields: dict) -> Rollout:
+    def _score(self, critic: nn.Module, fields: dict, columns: dict) -> Rollout:
         """A generated chunk with the critic's values and its rewards (minus the missing-stop-token penalty)."""
         responses, mask = fields["response_ids"], fields["response_mask"]
         inputs = sequence_inputs(fields["query_ids"], fields["query_mask"], responses, mask)
-        scores = rewards.score_responses(self.reward_model, self.processing_class, inputs, fields["query_mask"], mask)
-        penalty = self.args.missing_eos_penalty
+        tokenizer, penalty = self.processing_class, self.args.missing_eos_penalty
+        scores, source_scores = self.reward_sources.score(tokenizer, inputs, fields["query_mask"], mask, columns)
         return Rollout(
             **fields,
+            source_scores=source_scores,
             values=modeling.token_values(critic, inputs, mask.shape[1]) * mask,
             scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, penalty),
         )
@@ -359,6 +357,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """Per-response monitoring values (B,): the user's ``rollout_metrics`` and :data:`metrics.PER_RESPONSE`."""
         return {
             **rewards.text_metrics(self.rollout_metrics, self.processing_class, rollout),
+            **self.reward_sources.metrics(rollout.source_scores),
             **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self._stop_id),
         }
 

@@ -25,6 +25,7 @@ from trl.data_utils import is_conversational
 
 from . import core
 from .modeling import score_head, score_position
+from .plotting import log_image
 from .reward_config import PPOMaxRewardConfig
 from .rewards import fold_reward_stats, reward_statistics, store_reward_stats
 
@@ -183,7 +184,9 @@ class PPOMaxRewardTrainer(RewardTrainer):
         self.log(extra)
         metrics.update(extra)
         if self.args.reward_histogram and self.accelerator.is_main_process:
-            save_margin_histogram(pairs[:, 0] - pairs[:, 1], os.path.join(self.args.output_dir, HISTOGRAM_NAME))
+            path = os.path.join(self.args.output_dir, HISTOGRAM_NAME)
+            save_margin_histogram(pairs[:, 0] - pairs[:, 1], path)
+            log_image(self.args, "reward_margins", path)  # to wandb / trackio, when reported to
         return metrics
 
     def train(self, *args, **kwargs):

@@ -1,9 +1,13 @@
 """Reward sources and the reward-statistics contract.
 
 - Sources: a reward model (a ``*ForSequenceClassification`` with one label, read where the model reads it, see
-  :func:`~trl_ppomax.modeling.score_position`) or a
-  Python function ``f(prompts, completions) -> list[float]`` on the decoded texts; :func:`score_responses` gives
-  either's scores (B,). The missing-stop-token penalty is applied on top (:func:`apply_missing_eos_penalty`).
+  :func:`~trl_ppomax.modeling.score_position`) or a Python function, called as TRL's ``GRPOTrainer`` calls its
+  ``reward_funcs``: ``f(prompts=, completions=, completion_ids=, **every other dataset column) -> list[float]``
+  (conversational completions as ``[{"role": "assistant", "content": ...}]``; ``None`` entries become NaN); the
+  old positional ``f(prompts, completions)`` still works (:func:`call_reward_function`). :func:`score_responses`
+  gives one source's scores (B,); :class:`RewardSources` holds a weighted list of them (models, functions, model
+  ids, reward models with their own tokenizer), logged as ``rewards/<name>/mean``. The missing-stop-token penalty
+  is applied on top of the combined score (:func:`apply_missing_eos_penalty`).
 - Statistics: :class:`~trl_ppomax.PPOMaxRewardTrainer` measures the mean and std of its rewards and stores them in
   the saved model's config (:data:`STATS_KEYS`); :class:`~trl_ppomax.PPOMaxTrainer` seeds its running reward moments
   from them (:func:`running_moments_from_config`), which rejects non-finite ones.
@@ -14,9 +18,11 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
+import os
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -24,9 +30,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from torch import nn
+from trl import is_conversational
+from trl.trainer.utils import disable_dropout_in_model
 
 from . import core
-from .modeling import sequence_scores
+from .modeling import backbone_and_head, check_single_label, sequence_scores
 
 if TYPE_CHECKING:
     from .rollout import Rollout
@@ -47,15 +55,54 @@ def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
 
 
-def call_reward_function(
-    function: RewardFunction, prompts: list[str], completions: list[str], device: torch.device
-) -> torch.Tensor:
-    """Scores (B,) from a Python reward ``function(prompts, completions)``.
+def is_positional_pair(function, available: Sequence[str] = ()) -> bool:
+    """Whether ``function`` is an old-style ``f(prompts, completions)``: exactly two positional parameters, no
+    ``**kwargs``, and not both named after keywords it would be given (``available``; then keywords work too)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(parameters) != 2 or any(p.kind not in kinds for p in parameters):
+        return False
+    return not all(p.name in available and p.kind != inspect.Parameter.POSITIONAL_ONLY for p in parameters)
 
-    Accepts exactly one number per completion, as a list, tuple, numpy array or 1-D tensor; anything else (a dict,
-    None, a single number, text, the wrong count) raises a ``ValueError`` that blames the function and shows what it
-    returned (NaN and ±inf are numbers: they pass, and the trainer deals with them)."""
-    returned = function(prompts, completions)
+
+def _accepted_keywords(function, keywords: dict) -> dict:
+    """``keywords`` restricted to the parameters of ``function`` unless it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return keywords
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return keywords
+    names = {p.name for p in parameters}
+    return {key: value for key, value in keywords.items() if key in names}
+
+
+def call_reward_function(
+    function: RewardFunction,
+    prompts: list,
+    completions: list,
+    device: torch.device,
+    *,
+    completion_ids: list[list[int]] | None = None,
+    columns: dict[str, list] | None = None,
+    texts: tuple[list[str], list[str]] | None = None,
+) -> torch.Tensor:
+    """Scores (B,) from a Python reward ``function``, called as TRL's ``GRPOTrainer`` calls its reward functions:
+    ``function(prompts=, completions=, completion_ids=, **columns)`` (only the keywords it accepts, unless it takes
+    ``**kwargs``), or positionally ``function(prompts, completions)`` on the decoded ``texts`` for an old-style
+    two-argument function (:func:`is_positional_pair`).
+
+    Accepts exactly one number (or None, made NaN, as GRPO does) per completion, as a list, tuple, numpy array or 1-D
+    tensor; anything else (a dict, None, a single number, text, the wrong count) raises a ``ValueError`` that blames
+    the function and shows what it returned (NaN and ±inf are numbers: they pass, and the trainer deals with them)."""
+    keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
+    if is_positional_pair(function, keywords):
+        returned = function(*(texts or (prompts, completions)))
+    else:
+        returned = function(**_accepted_keywords(function, keywords))
     if isinstance(returned, torch.Tensor | np.ndarray) and returned.ndim == 1:
         values = returned.tolist()
     elif isinstance(returned, Sequence) and not isinstance(returned, str | bytes):
@@ -65,6 +112,7 @@ def call_reward_function(
     if len(values) != len(prompts):
         problem = f"it returned {len(values)} scores for {len(prompts)} completions"
         raise _reward_function_fault(function, returned, len(prompts), problem)
+    values = [math.nan if value is None else value for value in values]
     wrong = [value for value in values if not _is_number(value)]
     if wrong:
         problem = (
@@ -94,33 +142,205 @@ def _reward_function_fault(function, returned, count: int, problem: str) -> Valu
     )
 
 
+def completion_texts(
+    tokenizer, rollout_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], columns: dict | None
+) -> dict:
+    """What a reward source is given for ``(query_ids, query_mask, response_ids, response_mask)``: the decoded
+    ``texts`` (prompts, completions), the TRL-style ``prompts`` and ``completions`` (the dataset's ``prompt`` column
+    when it has one, and message lists when it is a conversation), ``completion_ids`` and the other ``columns``."""
+    query_ids, query_mask, response_ids, response_mask = rollout_ids
+    texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
+    columns = dict(columns or {})
+    prompts = columns.pop("prompt", None) or texts[0]
+    completions = texts[1]
+    if is_conversational({"prompt": prompts[0]}):
+        completions = [[{"role": "assistant", "content": text}] for text in completions]
+    ids = [row[m.bool()].tolist() for row, m in zip(response_ids, response_mask, strict=True)]
+    return dict(prompts=prompts, completions=completions, completion_ids=ids, columns=columns, texts=texts)
+
+
 def score_responses(
     reward: nn.Module | RewardFunction,
     tokenizer,
     inputs: dict[str, torch.Tensor],
     query_mask: torch.Tensor,
     response_mask: torch.Tensor,
+    columns: dict[str, list] | None = None,
+    reward_tokenizer=None,
 ) -> torch.Tensor:
     """Scores (B,) of query ⊕ response ``inputs`` (see :func:`~trl_ppomax.rollout.sequence_inputs`) by a reward model,
-    or by a reward function on the decoded prompt and response texts."""
+    or by a reward function (:func:`call_reward_function`, given the dataset's other ``columns``). A reward model with
+    its own ``reward_tokenizer`` scores the texts re-encoded with it (:func:`score_with_own_tokenizer`)."""
     query_width = query_mask.shape[1]
-    if isinstance(reward, nn.Module):
+    if isinstance(reward, nn.Module) and reward_tokenizer is None:
         return sequence_scores(reward, inputs)
     ids = inputs["input_ids"]
-    prompts = decode_texts(tokenizer, ids[:, :query_width], query_mask)
-    completions = decode_texts(tokenizer, ids[:, query_width:], response_mask)
-    return call_reward_function(reward, prompts, completions, ids.device)
+    given = completion_texts(
+        tokenizer, (ids[:, :query_width], query_mask, ids[:, query_width:], response_mask), columns
+    )
+    if isinstance(reward, nn.Module):
+        return score_with_own_tokenizer(reward, reward_tokenizer, given["prompts"], given["texts"][1], ids.device)
+    return call_reward_function(reward, given.pop("prompts"), given.pop("completions"), ids.device, **given)
+
+
+def score_with_own_tokenizer(
+    model: nn.Module, tokenizer, prompts: list, completions: list[str], device
+) -> torch.Tensor:
+    """Scores (B,) of a reward model with its own tokenizer (another vocabulary than the policy's), as TRL's
+    ``reward_processing_classes``: prompt ⊕ completion texts re-encoded with ``tokenizer`` (its chat template for a
+    conversation), right-padded, read where the model reads its score."""
+    if is_conversational({"prompt": prompts[0]}):
+        conversations = [[*p, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions, strict=True)]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+        encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    else:
+        encoded = [tokenizer(p + c)["input_ids"] for p, c in zip(prompts, completions, strict=True)]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    from trl.trainer.utils import pad
+
+    rows = [torch.as_tensor(ids or [pad_id], dtype=torch.long) for ids in encoded]
+    input_ids = pad(rows, padding_value=pad_id or 0, padding_side="right").to(device)
+    attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="right").to(device)
+    return sequence_scores(model, {"input_ids": input_ids, "attention_mask": attention_mask})
+
+
+def source_name(source) -> str:
+    """A reward source's name in ``rewards/<name>/mean``: a function's ``__name__``, a model's ``_name_or_path``
+    basename (else its class name)."""
+    if isinstance(source, nn.Module):
+        path = getattr(getattr(source, "config", None), "_name_or_path", "") or ""
+        return os.path.basename(os.path.normpath(path)) if path else type(source).__name__
+    return getattr(source, "__name__", None) or type(source).__name__
+
+
+class RewardSources:
+    """The trainer's reward sources (TRL's ``reward_funcs``): reward models, functions and model ids (loaded by the
+    trainer's checks first), combined as ``Σ wᵢ·rᵢ`` with ``weights`` (all 1 by default; NaN scores of a source, e.g.
+    a function returning None, are left out of the sum unless every source is NaN). ``processing_classes`` aligns with
+    the sources: a tokenizer (or a path) for a reward model with its own vocabulary, None for the policy's."""
+
+    def __init__(self, sources, processing_classes=None, weights=None) -> None:
+        self.sources = list(sources) if isinstance(sources, list | tuple) else [sources]
+        if not self.sources:
+            raise ValueError("No reward source: pass a reward model, a reward function or a list of them.")
+        for index, source in enumerate(self.sources):
+            if not (isinstance(source, nn.Module) or callable(source)):
+                raise TypeError(
+                    f"reward source {index} is a {type(source).__name__}: pass a reward model (nn.Module), a path or "
+                    "Hub id of one, or a reward function."
+                )
+        count = len(self.sources)
+        processing_classes = list(processing_classes) if processing_classes is not None else [None] * count
+        weights = list(weights) if weights is not None else [1.0] * count
+        for name, given in (("reward_processing_classes", processing_classes), ("reward_weights", weights)):
+            if len(given) != count:
+                raise ValueError(f"{name} has {len(given)} entries for {count} reward sources; give one per source.")
+        self.processing_classes = [_load_tokenizer(p) for p in processing_classes]
+        self.weights = [float(w) for w in weights]
+        names = [source_name(source) for source in self.sources]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+        for source, tokenizer in zip(self.sources, self.processing_classes, strict=True):
+            if isinstance(source, nn.Module):
+                disable_dropout_in_model(source)
+                check_single_label(source)
+                backbone_and_head(source)
+            if tokenizer is not None and tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+                raise ValueError("A reward processing class needs a pad or eos token to pad with.")
+
+    @property
+    def modules(self) -> list[tuple[int, nn.Module]]:
+        return [(i, s) for i, s in enumerate(self.sources) if isinstance(s, nn.Module)]
+
+    def shared_vocabulary_models(self) -> dict[str, nn.Module]:
+        """The reward models reading the policy's token ids, by argument name, for the vocabulary checks."""
+        shared = [(i, m) for i, m in self.modules if self.processing_classes[i] is None]
+        if len(self.sources) == 1:
+            return {"reward_model": shared[0][1]} if shared else {}
+        return {f"reward_model[{i}]": m for i, m in shared}
+
+    def critic_source(self, value_model=None):
+        """What the critic is initialised from when ``value_model`` is None: the first reward model that reads the
+        policy's tokens (or the first source, for the error :func:`modeling.critic_from` raises)."""
+        for index, module in self.modules:
+            if self.processing_classes[index] is None:
+                return module
+        if self.modules and value_model is None:
+            raise ValueError(
+                "Every reward model has its own tokenizer, so the critic (which reads the policy's tokens) cannot be "
+                "initialised from one: pass a value_model."
+            )
+        return self.modules[0][1] if self.modules else self.sources[0]
+
+    def prepare(self, prepare_module) -> None:
+        """Replace each reward model by ``prepare_module(model)`` (frozen, on the device or sharded)."""
+        for index, module in self.modules:
+            self.sources[index] = prepare_module(module)
+
+    def score(self, tokenizer, inputs, query_mask, response_mask, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(combined (B,), per-source (B, S))`` scores of query ⊕ response ``inputs``."""
+        each = [
+            score_responses(source, tokenizer, inputs, query_mask, response_mask, columns, reward_tokenizer).float()
+            for source, reward_tokenizer in zip(self.sources, self.processing_classes, strict=True)
+        ]
+        per_source = torch.stack(each, dim=1)
+        if len(each) == 1:
+            return per_source[:, 0] * self.weights[0], per_source
+        weights = torch.tensor(self.weights, device=per_source.device)
+        combined = (per_source * weights).nansum(dim=1)
+        combined[per_source.isnan().all(dim=1)] = math.nan
+        return combined, per_source
+
+    def metrics(self, per_source: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """``{rewards/<name>/mean: scores (B,)}`` of each source (averaged by the trainer's metric code)."""
+        if per_source is None:
+            return {}
+        return {f"rewards/{name}/mean": per_source[:, i] for i, name in enumerate(self.names)}
+
+
+def load_reward_function(path: str) -> RewardFunction:
+    """The reward function at a dotted path ``pkg.module.fn`` (the recipes' ``--reward_funcs``), as TRL's scripts
+    resolve theirs."""
+    import importlib
+
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--reward_funcs {path!r} is not a dotted path: use 'pkg.module.function'.")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--reward_funcs {path!r} could not be imported: {error}") from error
+    if not callable(function):
+        raise ValueError(f"--reward_funcs {path!r} is a {type(function).__name__}, not a function.")
+    return function
+
+
+def _load_tokenizer(value):
+    if isinstance(value, str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.fspath(value))
+    return value
 
 
 def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> dict[str, torch.Tensor]:
     """``{name: f(prompts, completions)}`` (B,) each, on the decoded prompts and responses of a rollout (the
-    trainer's ``rollout_metrics``)."""
+    trainer's ``rollout_metrics``; keyword-style functions get ``completion_ids`` too)."""
     if not functions:
         return {}
-    prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
-    completions = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+    ids = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
+    given = completion_texts(tokenizer, ids, None)
     device = rollout.scores.device
-    return {name: call_reward_function(f, prompts, completions, device) for name, f in functions.items()}
+    return {
+        name: call_reward_function(
+            f,
+            given["prompts"],
+            given["completions"],
+            device,
+            completion_ids=given["completion_ids"],
+            texts=given["texts"],
+        )
+        for name, f in functions.items()
+    }
 
 
 def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int) -> torch.Tensor:

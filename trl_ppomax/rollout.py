@@ -35,10 +35,15 @@ class Rollout:
     scores: torch.Tensor  # (B,) reward-model score, after the missing-stop-token penalty
     policy_perplexity: torch.Tensor  # (B,) perplexity of the policy (temperature 1) on its own response
     ref_perplexity: torch.Tensor  # (B,) perplexity of the reference model (temperature 1) on the same response
+    source_scores: torch.Tensor | None = None  # (B, S) each reward source's score (rewards.RewardSources), if known
 
     def select(self, index: torch.Tensor) -> Rollout:
         """Rows ``index`` of every field."""
-        return Rollout(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return Rollout(**{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
+
+
+def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor is None else tensor[index]
 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -47,7 +52,9 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
 
     def cat(name: str) -> torch.Tensor:
         tensors = [getattr(p, name) for p in parts]
-        if tensors[0].dim() == 2 and name != "query_ids" and name != "query_mask":
+        if any(t is None for t in tensors):
+            return None
+        if tensors[0].dim() == 2 and name not in ("query_ids", "query_mask", "source_scores"):
             fill = pad_token_id if name == "response_ids" else 0
             tensors = [nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors]
         return torch.cat(tensors)

@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from .pipeline import WorldSettings, prepare_world, run_method
 from .world import gold_reward
 
@@ -16,6 +18,40 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
     for name, values in rows.items():
         lines.append(f"{name:<10}" + "".join(f"{values[c]:>17.3f}" for c in columns))
     return "\n".join(lines)
+
+
+#: The columns of the demo's per-log table: header and metric.
+LOG_COLUMNS = (
+    ("step", None),
+    ("gold", "gold/reward"),
+    ("proxy", "objective/scores"),
+    ("KL", "objective/kl"),
+    ("length", "response/length"),
+    ("ppl", "policy/perplexity"),
+)
+
+
+class CompactLogCallback(TrainerCallback):
+    """Print one row per logging step (step, gold reward, proxy reward, KL, length, perplexity) in place of the raw
+    metric dict; :func:`~trl_ppomax.toyworld.pipeline.run_method` removes the PrinterCallback when it is given."""
+
+    replaces_printer = True
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if not state.is_world_process_zero or "objective/scores" not in logs:
+            return
+        if self.rows % 20 == 0:
+            print("".join(f"{name:>9}" for name, _ in LOG_COLUMNS), flush=True)
+        cells = [f"{state.global_step:>9d}"]
+        for _, key in LOG_COLUMNS[1:]:
+            value = logs.get(key)
+            cells.append(f"{value:>9.3f}" if isinstance(value, (int, float)) else f"{'-':>9}")
+        print("".join(cells), flush=True)
+        self.rows += 1
 
 
 def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: int = 0, cache_dir=None) -> dict:
@@ -31,7 +67,7 @@ def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: i
     print(f"PPO-max, {iterations} iterations of 32 prompts …", flush=True)
     monitor = CollapseMonitor()
     trainer, sft, final, _ = run_method(
-        world, "ppo_max", output_dir, iterations=iterations, seed=seed, callbacks=[monitor]
+        world, "ppo_max", output_dir, iterations=iterations, seed=seed, callbacks=[monitor, CompactLogCallback()]
     )
     rows = {"SFT": sft, "PPO-max": final}
     print("\n" + format_table(rows))

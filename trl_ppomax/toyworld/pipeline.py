@@ -308,6 +308,10 @@ CURVE_KEYS = {
 def run_method(world: World, method: str, output_dir: str, iterations: int = 100, seed: int = 0, callbacks=None):
     """Train ``method`` from the SFT policy; returns ``(trainer, sft_summary, final_summary, curves)``."""
     trainer = ppo_trainer(world, ppo_config(output_dir, method, iterations=iterations, seed=seed), callbacks)
+    if any(getattr(callback, "replaces_printer", False) for callback in callbacks or []):
+        from transformers import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # a compact table is printed instead of the raw metric dicts
     sft = summarise(trainer.evaluate(metric_key_prefix="eval"))
     trainer.train()
     final = summarise(trainer.evaluate(metric_key_prefix="eval"))

@@ -1,0 +1,154 @@
+"""TRL-compatible reward sources: GRPO-style keyword reward functions (``trl.rewards``), extra dataset columns,
+mixed weighted lists with ``rewards/<name>/mean`` logs, reward models with their own tokenizer, the old positional
+form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import TINY, changed, snapshot
+from transformers import AutoModelForSequenceClassification
+
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
+from trl_ppomax.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts
+
+SMALL = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
+
+
+def train(tmp_path, dataset=None, value_model=None, **kwargs):
+    """Train two tiny iterations; returns ``(trainer, logged keys)`` after checking the policy changed."""
+    tokenizer, policy, reward_model = build_models("llama")
+    weights = kwargs.pop("reward_weights", None)
+    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), reward_weights=weights, **SMALL)
+    kwargs.setdefault("reward_model", reward_model)
+    if value_model is None and not isinstance(kwargs.get("reward_funcs", kwargs["reward_model"]), torch.nn.Module):
+        value_model = build_models("llama")[2]
+    trainer = PPOMaxTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        train_dataset=dataset if dataset is not None else Dataset.from_dict({"prompt": prompt_texts(8)}),
+        value_model=value_model,
+        **kwargs,
+    )
+    before = snapshot(trainer.model.policy)
+    trainer.train()
+    assert changed(before, trainer.model.policy) > 0
+    return trainer, {k for entry in trainer.state.log_history for k in entry}
+
+
+def conversations(n: int = 8) -> list[list[dict]]:
+    return [[{"role": "user", "content": text}] for text in prompt_texts(n)]
+
+
+def test_trl_reward_functions_run_unchanged(tmp_path):
+    from trl.rewards import get_soft_overlong_punishment, think_format_reward
+
+    seen = {}
+
+    def spy(completions, completion_ids, **kwargs):
+        seen.update(completions=completions, completion_ids=completion_ids, kwargs=kwargs)
+        return [float(len(ids)) for ids in completion_ids]
+
+    overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3)
+    dataset = Dataset.from_dict({"prompt": conversations()})
+    _, logged = train(tmp_path, dataset=dataset, reward_funcs=[think_format_reward, overlong, spy])
+    assert {"rewards/think_format_reward/mean", "rewards/spy/mean", "objective/scores"} <= logged
+    assert any(key.startswith("rewards/") and "soft_overlong" in key for key in logged), logged
+    assert seen["completions"][0][0]["role"] == "assistant"  # conversational completions as message lists
+    assert seen["kwargs"]["prompts"][0] == dataset["prompt"][0] or seen["kwargs"]["prompts"][0][0]["role"] == "user"
+
+
+def test_extra_dataset_column_reaches_the_reward_function(tmp_path):
+    texts = prompt_texts(8)
+    calls = []
+
+    def accuracy(prompts, completions, solution, **kwargs):
+        calls.append((list(prompts), list(solution)))
+        return [float(s in c) for c, s in zip(completions, solution, strict=True)]
+
+    dataset = Dataset.from_dict({"prompt": texts, "solution": [t.split()[0] for t in texts]})
+    _, logged = train(tmp_path, dataset=dataset, reward_funcs=accuracy)
+    assert "rewards/accuracy/mean" in logged and "objective/scores" in logged
+    by_prompt = dict(zip(texts, dataset["solution"], strict=True))
+    for prompts, solutions in calls:
+        assert [by_prompt[p] for p in prompts] == solutions  # each row's own solution, in the batch's order
+
+
+def test_mixed_list_with_weights_logs_each_source(tmp_path):
+    def length_bonus(completions, **kwargs):
+        return [0.1 * len(c) for c in completions]
+
+    reward_model = build_models("llama")[2]
+    reward_model.config._name_or_path = "some/dir/tiny-rm"
+    trainer, logged = train(tmp_path, reward_model=[reward_model, length_bonus], reward_weights=[1.0, 0.5])
+    assert {"rewards/tiny-rm/mean", "rewards/length_bonus/mean"} <= logged
+    history = [entry for entry in trainer.state.log_history if "rewards/tiny-rm/mean" in entry]
+    for entry in history:  # no missing-eos penalty here: the score is the weighted sum of the sources
+        combined = entry["rewards/tiny-rm/mean"] + 0.5 * entry["rewards/length_bonus/mean"]
+        assert entry["objective/scores"] == pytest.approx(combined, rel=1e-4, abs=1e-5)
+    assert trainer.reward_model is trainer.reward_sources.sources[0]  # the critic came from the reward model
+
+
+def test_reward_weights_length_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 reward sources"):
+        rewards.RewardSources([len, len], weights=[1.0])
+
+
+def test_reward_model_with_its_own_tokenizer(tmp_path):
+    other = build_llama_style_tokenizer()
+    other.pad_token = other.unk_token
+    other.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    config = llama_config(other, num_labels=1)
+    torch.manual_seed(3)
+    foreign = AutoModelForSequenceClassification.from_config(config)
+    assert foreign.get_input_embeddings().num_embeddings != len(build_models("llama")[0])
+    for dataset in (None, Dataset.from_dict({"prompt": conversations()})):
+        _, logged = train(tmp_path, dataset=dataset, reward_funcs=[foreign], reward_processing_classes=[other])
+        assert "rewards/LlamaForSequenceClassification/mean" in logged
+
+    # scored as the model itself scores the re-encoded text, right-padded
+    prompts, completions = ["hello there", "a"], [" how are you", " b c"]
+    scores = rewards.score_with_own_tokenizer(foreign, other, prompts, completions, torch.device("cpu"))
+    for prompt, completion, score in zip(prompts, completions, scores, strict=True):
+        alone = foreign(**other(prompt + completion, return_tensors="pt")).logits[0, 0]
+        assert score.item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_own_tokenizer_models_need_a_value_model():
+    other = build_llama_style_tokenizer()
+    foreign = AutoModelForSequenceClassification.from_config(llama_config(other, num_labels=1, pad_token_id=0))
+    with pytest.raises(ValueError, match="pass a value_model"):
+        rewards.RewardSources([foreign], processing_classes=[other]).critic_source()
+
+
+def test_old_positional_form_still_works(tmp_path):
+    seen = []
+
+    def gold(p, c):
+        seen.append((p, c))
+        return [float(len(x)) for x in c]
+
+    _, logged = train(tmp_path, reward_model=gold)
+    assert "rewards/gold/mean" in logged
+    assert all(isinstance(p[0], str) and isinstance(c[0], str) for p, c in seen)
+    # a (prompts, completions) function is called by keyword, which is the same
+    scores = rewards.call_reward_function(lambda prompts, completions: [1.0] * 2, ["a", "b"], ["c", "d"], "cpu")
+    assert scores.tolist() == [1.0, 1.0]
+    assert rewards.is_positional_pair(gold) and not rewards.is_positional_pair(lambda completions, **kw: [])
+
+
+def test_recipe_reward_funcs_dotted_paths():
+    from trl import TrlParser
+
+    from trl_ppomax.scripts.ppo import PPOMaxScriptArguments
+
+    (script_args,) = TrlParser((PPOMaxScriptArguments,)).parse_args_into_dataclasses(
+        ["--dataset_name", "x", "--reward_funcs", "trl.rewards.think_format_reward", "os.path.join"]
+    )
+    functions = [rewards.load_reward_function(path) for path in script_args.reward_funcs]
+    assert functions[0].__name__ == "think_format_reward"
+    with pytest.raises(ValueError, match="could not be imported"):
+        rewards.load_reward_function("trl.rewards.no_such_reward")

@@ -1,0 +1,70 @@
+"""The training commands behind ``trl-ppomax ppo`` and ``trl-ppomax reward`` (as trl ships ``trl/scripts``).
+
+``recipes/ppo_max.py`` and ``recipes/reward_modeling.py`` in the repository are thin wrappers around these modules.
+This module imports nothing heavy: the command line uses it to find the shipped configs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = PACKAGE_DIR / "configs"
+ACCELERATE_CONFIGS_DIR = PACKAGE_DIR / "accelerate_configs"
+
+# --accelerate_config short names (as trl's), besides the shipped file names without ".yaml"
+ACCELERATE_ALIASES = {
+    "zero2": "deepspeed_zero2",
+    "zero3": "deepspeed_zero3",
+    "fsdp2": "fsdp",
+    "fsdp": "fsdp",
+    "multi_gpu": "multi_gpu",
+    "single_gpu": "single_gpu",
+}
+
+
+def shipped_configs() -> list[str]:
+    """Names of the training configs shipped with the package (``--config NAME``)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def shipped_accelerate_configs() -> list[str]:
+    """Names accepted by ``--accelerate_config``: the short aliases and the shipped file names."""
+    return sorted(set(ACCELERATE_ALIASES) | {p.stem for p in ACCELERATE_CONFIGS_DIR.glob("*.yaml")})
+
+
+def resolve_config(value: str) -> str:
+    """A ``--config`` value: an existing file as is, else a shipped config by name (``tiny_cpu`` or ``tiny_cpu.yaml``)."""
+    if Path(value).expanduser().is_file():
+        return value
+    shipped = CONFIGS_DIR / (value if value.endswith((".yaml", ".yml")) else f"{value}.yaml")
+    if "/" not in value and shipped.is_file():
+        return str(shipped)
+    raise FileNotFoundError(
+        f"--config {value}: no such file, and not a shipped config (one of: {', '.join(shipped_configs())})"
+    )
+
+
+def resolve_accelerate_config(value: str) -> str:
+    """An ``--accelerate_config`` value: a short name (zero2, zero3, fsdp2, multi_gpu), a shipped file name, or a path."""
+    name = ACCELERATE_ALIASES.get(value, value.removesuffix(".yaml"))
+    shipped = ACCELERATE_CONFIGS_DIR / f"{name}.yaml"
+    if "/" not in value and shipped.is_file():
+        return str(shipped)
+    if Path(value).expanduser().is_file():
+        return value
+    raise FileNotFoundError(
+        f"--accelerate_config {value}: not a shipped accelerate config (one of: "
+        f"{', '.join(shipped_accelerate_configs())}) nor a file"
+    )
+
+
+def resolve_config_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--config`` (``--config X`` or ``--config=X``) resolved by :func:`resolve_config`."""
+    out = list(argv)
+    for i, item in enumerate(out):
+        if item == "--config" and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+        elif item.startswith("--config="):
+            out[i] = "--config=" + resolve_config(item.partition("=")[2])
+    return out
