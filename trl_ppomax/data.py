@@ -390,21 +390,22 @@ def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
 
 
 def to_prompt_dataset(dataset: Dataset) -> Dataset:
-    """Keep (or make) one ``prompt`` column from the common formats: prompt-only and preference datasets with
+    """Keep (or make) the ``prompt`` column from the common formats: prompt-only and preference datasets with
     ``prompt``; conversational ``messages`` (everything up to the last user turn); raw HH-RLHF (``chosen``/``rejected``
-    dialogues); tokenized ``input_ids`` is kept as is."""
+    dialogues); tokenized ``input_ids`` is kept as is. The other columns stay: reward functions receive them (e.g. a
+    ``solution`` column)."""
     from .hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 
     columns = dataset.column_names
     if "input_ids" in columns:
-        return dataset.select_columns(["input_ids"])
+        return dataset.remove_columns([c for c in ("prompt",) if c in columns])
     if "prompt" in columns:
-        return dataset.select_columns(["prompt"])
+        return dataset
     if is_hh_rlhf(dataset):
         return convert_hh_rlhf(dataset).select_columns(["prompt"])
     if "messages" in columns:
         return dataset.map(
-            lambda e: {"prompt": _up_to_last_user_turn(e["messages"])}, remove_columns=columns, desc="Prompts"
+            lambda e: {"prompt": _up_to_last_user_turn(e["messages"])}, remove_columns=["messages"], desc="Prompts"
         )
     raise ValueError(
         f"Cannot find prompts in a dataset with columns {columns}: expected 'prompt', 'messages', 'input_ids', or "
@@ -462,3 +463,15 @@ def batch_streams(
     ptx = prepare_text_dataset(ptx_dataset, tokenizer, args.dataset_num_proc, args.ptx_assistant_only)
     right_padded = PromptCollator(tokenizer.pad_token_id, padding_side="right")
     return prompts, batches(ptx, args.per_device_train_batch_size, collate=right_padded)
+
+
+def progress(chunks: list, args, desc: str = "Generating") -> list:
+    """``chunks`` with a progress bar on the local main process when there is more than one and ``disable_tqdm`` is
+    off (long rollouts and evaluations)."""
+    from accelerate import PartialState
+
+    if len(chunks) <= 1 or args.disable_tqdm or not PartialState().is_local_main_process:
+        return chunks
+    from tqdm.auto import tqdm
+
+    return tqdm(chunks, desc=desc, leave=False)

@@ -263,7 +263,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.model.eval()
         with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
             with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                generated = [self._generate(wrapper, ids, mask, sampling) for ids, mask in chunks]
+                generated = [self._generate(wrapper, i, m, sampling) for i, m in data.progress(chunks, self.args)]
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
             parts = [
                 self._score(critic, fields, data.rows_of(columns, i * size, size))
