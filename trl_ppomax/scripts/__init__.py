@@ -68,3 +68,25 @@ def resolve_config_argv(argv: list[str]) -> list[str]:
         elif item.startswith("--config="):
             out[i] = "--config=" + resolve_config(item.partition("=")[2])
     return out
+
+
+def parse_script_args(dataclasses: tuple, argv: list[str] | None) -> tuple:
+    """``TrlParser(dataclasses)`` on ``argv`` (default: the command line), with a shipped config accepted by name;
+    the first dataclass's ``tiny_models_dir``, when set and missing, is filled with tiny models first (once, on the
+    main process)."""
+    import os
+    import sys
+
+    from accelerate import PartialState
+    from trl import TrlParser
+
+    argv = resolve_config_argv(sys.argv[1:] if argv is None else argv)
+    parsed = TrlParser(dataclasses).parse_args_and_config(argv)
+    folder = getattr(parsed[0], "tiny_models_dir", None)
+    if folder and not os.path.isdir(folder):
+        with PartialState().main_process_first():
+            if not os.path.isdir(folder):
+                from trl_ppomax.tiny import save_tiny_models
+
+                save_tiny_models(folder)
+    return parsed

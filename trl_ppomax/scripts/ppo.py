@@ -24,14 +24,13 @@ prompt lists.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
 from trl_ppomax.data import check_local_paths, load_any_dataset, to_prompt_dataset
 from trl_ppomax.monitor import CollapseMonitor
@@ -40,7 +39,7 @@ from trl_ppomax.plan import plan
 from trl_ppomax.ppo_config import PPOMaxConfig
 from trl_ppomax.ppo_trainer import PPOMaxTrainer
 from trl_ppomax.rewards import load_reward_function
-from trl_ppomax.scripts import resolve_config_argv
+from trl_ppomax.scripts import parse_script_args
 
 
 @dataclass
@@ -152,15 +151,9 @@ def check_combination(script_args, training_args: PPOMaxConfig, model_args: Mode
 
 
 def main(argv: list[str] | None = None) -> PPOMaxTrainer:
-    parser = TrlParser((PPOMaxScriptArguments, PPOMaxConfig, ModelConfig))
-    argv = resolve_config_argv(sys.argv[1:] if argv is None else argv)
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    if script_args.tiny_models_dir and not os.path.isdir(script_args.tiny_models_dir):
-        with PartialState().main_process_first():
-            if not os.path.isdir(script_args.tiny_models_dir):
-                from trl_ppomax.tiny import save_tiny_models
-
-                save_tiny_models(script_args.tiny_models_dir)
+    script_args, training_args, model_args = parse_script_args(
+        (PPOMaxScriptArguments, PPOMaxConfig, ModelConfig), argv
+    )
     check_combination(script_args, training_args, model_args)
     policy_setting = "model_name_or_path" if model_args.model_name_or_path else "sft_model_path"
     check_local_paths(

@@ -20,19 +20,18 @@ folder, or a local .json/.jsonl/.parquet/.csv file, in any trl preference format
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 from accelerate import PartialState
 from datasets import DatasetDict, load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
 from trl_ppomax.data import check_local_paths
 from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 from trl_ppomax.reward_config import PPOMaxRewardConfig
 from trl_ppomax.reward_trainer import PPOMaxRewardTrainer
-from trl_ppomax.scripts import resolve_config_argv
+from trl_ppomax.scripts import parse_script_args
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -75,15 +74,9 @@ def load_model(model_args: ModelConfig, training_args: PPOMaxRewardConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = TrlParser((RewardScriptArguments, PPOMaxRewardConfig, ModelConfig))
-    argv = resolve_config_argv(sys.argv[1:] if argv is None else argv)
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
-    if script_args.tiny_models_dir and not os.path.isdir(script_args.tiny_models_dir):
-        with PartialState().main_process_first():
-            if not os.path.isdir(script_args.tiny_models_dir):
-                from trl_ppomax.tiny import save_tiny_models
-
-                save_tiny_models(script_args.tiny_models_dir)
+    script_args, training_args, model_args = parse_script_args(
+        (RewardScriptArguments, PPOMaxRewardConfig, ModelConfig), argv
+    )
     check_local_paths({"model_name_or_path": model_args.model_name_or_path, "dataset_name": script_args.dataset_name})
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     with PartialState().local_main_process_first():
