@@ -21,7 +21,14 @@ from pathlib import Path
 
 from trl_ppomax.metrics import EPISODE
 from trl_ppomax.plotting import plot_training_dynamics
-from trl_ppomax.toyworld.pipeline import CURVE_KEYS, METHODS, WorldSettings, prepare_world, run_method
+from trl_ppomax.toyworld.pipeline import (
+    CURVE_KEYS,
+    METHODS,
+    WorldSettings,
+    prepare_world,
+    run_method,
+    win_tie_lose_vs_sft,
+)
 
 FINAL_FIELDS = (
     "gold_reward_final",
@@ -30,6 +37,7 @@ FINAL_FIELDS = (
     "kl_final",
     "response_length_final",
     "perplexity_final",
+    "win_rate_vs_sft",
 )
 SFT_FIELDS = ("gold_reward", "proxy_reward", "response_length", "perplexity")
 PLOTTED_CURVES = ("gold_reward", "proxy_reward", "kl", "perplexity", "response_length")
@@ -37,7 +45,8 @@ PLOTTED_CURVES = ("gold_reward", "proxy_reward", "kl", "perplexity", "response_l
 
 def run_seed(world, method: str, seed: int, iterations: int) -> tuple[dict, dict, dict]:
     with tempfile.TemporaryDirectory() as output:
-        _, sft, final, curves = run_method(world, method, output, iterations=iterations, seed=seed)
+        trainer, sft, final, curves = run_method(world, method, output, iterations=iterations, seed=seed)
+        versus_sft = win_tie_lose_vs_sft(trainer, world, Path(output) / "vs_sft", seed=seed)
     result = {
         "seed": seed,
         "gold_reward_final": final["gold_reward"],
@@ -46,6 +55,8 @@ def run_seed(world, method: str, seed: int, iterations: int) -> tuple[dict, dict
         "kl_final": final["kl"],
         "response_length_final": final["response_length"],
         "perplexity_final": final["perplexity"],
+        "win_rate_vs_sft": versus_sft["win_rate"],  # gold judge, 64 held-out prompts
+        "vs_sft": {k: versus_sft[k] for k in ("win", "tie", "lose", "n")},
     }
     return result, {k: sft[k] for k in SFT_FIELDS}, curves
 

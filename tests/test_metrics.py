@@ -21,8 +21,11 @@ USER_ROLLOUT_METRICS = {metrics.GOLD_REWARD, eval_name(metrics.GOLD_REWARD)}
 
 @pytest.fixture(scope="module")
 def logged_keys(tmp_path_factory) -> set[str]:
-    """Every key of ``state.log_history`` of a two-iteration run evaluated after each iteration, with the monitor."""
+    """Every key of ``state.log_history`` of a two-iteration run evaluated after each iteration, with the monitor and
+    the win-rate callback."""
     from helpers import make_trainer
+
+    from trl_ppomax.judging.callback import WinRateCallback
 
     trainer = make_trainer(
         tmp_path_factory.mktemp("metrics"),
@@ -32,6 +35,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
         eval_steps=1,
     )
     CollapseMonitor(warmup_logs=1).attach(trainer)  # adds collapse/any from the second training log on
+    trainer.add_callback(WinRateCallback(trainer, every=1, num_prompts=4))  # adds eval/win_rate_vs_sft, …
     trainer.train()
     keys = {key for entry in trainer.state.log_history for key in entry}
     assert any(key.startswith("eval_") for key in keys)  # the run did evaluate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,9 @@ def test_recipe_without_arguments_runs_the_toy_world(world, cache_root, tmp_path
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gold_reward" in result.stdout and "PPO-max" in result.stdout and "SFT" in result.stdout
+    assert "PPO-max against SFT" in result.stdout and "win rate (95% CI)" in result.stdout
+    summary = json.loads((tmp_path / "output" / "toyworld" / "summary.json").read_text())
+    assert summary["vs_sft"]["n"] == 64
     assert (tmp_path / "output" / "toyworld" / "training_dynamics.png").stat().st_size > 0
 
 
@@ -124,7 +128,9 @@ def test_stability_benchmark_writes_the_documented_json(world, world_cache, tmp_
             "kl_final",
             "response_length_final",
             "perplexity_final",
+            "win_rate_vs_sft",
         ):
             assert field in entry and len(entry["seeds"]) == 2 and field in entry["seeds"][0]
         assert len(entry["curves"]["gold_reward"]) == 2
+        assert 0 <= entry["win_rate_vs_sft"] <= 1 and entry["seeds"][0]["vs_sft"]["n"] == 64
     assert output.with_suffix(".png").stat().st_size > 0

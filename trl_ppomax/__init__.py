@@ -19,6 +19,8 @@ _LAZY = {
     "PPOMaxRewardTrainer": ".reward_trainer",
     "PPOMaxTrainer": ".ppo_trainer",
     "RunningMoments": ".core",
+    "WinRateCallback": ".judging.callback",
+    "evaluate_policy": ".judging.run",
 }
 
 __all__ = [
@@ -28,11 +30,15 @@ __all__ = [
     "PPOMaxRewardTrainer",
     "PPOMaxTrainer",
     "RunningMoments",
+    "WinRateCallback",
     "__version__",
+    "evaluate_policy",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported lazily by __getattr__
     from .core import RunningMoments
+    from .judging.callback import WinRateCallback
+    from .judging.run import evaluate_policy
     from .monitor import CollapseMonitor
     from .ppo_config import PPOMaxConfig
     from .ppo_trainer import PPOMaxTrainer

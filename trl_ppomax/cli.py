@@ -1,5 +1,5 @@
 """The ``trl-ppomax`` command line: ``ppo``, ``reward``, ``env``, ``presets``, ``demo``, ``tiny``, ``push``,
-``moss recover`` and ``plot``.
+``moss recover``, ``plot`` and ``evaluate``.
 
 Nothing heavy (torch, transformers, trl, the Hub client) is imported here at module level: each command imports what
 it needs, so that ``trl-ppomax --help`` answers at once.
@@ -380,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_push(commands)
     _add_moss(commands)
     _add_plot(commands)
+    _add_evaluate(commands)
     return parser
 
 
@@ -443,6 +444,20 @@ def _add_plot(commands) -> None:
     )
     plot.add_argument("--title", help="figure title (default: the name of RUN_DIR)")
     plot.set_defaults(run=plot_run)
+
+
+def _add_evaluate(commands) -> None:
+    from .judging import command
+
+    about = "Did RLHF help? The policy against a baseline: win / tie / lose by judges, or multiple-choice accuracy."
+    evaluate = commands.add_parser(
+        "evaluate",
+        help=about,
+        description=command.__doc__,
+        epilog=command.EPILOG,
+    )
+    command.add_arguments(evaluate)
+    evaluate.set_defaults(run=command.run)
 
 
 def main(argv: list[str] | None = None) -> int:

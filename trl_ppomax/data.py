@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -334,11 +334,12 @@ def looks_local(name: str, data: bool = False) -> bool:
     )
 
 
-def check_local_paths(settings: dict[str, str | None]) -> None:
-    """Fail at once, naming the setting, when a model or dataset setting is a local path that does not exist (a
-    typo), instead of trying the Hub and failing there after retries."""
+def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] = ()) -> None:
+    """Fail at once, naming the setting, when a model or dataset setting (``…dataset_name``, or named in
+    ``datasets``) is a local path that does not exist (a typo), instead of trying the Hub and failing there after
+    retries."""
     for setting, name in settings.items():
-        local = name and looks_local(name, data=setting.endswith("dataset_name"))
+        local = name and looks_local(name, data=setting.endswith("dataset_name") or setting in datasets)
         if local and not os.path.exists(os.path.expanduser(name)):
             raise FileNotFoundError(
                 f"{setting} not found: {name} (no such local file or folder; a Hub repository is named 'org/name')."

@@ -71,6 +71,11 @@ COLLAPSE_ANY = "collapse/any"
 # A known gold reward passed as a ``rollout_metrics`` entry under this name (the toy world does) is logged as such (and
 # as eval_<name>) like any rollout metric; plotting draws it on its own panel when present.
 GOLD_REWARD = "gold/reward"
+# Logged by trl_ppomax.judging.WinRateCallback (the paper's Fig. 4): the share of fixed prompts on which the policy's
+# answer beats the SFT model's, by the trainer's reward model or a scoring judge (ties and losses beside it).
+WIN_RATE_VS_SFT = "eval/win_rate_vs_sft"
+TIE_RATE_VS_SFT = "eval/tie_rate_vs_sft"
+LOSE_RATE_VS_SFT = "eval/lose_rate_vs_sft"
 
 #: Logged by the trainer for every rollout batch (and, with the eval_ prefix, by evaluate()).
 PER_RESPONSE = (

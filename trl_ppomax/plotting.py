@@ -63,6 +63,9 @@ PANELS: dict[str, Panel] = {
         ((metrics.GOLD_REWARD, "gold reward"),),
         ((eval_name(metrics.GOLD_REWARD), "eval gold reward"),),
     ),
+    "win_rate": Panel(
+        "Win rate vs SFT", (), ((metrics.WIN_RATE_VS_SFT, "win rate"), (metrics.LOSE_RATE_VS_SFT, "lose rate"))
+    ),
     "kl": Panel("KL to reference", ((metrics.KL, "KL"),), ((eval_name(metrics.KL), "eval KL"),)),
     "perplexity": Panel(
         "Perplexity",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .pipeline import WorldSettings, prepare_world, run_method
+from .pipeline import WorldSettings, prepare_world, run_method, win_tie_lose_vs_sft
 from .world import gold_reward
 
 
@@ -74,6 +74,8 @@ def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: i
     samples = trainer.generate_completions(sampling=True, num_prompts=4)
     for row in samples:
         print(f"  gold {gold_reward(row['query'], row['response']):+.2f}  {row['query']!r} → {row['response']!r}")
+    print("\nPPO-max against SFT on 64 held-out prompts, judged by the gold reward:")
+    versus_sft = win_tie_lose_vs_sft(trainer, world, Path(output_dir) / "eval_vs_sft", seed=seed)
     figure = plot_training_dynamics(
         trainer.state.log_history, Path(output_dir) / "training_dynamics.png", title="PPO-max in the toy world"
     )
@@ -82,6 +84,7 @@ def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: i
         "sft": sft,
         "ppo_max": final,
         "collapse_events": monitor.events,
+        "vs_sft": versus_sft,
         "seconds": time.time() - start,
     }
     Path(output_dir, "summary.json").write_text(json.dumps(summary, indent=2))

@@ -319,3 +319,30 @@ def run_method(world: World, method: str, output_dir: str, iterations: int = 100
     curves = {name: [float(entry[key]) for entry in logs] for name, key in CURVE_KEYS.items()}
     curves["episode"] = [float(entry[EPISODE]) for entry in logs]
     return trainer, sft, final, curves
+
+
+def win_tie_lose_vs_sft(
+    trainer, world: World, output_dir: str | os.PathLike, seed: int = 0, prompts: int = 64
+) -> dict:
+    """The trained policy against the SFT policy on held-out prompts, judged by the gold reward
+    (:func:`trl_ppomax.judging.run.evaluate_policy`, sampled as in training): ``{"win", "tie", "lose", …,
+    "win_rate", "win_rate_ci95"}`` over all prompts. ``output_dir`` is emptied first (it caches by name only)."""
+    from ..judging.generation import GenerationSettings, load_prompts
+    from ..judging.run import evaluate_policy
+    from ..judging.scored import FunctionJudge
+
+    shutil.rmtree(output_dir, ignore_errors=True)
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    settings = GenerationSettings(
+        max_new_tokens=trainer.args.response_length, batch_size=32, seed=seed, do_sample=True, **SAMPLING
+    )
+    report = evaluate_policy(
+        (policy, trainer.processing_class),
+        world.sft,
+        load_prompts(eval_prompts(prompts)),
+        output_dir,
+        [FunctionJudge(gold_rewards)],
+        settings,
+        names={"policy": trainer.args.output_dir, "baseline": "SFT"},
+    )
+    return report["judges"]["gold"]["categories"]["all"]

@@ -1,0 +1,122 @@
+"""The paper's Fig. 4 red line during training: every ``every`` iterations, the policy's answers to a fixed set of
+prompts against the SFT model's, judged by the trainer's own reward model (``rm``) or a scoring judge (``gold``),
+logged as ``eval/win_rate_vs_sft`` (with the tie and lose rates)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from .. import metrics as M
+from ..checks import prepare_eval_prompts
+from ..data import rows_of_this_process
+from ..rewards import decode_texts, ends_with_stop
+from .base import margin_verdict
+from .scored import FunctionJudge, ScoreJudge
+
+logger = logging.getLogger(__name__)
+
+
+class WinRateCallback(TrainerCallback):
+    """``trainer.add_callback(WinRateCallback(trainer, judge="rm", every=10))``.
+
+    The SFT answers are the policy's own before its first update (sampled once, at the start of training, kept in
+    ``output_dir/win_rate_baseline/`` so that a resumed run compares with the same answers). Each check samples the
+    policy on the same prompts with the training sampling settings under a fixed seed (the training random streams
+    are left untouched) and counts, per prompt, ``win`` if ``score(policy) − score(SFT) > tie_threshold``.
+    ``judge``: ``"rm"`` (the trainer's score: the reward model's, after the missing-stop-token penalty), ``"gold"``
+    (the toy world's gold reward) or a :class:`~trl_ppomax.judging.scored.ScoreJudge`. ``prompts``: a prompt
+    dataset (default: the trainer's ``eval_dataset``, else its training prompts), of which the first ``num_prompts``
+    are used."""
+
+    def __init__(
+        self,
+        trainer,
+        judge="rm",
+        every: int = 10,
+        prompts: Dataset | None = None,
+        num_prompts: int = 64,
+        tie_threshold: float = 0.0,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"WinRateCallback(every={every}): check every N ≥ 1 iterations.")
+        self.trainer, self.every, self.tie_threshold = trainer, every, tie_threshold
+        self.judge = FunctionJudge() if judge == "gold" else judge
+        if not (self.judge == "rm" or isinstance(self.judge, ScoreJudge)):
+            raise ValueError(f"WinRateCallback(judge={judge!r}): use 'rm', 'gold' or a ScoreJudge.")
+        dataset = prepare_eval_prompts(trainer, prompts) if prompts is not None else None
+        if dataset is None:
+            eval_dataset = trainer.eval_dataset
+            dataset = eval_dataset if isinstance(eval_dataset, Dataset) else trainer.train_dataset
+        self.dataset = dataset.select(range(min(num_prompts, len(dataset))))
+        self.baseline: list[float] | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        path = Path(args.output_dir) / "win_rate_baseline" / f"process-{self.trainer.accelerator.process_index}.json"
+        if path.exists():
+            self.baseline = json.loads(path.read_text())["scores"]
+        elif state.global_step == 0:
+            self.baseline = self.scores(seed=args.seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"scores": self.baseline}))
+        else:
+            logger.warning(
+                "WinRateCallback: resumed without %s; the SFT answers are unknown, no win rate is logged.", path
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.baseline is None or state.global_step % self.every:
+            return
+        rates = self.rates(self.scores(seed=args.seed))
+        should_log = control.should_log  # logging resets it; the iteration's own log must still happen
+        self.trainer.log({**rates, M.EPISODE: state.episode})
+        control.should_log = should_log
+        return control
+
+    def rates(self, scores: list[float]) -> dict[str, float]:
+        """Win, tie and lose shares over every process's prompts (padding rows weigh 0)."""
+        _, weights = rows_of_this_process(len(self.dataset), self.trainer.accelerator)
+        counts = torch.zeros(4)
+        for policy, sft, weight in zip(scores, self.baseline, weights, strict=True):
+            verdict = margin_verdict(policy, sft, self.tie_threshold)
+            counts[("win", "tie", "lose", "invalid").index(verdict)] += weight
+        counts = self.trainer._reduce_sum(counts.to(self.trainer.accelerator.device)).cpu()
+        valid = counts[:3].sum().clamp(min=1e-12)
+        return {
+            M.WIN_RATE_VS_SFT: (counts[0] / valid).item(),
+            M.TIE_RATE_VS_SFT: (counts[1] / valid).item(),
+            M.LOSE_RATE_VS_SFT: (counts[2] / valid).item(),
+        }
+
+    @torch.no_grad()
+    def scores(self, seed: int) -> list[float]:
+        """This process's prompts answered by the current policy (sampled under ``seed``) and scored by the judge."""
+        trainer = self.trainer
+        rows, _ = rows_of_this_process(len(self.dataset), trainer.accelerator)
+        devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
+        chunk, out = trainer.args.local_rollout_forward_batch_size, []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + trainer.accelerator.process_index)
+            for start in range(0, len(rows), chunk):
+                rollout = trainer._rollout_rows(self.dataset, rows[start : start + chunk], sampling=True)
+                out += self.score_rollout(rollout, rows[start : start + chunk])
+        return out
+
+    def score_rollout(self, rollout, rows: list[int]) -> list[float]:
+        if self.judge == "rm":
+            return rollout.scores.float().tolist()
+        tokenizer = self.trainer.processing_class
+        columns = self.dataset.column_names
+        prompts = (
+            [self.dataset[i]["prompt"] for i in rows]
+            if "prompt" in columns
+            else decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
+        )
+        answers = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+        finished = ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer._stop_id).bool().tolist()
+        return self.judge.score(prompts, answers, finished)

@@ -1,0 +1,150 @@
+"""One sampled answer per held-out prompt from the policy and from the baseline, cached on disk as each batch
+arrives: the paper's §6.1 sampling (top-p 0.9, temperature 0.8, repetition penalty 1.1 on generated tokens only)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import torch
+from datasets import Dataset
+from tqdm.auto import tqdm
+
+from ..data import PromptCollator, load_any_dataset, prepare_prompt_dataset, prompt_length_limit, to_prompt_dataset
+from ..rollout import generate_responses, generation_kwargs
+from .base import ALL, JsonlCache, Pair, prompt_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How both sides answer (the paper's §6.1 defaults); ``seed`` fixes the samples batch by batch."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.8
+    top_p: float = 0.9
+    repetition_penalty: float = 1.1
+    do_sample: bool = True
+    batch_size: int = 8
+    seed: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_prompts(
+    source: str | Dataset,
+    split: str = "test",
+    category_column: str | None = None,
+    category: str | None = None,
+    num_prompts: int | None = None,
+    seed: int = 0,
+) -> Dataset:
+    """A ``prompt`` and a ``category`` column from any prompt source the trainer accepts (Hub id, folder, data file,
+    the release's prompt files, HH-RLHF; ``"<hub id>#<data dir>"`` picks a subset, e.g.
+    ``Anthropic/hh-rlhf#harmless-base``). The category is ``category_column``'s value, else ``category``, else
+    ``"all"``. ``num_prompts`` keeps a fixed random subset (by ``seed``)."""
+    dataset = source if isinstance(source, Dataset) else _load_source(source, split)
+    if category_column is not None and category_column not in dataset.column_names:
+        raise ValueError(f"--category-column {category_column!r} is not a column of {source}: {dataset.column_names}.")
+    labels = (
+        [str(c) for c in dataset.to_dict()[category_column]] if category_column else [category or ALL] * len(dataset)
+    )
+    prompts = to_prompt_dataset(dataset)
+    if "prompt" not in prompts.column_names:
+        raise ValueError(f"{source} has tokenized prompts only (input_ids); evaluation needs 'prompt' text.")
+    prompts = Dataset.from_dict({"prompt": prompts.to_dict()["prompt"], "category": labels})
+    if num_prompts is not None and num_prompts < len(prompts):
+        prompts = prompts.shuffle(seed=seed).select(range(num_prompts))
+    return prompts
+
+
+def _load_source(source: str, split: str) -> Dataset:
+    name, _, data_dir = source.partition("#")
+    if not data_dir:
+        return load_any_dataset(name, split=split)
+    from datasets import load_dataset
+
+    return load_dataset(name, data_dir=data_dir, split=split)
+
+
+def load_causal_lm(name: str | os.PathLike, device=None, dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` from a folder or Hub id, in eval mode: bfloat16 on a GPU when there is one, else float32
+    on CPU (``device`` / ``dtype`` override)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(name), dtype=dtype)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(os.fspath(name))
+
+
+@torch.no_grad()
+def generate_answers(
+    model, tokenizer, prompts: list, keys: list[str], settings: GenerationSettings, cache: JsonlCache, side: str
+) -> list[dict]:
+    """``{"text", "finished"}`` per prompt (``finished``: it ended with the stop token), from ``cache`` or generated
+    in fixed batches of ``settings.batch_size`` (a batch is generated whole if any of its prompts is missing, with
+    the seed ``settings.seed + first row``, so a resumed run samples what an uninterrupted one would)."""
+    stop_id, pad_id = tokenizer.eos_token_id, _pad_id(tokenizer)
+    limit = prompt_length_limit(None, model, settings.max_new_tokens)
+    ids = prepare_prompt_dataset(
+        Dataset.from_dict({"prompt": prompts}), tokenizer, max_prompt_length=limit, name="The evaluation prompts"
+    )["input_ids"]
+    collate, width = PromptCollator(pad_id), settings.batch_size
+    sampling = SimpleNamespace(response_length=settings.max_new_tokens, **_sampling_fields(settings))
+    starts = [s for s in range(0, len(prompts), width) if any(f"{side}|{k}" not in cache for k in keys[s : s + width])]
+    for start in tqdm(starts, desc=f"Generating ({side})", unit="batch"):
+        batch = collate([{"input_ids": row} for row in ids[start : start + width]])
+        query = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
+        kwargs = generation_kwargs(sampling, stop_id, pad_id, settings.do_sample, prompt_width=query[0].shape[1])
+        torch.manual_seed(settings.seed + start)
+        responses, mask = generate_responses(model, *query, kwargs)
+        for offset, (row, row_mask) in enumerate(zip(responses, mask, strict=True)):
+            tokens = row[row_mask.bool()].tolist()
+            finished = bool(tokens) and tokens[-1] == stop_id
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cache.put(f"{side}|{keys[start + offset]}", {"text": text, "finished": finished})
+    return [cache.get(f"{side}|{key}") for key in keys]
+
+
+def _sampling_fields(settings: GenerationSettings) -> dict:
+    return dict(temperature=settings.temperature, top_p=settings.top_p, repetition_penalty=settings.repetition_penalty)
+
+
+def _pad_id(tokenizer) -> int:
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is None:
+        raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
+    return tokenizer.eos_token_id
+
+
+def make_pairs(
+    policy, baseline, prompts: Dataset, settings: GenerationSettings, cache: JsonlCache, loader=load_causal_lm
+) -> list[Pair]:
+    """Answer every prompt with the policy, then with the baseline (one model in memory at a time; each a path,
+    Hub id or ``(model, tokenizer)``), and pair the answers."""
+    rows = prompts.to_dict()
+    keys = [prompt_key(i, p) for i, p in enumerate(rows["prompt"])]
+    answers = {}
+    for side, source in (("policy", policy), ("baseline", baseline)):
+        if all(f"{side}|{key}" in cache for key in keys):
+            answers[side] = [cache.get(f"{side}|{key}") for key in keys]
+            continue
+        model, tokenizer = source if isinstance(source, tuple) else loader(source)
+        answers[side] = generate_answers(model, tokenizer, rows["prompt"], keys, settings, cache, side)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return [
+        Pair(key, prompt, mine["text"], theirs["text"], category, (mine["finished"], theirs["finished"]))
+        for key, prompt, category, mine, theirs in zip(
+            keys, rows["prompt"], rows["category"], answers["policy"], answers["baseline"], strict=True
+        )
+    ]

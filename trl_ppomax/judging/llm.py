@@ -1,0 +1,322 @@
+"""The ``llm`` judge: a model behind an OpenAI-compatible ``/chat/completions`` endpoint (OpenAI, vLLM, …) compares
+the policy's and the baseline's answers pairwise, as in LLM-as-a-judge (Zheng et al. 2023).
+
+* Template: a text file holding ``{question}``, ``{answer_a}`` and ``{answer_b}``. Only these three are replaced, in
+  one pass (other braces stay as written; answers may contain anything). Text above the first line that is exactly
+  ``---`` is the system message, the rest the user message; without such a line the whole file is the user message.
+* Each pair is asked twice: ``policy_first`` (policy = A) and ``baseline_first`` (baseline = A). The last
+  ``[[A]]`` / ``[[B]]`` / ``[[C]]`` (tie) of a reply decides; it is mapped to the policy's side and
+  :func:`~trl_ppomax.judging.base.combine_swapped` joins the two orders.
+* Cache: ``"<pair.key>|<order>"`` → ``{"verdict", "label", "reply", "asks"}``, stored as each reply arrives; a cached
+  request is never sent again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from tqdm.auto import tqdm
+
+from .base import JsonlCache, Pair, Verdict, combine_swapped, prompt_text
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = Path(__file__).with_name("prompts") / "pairwise.txt"
+PLACEHOLDERS = ("question", "answer_a", "answer_b")
+#: The two orders every pair is asked in: who is answer A.
+ORDERS = ("policy_first", "baseline_first")
+#: The judge's label → the verdict from the policy's side, per order.
+LABEL_VERDICTS: dict[str, dict[str, Verdict]] = {
+    "policy_first": {"A": "win", "B": "lose", "C": "tie"},
+    "baseline_first": {"A": "lose", "B": "win", "C": "tie"},
+}
+_LABEL = re.compile(r"\[\[\s*([ABC])\s*\]\]")
+_PLACEHOLDER = re.compile(r"\{(question|answer_a|answer_b)\}")
+_SYSTEM_SEPARATOR = re.compile(r"^---[ \t]*$", re.MULTILINE)
+_TRANSIENT_ERRORS = (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError)
+_MAX_SERVER_MESSAGE = 500
+
+
+class JudgeUnavailableError(RuntimeError):
+    """The judge server kept failing (429, 5xx, timeout, connection error) through every retry."""
+
+
+class JudgeRequestError(RuntimeError):
+    """The judge server refused a request in a way a retry cannot fix (a 4xx other than 429, or a reply that is not
+    a chat completion)."""
+
+
+class JudgeAuthError(JudgeRequestError):
+    """HTTP 401/403: the API key is missing or wrong."""
+
+
+class _RetriesExhausted(Exception):
+    """Internal: one request failed ``max_retries + 1`` times; ``judge()`` turns it into JudgeUnavailableError."""
+
+
+class _Stopped(Exception):
+    """Internal: another request failed for good, so this worker stops before sending more."""
+
+
+def cache_key(pair: Pair, order: str) -> str:
+    """``"<pair.key>|<order>"``, order in :data:`ORDERS`."""
+    return f"{pair.key}|{order}"
+
+
+def parse_label(reply: str) -> str | None:
+    """The last ``[[A]]``, ``[[B]]`` or ``[[C]]`` in ``reply`` (``"A"``, ``"B"``, ``"C"``), or ``None``."""
+    labels = _LABEL.findall(reply)
+    return labels[-1] if labels else None
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A judge prompt: optional system message, user message with the placeholders, sha256 of the file's text."""
+
+    system: str | None
+    user: str
+    sha256: str
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PromptTemplate:
+        """Read a template; ``ValueError`` when the user part lacks a placeholder."""
+        text = Path(path).read_text(encoding="utf-8")
+        parts = _SYSTEM_SEPARATOR.split(text, maxsplit=1)
+        system, user = (parts[0].strip() or None, parts[1].strip()) if len(parts) == 2 else (None, text.strip())
+        missing = [name for name in PLACEHOLDERS if "{" + name + "}" not in user]
+        if missing:
+            raise ValueError(
+                f"Judge prompt template {path} lacks {', '.join('{' + name + '}' for name in missing)}: its user "
+                "message (below the first '---' line, if any) must hold {question}, {answer_a} and {answer_b}."
+            )
+        return cls(system, user, hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+    def messages(self, question: str, answer_a: str, answer_b: str) -> list[dict[str, str]]:
+        """Chat messages with the three placeholders filled in."""
+        values = {"question": question, "answer_a": answer_a, "answer_b": answer_b}
+        user = _PLACEHOLDER.sub(lambda match: values[match.group(1)], self.user)
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": user}]
+
+
+class LLMJudge:
+    """Pairwise judge over an OpenAI-compatible chat-completions API; see the module docstring for the protocol.
+
+    A failed request (429, 408, 5xx, timeout, connection error) is retried up to ``max_retries`` times after
+    ``min(Retry-After or backoff · 2**attempt, max_backoff)`` seconds, then :class:`JudgeUnavailableError`; 401/403
+    raise :class:`JudgeAuthError` and other 4xx :class:`JudgeRequestError` at once. A reply without a label is asked
+    again up to ``parse_retries`` times, then counts as ``invalid``. ``api_key`` defaults to ``$OPENAI_API_KEY``
+    (none: no ``Authorization`` header); it never appears in messages, logs, ``repr`` or the cache."""
+
+    name = "llm"
+
+    def __init__(
+        self,
+        model: str,
+        base_url: str = "https://api.openai.com/v1",
+        api_key: str | None = None,
+        prompt: str | os.PathLike | None = None,
+        max_retries: int = 6,
+        timeout: float = 120.0,
+        parse_retries: int = 2,
+        backoff: float = 1.0,
+        max_backoff: float = 60.0,
+        concurrency: int = 4,
+        temperature: float = 0.0,
+        max_tokens: int = 1024,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if concurrency < 1 or max_retries < 0 or parse_retries < 0:
+            raise ValueError("concurrency must be >= 1, max_retries and parse_retries >= 0")
+        self.model = model
+        self.base_url = base_url.rstrip("/")
+        self.url = f"{self.base_url}/chat/completions"
+        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.template = PromptTemplate.load(prompt if prompt is not None else DEFAULT_TEMPLATE)
+        self.max_retries = max_retries
+        self.timeout = timeout
+        self.parse_retries = parse_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.concurrency = concurrency
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self._sleep = sleep
+
+    def __repr__(self) -> str:
+        key = "'***'" if self._api_key else None
+        return f"LLMJudge(model={self.model!r}, base_url={self.base_url!r}, api_key={key})"
+
+    def settings(self) -> dict:
+        return {
+            "model": self.model,
+            "base_url": self.base_url,
+            "prompt_sha256": self.template.sha256,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+
+    # -- judging ---------------------------------------------------------------------------------------------------
+
+    def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]:
+        """One verdict per pair, in order: both orders asked (unless cached), joined by ``combine_swapped``."""
+        pairs = list(pairs)
+        unique = list({pair.key: pair for pair in pairs}.values())
+        todo = [pair for pair in unique if not all(cache_key(pair, order) in cache for order in ORDERS)]
+        try:
+            with tqdm(
+                total=len(unique), initial=len(unique) - len(todo), desc="Judging (llm)", unit="pair", disable=None
+            ) as bar:
+                self._judge_all(todo, cache, bar)
+        except _RetriesExhausted as error:
+            raise JudgeUnavailableError(self._unavailable_message(str(error), unique, cache)) from None
+        return [self._pair_verdict(pair, cache) for pair in pairs]
+
+    def _judge_all(self, pairs: list[Pair], cache: JsonlCache, bar) -> None:
+        """Judge ``pairs`` on ``concurrency`` threads; the first failure stops the rest and is raised."""
+        stop = threading.Event()
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = [pool.submit(self._judge_pair, pair, cache, stop) for pair in pairs]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    bar.update()
+            except BaseException:
+                stop.set()
+                for future in futures:
+                    future.cancel()
+                raise  # after the pool has let running requests finish (and cache what they got)
+
+    def _judge_pair(self, pair: Pair, cache: JsonlCache, stop: threading.Event) -> None:
+        for order in ORDERS:
+            if cache_key(pair, order) not in cache:
+                cache.put(cache_key(pair, order), self._judge_order(pair, order, stop))
+
+    def _judge_order(self, pair: Pair, order: str, stop: threading.Event) -> dict:
+        """``{"verdict", "label", "reply", "asks"}`` for one order, asking up to ``1 + parse_retries`` times."""
+        messages = self._messages(pair, order)
+        for ask in range(1, self.parse_retries + 2):
+            reply = self._complete(messages, stop)
+            label = parse_label(reply)
+            if label is not None:
+                break
+            logger.info("Judge reply for %s has no [[A]]/[[B]]/[[C]] (ask %d)", cache_key(pair, order), ask)
+        verdict = LABEL_VERDICTS[order][label] if label is not None else "invalid"
+        return {"verdict": verdict, "label": label, "reply": self._redact(reply), "asks": ask}
+
+    def _messages(self, pair: Pair, order: str) -> list[dict[str, str]]:
+        first, second = (pair.policy, pair.baseline) if order == "policy_first" else (pair.baseline, pair.policy)
+        return self.template.messages(prompt_text(pair.prompt), first, second)
+
+    @staticmethod
+    def _pair_verdict(pair: Pair, cache: JsonlCache) -> Verdict:
+        first, second = (cache.get(cache_key(pair, order))["verdict"] for order in ORDERS)
+        return combine_swapped(first, second)
+
+    # -- HTTP ------------------------------------------------------------------------------------------------------
+
+    def _complete(self, messages: list[dict[str, str]], stop: threading.Event) -> str:
+        """The reply text of one chat completion, retrying transient failures; ``_RetriesExhausted`` when they last."""
+        payload = {
+            "model": self.model,
+            "messages": messages,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        for attempt in range(self.max_retries + 1):
+            if stop.is_set():
+                raise _Stopped
+            retry_after = None
+            try:
+                response = requests.post(self.url, json=payload, headers=self._headers(), timeout=self.timeout)
+            except _TRANSIENT_ERRORS as error:
+                reason = self._redact(f"{type(error).__name__}: {error}")
+            else:
+                if response.ok:
+                    return self._reply_text(response)
+                if not _is_transient(response.status_code):
+                    raise self._refusal(response)
+                reason = f"HTTP {response.status_code}: {self._server_message(response)}"
+                retry_after = _retry_after_seconds(response)
+            if attempt < self.max_retries:
+                delay = min(retry_after if retry_after is not None else self.backoff * 2**attempt, self.max_backoff)
+                logger.warning(
+                    "Judge request to %s failed (%s); retry %d/%d in %.2f s",
+                    self.url,
+                    reason,
+                    attempt + 1,
+                    self.max_retries,
+                    delay,
+                )
+                self._sleep(delay)
+        raise _RetriesExhausted(reason)
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    def _reply_text(self, response: requests.Response) -> str:
+        try:
+            content = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeRequestError(
+                f"{self.url} did not answer with a chat completion (is base_url right? it usually ends in /v1): "
+                f"{self._server_message(response)}"
+            ) from None
+        return content or ""
+
+    def _refusal(self, response: requests.Response) -> JudgeRequestError:
+        """The error for a 4xx that retrying cannot fix."""
+        status, message = response.status_code, self._server_message(response)
+        if status in (401, 403):
+            return JudgeAuthError(
+                f"The judge server at {self.url} refused the request (HTTP {status}: {message}). Check the API key "
+                "in OPENAI_API_KEY (or the variable named by --api-key-env)."
+            )
+        return JudgeRequestError(f"The judge server at {self.url} refused the request (HTTP {status}): {message}")
+
+    def _server_message(self, response: requests.Response) -> str:
+        """The server's error message (OpenAI's ``error.message``, vLLM's ``message``, else the body), truncated."""
+        try:
+            body = response.json()
+            error = body.get("error", body)
+            message = str(error.get("message", body) if isinstance(error, dict) else error)
+        except (ValueError, AttributeError):
+            message = response.text
+        message = self._redact(message.strip())
+        return message if len(message) <= _MAX_SERVER_MESSAGE else message[:_MAX_SERVER_MESSAGE] + "…"
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+    def _unavailable_message(self, reason: str, pairs: list[Pair], cache: JsonlCache) -> str:
+        cached = sum(cache_key(pair, order) in cache for pair in pairs for order in ORDERS)
+        return (
+            f"The judge server at {self.url} kept failing ({reason}) after {self.max_retries} retries. "
+            f"{cached} of {len(pairs) * len(ORDERS)} judgements ({len(pairs)} pairs × {len(ORDERS)} orders) are "
+            f"cached in {cache.path}; run the same command again to resume from them."
+        )
+
+
+def _is_transient(status: int) -> bool:
+    """429 (rate limit), 408 (request timeout) and 5xx are worth retrying."""
+    return status in (408, 429) or status >= 500
+
+
+def _retry_after_seconds(response: requests.Response) -> float | None:
+    """A numeric ``Retry-After`` header in seconds (an HTTP date is ignored)."""
+    try:
+        seconds = float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return None
+    return max(seconds, 0.0) if math.isfinite(seconds) else None

@@ -1,0 +1,605 @@
+"""Alignment tax on knowledge questions: multiple-choice accuracy per subject of two models (the SFT model and the PPO
+policy, as in Fig. 12 of "Secrets of RLHF in Large Language Models Part I: PPO" on C-Eval), scored by the
+log-likelihood of the answers.
+
+For full benchmark suites (all of MMLU or C-Eval with their official prompts and splits) ``lighteval`` is the better
+tool; this scorer is a quick before/after check of several models on the same data.
+
+Data layouts (column names configurable):
+
+* MMLU: ``question``, ``choices`` (a list of strings), ``answer`` (an index, 0 = A), ``subject``;
+* C-Eval: ``question``, ``A``, ``B``, ``C``, ``D`` (one column per choice), ``answer`` (a letter such as "B"),
+  usually no subject column. Rows without a subject go to the subject "all".
+
+Prompt, with ``k`` solved examples from ``few_shot_dataset`` (of the question's subject when there are subjects)::
+
+    <instruction, formatted with {subject}>
+
+    <example question>
+    A. <choice>
+    B. <choice>
+    Answer: B
+
+    <question>
+    A. <choice>
+    B. <choice>
+    Answer:
+
+Scoring: ``"letter"`` (default) predicts the letter whose continuation (``" A"``, ``" B"``, ...) has the highest
+log-probability. ``"text"`` uses the cloze form (no lettered choices in the prompt, examples answered with the choice
+text) and predicts the choice whose text, as continuation ``" <text>"``, has the highest mean per-token
+log-likelihood. Ties go to the first choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import json
+import logging
+import operator
+import os
+import string
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .base import ALL, write_text_atomically
+from .generation import load_causal_lm
+
+logger = logging.getLogger(__name__)
+
+Scoring = Literal["letter", "text"]
+SCORINGS: tuple[Scoring, ...] = ("letter", "text")
+#: Choice letters: A = index 0.
+LETTERS = string.ascii_uppercase
+#: The line that ends every question; the answer follows it after a space.
+ANSWER_LABEL = "Answer:"
+#: MMLU's instruction header (Hendrycks et al.); ``{subject}`` is the subject with underscores as spaces.
+MMLU_INSTRUCTION = "The following are multiple choice questions (with answers) about {subject}."
+#: C-Eval's instruction header (Huang et al.).
+CEVAL_INSTRUCTION = "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。"
+#: The local ``evaluate`` metric module (correct / n), loaded by path.
+METRIC_PATH = Path(__file__).parent / "metrics" / "mcq_accuracy"
+REPORT_FILE = "mcq_report.json"
+PREDICTIONS_FILE = "mcq_predictions.jsonl"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One multiple-choice question; ``answer`` is the index of the correct choice (0 = A)."""
+
+    question: str
+    choices: tuple[str, ...]
+    answer: int
+    subject: str = ALL
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+
+
+def _column_names(dataset) -> list[str]:
+    if isinstance(dataset, Mapping):
+        raise ValueError(f"Pass one split (e.g. dataset['test']), not a dict of splits: found keys {list(dataset)}.")
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        names = list(dataset[0]) if len(dataset) else []
+    return list(names)
+
+
+def _choice_source(columns: list[str], choices_column: str | Sequence[str] | None) -> str | list[str]:
+    """The list column holding the choices (MMLU), or one column per choice (C-Eval's A, B, C, D)."""
+    if choices_column is None:
+        if "choices" in columns:
+            return "choices"
+        letters = list(itertools.takewhile(lambda c: c in columns, LETTERS))
+        if len(letters) >= 2:
+            return letters
+        raise ValueError(
+            f"Unrecognised multiple-choice layout: columns found {columns}. Expected MMLU (question, choices = list "
+            "of strings, answer = index) or C-Eval (question, A, B, C, D, answer = letter), or name the choices with "
+            "choices_column= (one list column, or a list of one column per choice)."
+        )
+    wanted = [choices_column] if isinstance(choices_column, str) else list(choices_column)
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise ValueError(f"Choice column(s) {missing} not in the dataset: columns found {columns}.")
+    return choices_column if isinstance(choices_column, str) else wanted
+
+
+def _answer_index(value, n_choices: int, row: int) -> int:
+    """An index (int) or a letter ("B", any case) → the index, checked against the number of choices."""
+    index = -1
+    if isinstance(value, str):
+        letter = value.strip().upper()
+        index = LETTERS.index(letter) if len(letter) == 1 and letter in LETTERS else -1
+    elif not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            index = operator.index(value)
+    if not 0 <= index < n_choices:
+        raise ValueError(
+            f"Row {row}: answer {value!r} is not one of its {n_choices} choices (expected an index 0-{n_choices - 1} "
+            f"or a letter A-{LETTERS[n_choices - 1]})."
+        )
+    return index
+
+
+def read_questions(
+    dataset,
+    *,
+    question_column: str = "question",
+    choices_column: str | Sequence[str] | None = None,
+    answer_column: str = "answer",
+    subject_column: str | None = "subject",
+    max_questions: int | None = None,
+) -> list[Question]:
+    """The first ``max_questions`` rows (all by default) of a ``datasets.Dataset`` or list of dicts as questions.
+
+    ``choices_column``: a list column, a list of one column per choice, or ``None`` to detect ``choices`` (MMLU) or
+    the letter columns ``A``, ``B``, ... (C-Eval). The answer may be an index or a letter. Rows without a subject
+    (no such column, or an empty value) get the subject "all".
+
+    Raises:
+        ValueError: the layout is not recognised, a column is missing, or an answer is out of range (the message
+            names the columns found or the row).
+    """
+    columns = _column_names(dataset)
+    missing = [c for c in (question_column, answer_column) if c not in columns]
+    if missing:
+        raise ValueError(f"Column(s) {missing} not in the dataset: columns found {columns}.")
+    source = _choice_source(columns, choices_column)
+    has_subject = subject_column is not None and subject_column in columns
+    rows = dataset if max_questions is None else itertools.islice(dataset, max_questions)
+    questions = []
+    for i, row in enumerate(rows):
+        raw = row[source] if isinstance(source, str) else [row[c] for c in source]
+        if isinstance(raw, str) or not 2 <= len(raw) <= len(LETTERS):
+            raise ValueError(f"Row {i}: choices {raw!r} are not a list of 2-{len(LETTERS)} options.")
+        choices = tuple(str(c) for c in raw)
+        subject = row[subject_column] if has_subject else None
+        questions.append(
+            Question(
+                question=str(row[question_column]),
+                choices=choices,
+                answer=_answer_index(row[answer_column], len(choices), i),
+                subject=str(subject) if subject not in (None, "") else ALL,
+            )
+        )
+    if not questions:
+        raise ValueError("The dataset has no questions.")
+    return questions
+
+
+# ------------------------------------------------------------------------------------------------------- prompts
+
+
+def continuation(question: Question, index: int, scoring: Scoring = "letter") -> str:
+    """What follows ``Answer:`` for choice ``index``: ``" B"`` (letter) or ``" <choice text>"`` (text)."""
+    return " " + (LETTERS[index] if scoring == "letter" else question.choices[index])
+
+
+def format_question(question: Question, *, scoring: Scoring = "letter", solved: bool = False) -> str:
+    """The question, its ``A. <choice>`` lines (letter scoring only), and ``Answer:`` (followed by the correct
+    :func:`continuation` when ``solved``)."""
+    lines = [question.question]
+    if scoring == "letter":
+        lines += [f"{LETTERS[i]}. {choice}" for i, choice in enumerate(question.choices)]
+    lines.append(ANSWER_LABEL + (continuation(question, question.answer, scoring) if solved else ""))
+    return "\n".join(lines)
+
+
+def select_shots(question: Question, pool: Sequence[Question], k: int) -> list[Question]:
+    """The first ``k`` examples of ``pool`` with the question's subject; the first ``k`` of all of ``pool`` when the
+    question or the pool has no subjects."""
+    if k <= 0:
+        return []
+    if question.subject != ALL and any(s.subject != ALL for s in pool):
+        pool = [s for s in pool if s.subject == question.subject]
+    return list(pool[:k])
+
+
+def build_prompt(
+    question: Question, shots: Sequence[Question] = (), *, instruction: str | None = None, scoring: Scoring = "letter"
+) -> str:
+    """``instruction`` (``{subject}`` filled in, underscores as spaces), the solved ``shots`` and the question, as
+    blocks separated by a blank line; ends with ``Answer:``."""
+    blocks = [instruction.format(subject=question.subject.replace("_", " "))] if instruction else []
+    blocks += [format_question(shot, scoring=scoring, solved=True) for shot in shots]
+    blocks.append(format_question(question, scoring=scoring))
+    return "\n\n".join(blocks)
+
+
+# ------------------------------------------------------------------------------------------------------- scoring
+
+
+def _encoder(tokenizer):
+    """texts → token ids as the model should read them: the tokenizer's leading special token (LLaMA's bos), if it
+    adds one, but no trailing ones (an eos would end up inside the continuation)."""
+    bos = tokenizer.bos_token_id
+    with_special = tokenizer("a")["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    prefix = [bos] if bos is not None and with_special[:1] == [bos] and bare[:1] != [bos] else []
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [prefix + list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return encode
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _model_device(model) -> torch.device:
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
+def _last_logprobs(model, inputs: list[list[int]], last: list[int], pad_id: int) -> list[torch.Tensor]:
+    """One forward pass over ``inputs`` (right-padded, explicit attention mask and positions): for each input, the
+    float32 log-softmax of the logits at its ``last[i]`` final positions, ``[last[i], vocab]``."""
+    lengths = [len(ids) for ids in inputs]
+    input_ids = torch.full((len(inputs), max(lengths)), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(inputs):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    device = _model_device(model)
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
+        use_cache=False,
+    ).logits
+    return [
+        logits[row, n - k : n].float().log_softmax(-1) for row, (n, k) in enumerate(zip(lengths, last, strict=True))
+    ]
+
+
+@torch.no_grad()
+def loglikelihoods(
+    model,
+    tokenizer,
+    requests: Sequence[Sequence[tuple[str, str]]],
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> list[list[tuple[float, int]]]:
+    """``(Σ log p(continuation token | everything before it), number of continuation tokens)`` for every
+    ``(context, continuation)`` of every question in ``requests`` (same nesting).
+
+    The continuation's tokens are those of ``encode(context + continuation)`` after its longest common prefix with
+    ``encode(context)``, so a letter of several tokens, or a tokenizer merging across the boundary, is handled. The
+    model reads ``(context + continuation)[:-1]``, left-truncated to ``max_length`` (default: the model's
+    ``max_position_embeddings``); requests with the same input (one context, single-token letters) share a forward
+    pass. Inputs are batched ``batch_size`` at a time, longest first, right-padded with an explicit attention mask
+    and positions: the scores do not depend on the batch size or the tokenizer's padding side.
+    """
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    flat = [pair for question in requests for pair in question]
+    owners = [q for q, question in enumerate(requests) for _ in question]
+    max_length = max_length or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    inputs, targets = _plan_inputs(_encoder(tokenizer), flat, max_length)
+    by_input = defaultdict(list)  # input index → the requests reading it
+    for r, (i, _) in enumerate(targets):
+        by_input[i].append(r)
+    pending = Counter(q for rs in by_input.values() for q in {owners[r] for r in rs})  # inputs left per question
+
+    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
+    scores: list[tuple[float, int]] = [(0.0, 0)] * len(flat)
+    bar = tqdm(total=len(requests), desc="Scoring questions", unit="question", disable=not progress)
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        last = [max(len(targets[r][1]) for r in by_input[i]) for i in batch]
+        for i, logprobs in zip(batch, _last_logprobs(model, [inputs[i] for i in batch], last, pad_id), strict=True):
+            for r in by_input[i]:
+                tokens = torch.tensor(targets[r][1], device=logprobs.device)
+                scores[r] = (logprobs[-len(tokens) :].gather(-1, tokens[:, None]).sum().item(), len(tokens))
+            for q in {owners[r] for r in by_input[i]}:
+                pending[q] -= 1
+                bar.update(int(pending[q] == 0))
+    bar.close()
+    offsets = list(itertools.accumulate((len(question) for question in requests), initial=0))
+    return [scores[start:end] for start, end in itertools.pairwise(offsets)]
+
+
+def _plan_inputs(
+    encode, flat: Sequence[tuple[str, str]], max_length: int | None
+) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+    """The distinct model inputs, and per ``(context, continuation)`` request ``(input index, continuation ids)``:
+    see :func:`loglikelihoods`."""
+    contexts = encode([context for context, _ in flat])
+    fulls = encode([context + cont for context, cont in flat])
+    index: dict[tuple[int, ...], int] = {}
+    targets = []
+    truncated = set()
+    for (context, cont), context_ids, full_ids in zip(flat, contexts, fulls, strict=True):
+        start = _common_prefix(context_ids, full_ids)
+        if start == 0 or start == len(full_ids):
+            raise ValueError(
+                f"Cannot score continuation {cont!r} after context ...{context[-80:]!r}: it adds no tokens "
+                "or the context has none."
+            )
+        model_input = full_ids[:-1]
+        if max_length and len(model_input) > max_length:
+            if len(full_ids) - start > max_length:
+                raise ValueError(f"Continuation {cont!r} is longer than max_length={max_length} tokens.")
+            model_input = model_input[-max_length:]
+            truncated.add(tuple(model_input))
+        targets.append((index.setdefault(tuple(model_input), len(index)), full_ids[start:]))
+    if truncated:
+        logger.warning(
+            "%d of %d model inputs were longer than %d tokens: their start was cut off.",
+            len(truncated),
+            len(index),
+            max_length,
+        )
+    return [list(ids) for ids in index], targets
+
+
+# ------------------------------------------------------------------------------------------------------ accuracy
+
+
+@cache
+def accuracy_metric():
+    """The local ``mcq_accuracy`` metric (``evaluate.load`` of :data:`METRIC_PATH`, in memory; works offline)."""
+    try:
+        import evaluate
+    except ImportError as error:
+        raise ImportError("The multiple-choice scorer needs `evaluate`: pip install evaluate") from error
+    return evaluate.load(str(METRIC_PATH), keep_in_memory=True)
+
+
+def accuracy_report(predictions: Sequence[int], references: Sequence[int], subjects: Sequence[str]) -> dict:
+    """``{"subjects": {subject: {"accuracy", "correct", "n"}}, "all": {...}, "macro": float}``: accuracy per subject
+    (sorted by name), over all questions (micro average), and the unweighted mean over subjects (macro)."""
+    metric = accuracy_metric()
+    grouped = defaultdict(lambda: ([], []))
+    for prediction, reference, subject in zip(predictions, references, subjects, strict=True):
+        grouped[subject][0].append(prediction)
+        grouped[subject][1].append(reference)
+    per_subject = {s: metric.compute(predictions=p, references=r) for s, (p, r) in sorted(grouped.items())}
+    return {
+        "subjects": per_subject,
+        "all": metric.compute(predictions=list(predictions), references=list(references)),
+        "macro": sum(v["accuracy"] for v in per_subject.values()) / len(per_subject),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+def _check_scoring(scoring: str) -> None:
+    if scoring not in SCORINGS:
+        raise ValueError(f"Unknown scoring {scoring!r}: use one of {', '.join(SCORINGS)}.")
+
+
+def _few_shot_pool(few_shot: int, few_shot_dataset, columns: dict) -> list[Question]:
+    if few_shot < 0:
+        raise ValueError(f"few_shot must be >= 0, got {few_shot}.")
+    if few_shot == 0:
+        return []
+    if few_shot_dataset is None:
+        raise ValueError("few_shot > 0 needs a few_shot_dataset (e.g. the dev split), distinct from the questions.")
+    return read_questions(few_shot_dataset, **columns)
+
+
+def _score_questions(
+    model,
+    tokenizer,
+    questions: list[Question],
+    pool: list[Question],
+    *,
+    few_shot: int,
+    scoring: Scoring,
+    instruction: str | None,
+    batch_size: int,
+    max_length: int | None,
+    progress: bool,
+) -> tuple[dict, list[dict]]:
+    shots = [select_shots(q, pool, few_shot) for q in questions]
+    short = sorted({q.subject for q, s in zip(questions, shots, strict=True) if len(s) < few_shot})
+    if short:
+        logger.warning("Fewer than %d few-shot examples for subject(s) %s: using those there are.", few_shot, short)
+    requests = [
+        [
+            (build_prompt(q, s, instruction=instruction, scoring=scoring), continuation(q, i, scoring))
+            for i in range(len(q.choices))
+        ]
+        for q, s in zip(questions, shots, strict=True)
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        results = loglikelihoods(
+            model, tokenizer, requests, batch_size=batch_size, max_length=max_length, progress=progress
+        )
+    finally:
+        model.train(was_training)
+    scores = [[total / n if scoring == "text" else total for total, n in result] for result in results]
+    predicted = [max(range(len(s)), key=s.__getitem__) for s in scores]
+    report = accuracy_report(predicted, [q.answer for q in questions], [q.subject for q in questions])
+    rows = [
+        {
+            "index": i,
+            "subject": q.subject,
+            "question": q.question,
+            "answer": LETTERS[q.answer],
+            "prediction": LETTERS[p],
+            "correct": p == q.answer,
+            "scores": s,
+        }
+        for i, (q, p, s) in enumerate(zip(questions, predicted, scores, strict=True))
+    ]
+    return report, rows
+
+
+def score_multiple_choice(
+    model,
+    tokenizer,
+    dataset,
+    *,
+    few_shot: int = 0,
+    few_shot_dataset=None,
+    scoring: Scoring = "letter",
+    batch_size: int = 8,
+    max_questions: int | None = None,
+    instruction: str | None = None,
+    question_column: str = "question",
+    choices_column: str | Sequence[str] | None = None,
+    answer_column: str = "answer",
+    subject_column: str | None = "subject",
+    max_length: int | None = None,
+    progress: bool = True,
+) -> tuple[dict, list[dict]]:
+    """Score a loaded model on the questions of ``dataset`` (see the module docstring for layouts, prompt and
+    scoring); the model is put in eval mode for the call and on its own device.
+
+    Returns:
+        ``(report, predictions)``: ``report`` as :func:`accuracy_report`; one prediction per question,
+        ``{"index", "subject", "question", "answer", "prediction", "correct", "scores"}`` with letters for answer and
+        prediction and one score per choice (log-probability of the letter, or mean per-token log-likelihood of the
+        text).
+    """
+    _check_scoring(scoring)
+    columns = dict(
+        question_column=question_column,
+        choices_column=choices_column,
+        answer_column=answer_column,
+        subject_column=subject_column,
+    )
+    questions = read_questions(dataset, max_questions=max_questions, **columns)
+    pool = _few_shot_pool(few_shot, few_shot_dataset, columns)
+    return _score_questions(
+        model,
+        tokenizer,
+        questions,
+        pool,
+        few_shot=few_shot,
+        scoring=scoring,
+        instruction=instruction,
+        batch_size=batch_size,
+        max_length=max_length,
+        progress=progress,
+    )
+
+
+def format_table(report: dict) -> str:
+    """Subjects (then "all" = micro and "macro") × model accuracies in %, with ``policy − baseline`` in points when
+    both are there."""
+    models = report["models"]
+    names = list(models)
+    diff = "policy" in models and "baseline" in models
+    subjects = sorted(set().union(*(m["subjects"] for m in models.values())))
+    rows = []
+    for subject in subjects if subjects != [ALL] else []:
+        cells = [models[m]["subjects"].get(subject) for m in names]
+        n = next(c["n"] for c in cells if c)
+        rows.append((subject, str(n), [c["accuracy"] if c else None for c in cells]))
+    rows.append(("all (micro)", str(models[names[0]]["all"]["n"]), [models[m]["all"]["accuracy"] for m in names]))
+    rows.append(("macro", "", [models[m]["macro"] for m in names]))
+
+    header = ["subject", "n", *names] + (["policy − baseline"] if diff else [])
+    lines = []
+    for subject, n, accuracies in rows:
+        cells = [subject, n, *("-" if a is None else f"{100 * a:.1f}" for a in accuracies)]
+        if diff:
+            p, b = accuracies[names.index("policy")], accuracies[names.index("baseline")]
+            cells.append("-" if p is None or b is None else f"{100 * (p - b):+.1f}")
+        lines.append(cells)
+    widths = [max(len(row[c]) for row in [header, *lines]) for c in range(len(header))]
+
+    def fmt(row):
+        return "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+
+    title = f"Multiple-choice accuracy (%), {report['scoring']} scoring, {report['few_shot']}-shot"
+    return "\n".join([title, fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
+
+
+def compare_multiple_choice(
+    models: Mapping[str, str | os.PathLike],
+    dataset,
+    output_dir: str | os.PathLike,
+    *,
+    few_shot: int = 0,
+    few_shot_dataset=None,
+    scoring: Scoring = "letter",
+    batch_size: int = 8,
+    max_questions: int | None = None,
+    instruction: str | None = None,
+    question_column: str = "question",
+    choices_column: str | Sequence[str] | None = None,
+    answer_column: str = "answer",
+    subject_column: str | None = "subject",
+    max_length: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> dict:
+    """Score each model of ``models`` (name → folder or Hub name, e.g. ``{"policy": ..., "baseline": ...}``) on the
+    same questions, one model in memory at a time (:func:`~trl_ppomax.judging.generation.load_causal_lm`), and print the table of :func:`format_table`.
+
+    Writes ``output_dir/mcq_report.json`` (atomically) as ``{"task": "mcq", "scoring", "few_shot", "models": {name:
+    report}}`` with each report as :func:`accuracy_report`, and ``output_dir/mcq_predictions.jsonl``: one line per
+    model and question, the rows of :func:`score_multiple_choice` with ``"model"`` added.
+
+    Returns:
+        The report written to ``mcq_report.json``.
+    """
+    if not models:
+        raise ValueError("No models to compare.")
+    _check_scoring(scoring)
+    columns = dict(
+        question_column=question_column,
+        choices_column=choices_column,
+        answer_column=answer_column,
+        subject_column=subject_column,
+    )
+    questions = read_questions(dataset, max_questions=max_questions, **columns)  # check the data before loading
+    pool = _few_shot_pool(few_shot, few_shot_dataset, columns)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    reports, predictions = {}, []
+    for name, path in models.items():
+        model, tokenizer = load_causal_lm(path, device, dtype)
+        reports[name], rows = _score_questions(
+            model,
+            tokenizer,
+            questions,
+            pool,
+            few_shot=few_shot,
+            scoring=scoring,
+            instruction=instruction,
+            batch_size=batch_size,
+            max_length=max_length,
+            progress=progress,
+        )
+        predictions += [{"model": name, **row} for row in rows]
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    report = {"task": "mcq", "scoring": scoring, "few_shot": few_shot, "models": reports}
+    write_text_atomically(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomically(
+        out / PREDICTIONS_FILE, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predictions)
+    )
+    print(format_table(report))
+    return report

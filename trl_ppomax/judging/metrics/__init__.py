@@ -1,0 +1,2 @@
+"""Local ``evaluate`` metric modules, loaded by path (``evaluate.load(<folder>)``, offline): one folder per metric,
+holding ``<folder name>.py``."""

@@ -1,0 +1,94 @@
+"""``evaluate_policy``: answers from both sides, every judge's verdicts, ``report.json``, the table and the figure.
+
+Everything lands in ``output_dir`` as it is made — ``generations.jsonl``, ``verdicts/<judge>.jsonl`` — so running the
+same evaluation again resumes where it stopped without generating or asking a judge twice. A folder made under other
+settings (models, prompts, sampling, a judge's model or prompt) is refused rather than mixed."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from datasets import Dataset
+
+from .base import JsonlCache, Judge, Pair, write_text_atomically
+from .generation import GenerationSettings, make_pairs
+from .report import format_table, plot_win_tie_lose, tally
+
+
+def evaluate_policy(
+    policy,
+    baseline,
+    prompts: Dataset,
+    output_dir: str | os.PathLike,
+    judges: Sequence[Judge],
+    generation: GenerationSettings | None = None,
+    names: dict[str, str] | None = None,
+) -> dict:
+    """Compare ``policy`` with ``baseline`` (paths, Hub ids or ``(model, tokenizer)``) on ``prompts`` (a ``prompt``
+    and a ``category`` column: :func:`~trl_ppomax.judging.generation.load_prompts`) with each judge; returns and
+    writes ``report.json``::
+
+        {"policy", "baseline", "num_prompts", "generation": {...},
+         "judges": {"<judge>": {"settings": {...}, "categories": {"<category>" | "all":
+             {"win", "tie", "lose", "invalid", "n", "win_rate", "win_rate_ci95": [lo, hi]}}}}}
+
+    counted from the policy's side. ``names`` labels the two sides in the report (default: their paths)."""
+    generation = generation or GenerationSettings()
+    output = Path(output_dir)
+    names = names or {"policy": _label(policy), "baseline": _label(baseline)}
+    claim(output / "settings.json", {**names, "prompts": _fingerprint(prompts), "generation": generation.as_dict()})
+    pairs = make_pairs(policy, baseline, prompts, generation, JsonlCache(output / "generations.jsonl"))
+    write_text_atomically(
+        output / "pairs.jsonl", "".join(json.dumps(p.as_dict(), ensure_ascii=False) + "\n" for p in pairs)
+    )
+    report = {**names, "num_prompts": len(pairs), "generation": generation.as_dict(), "judges": {}}
+    for judge in judges:
+        report["judges"][judge.name] = {"settings": judge.settings(), "categories": judge_pairs(judge, pairs, output)}
+    write_text_atomically(output / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
+    tables = {name: entry["categories"] for name, entry in report["judges"].items()}
+    if tables:
+        print(format_table(tables))
+        figure = plot_win_tie_lose(tables, output / "report.png", f"{names['policy']} vs {names['baseline']}")
+        print(f"\n{output / 'report.json'} and {figure} written.")
+    return report
+
+
+def judge_pairs(judge: Judge, pairs: list[Pair], output: Path) -> dict[str, dict]:
+    """One judge's :func:`~trl_ppomax.judging.report.tally`, its verdicts cached in ``verdicts/<name>.jsonl``."""
+    folder = output / "verdicts"
+    claim(folder / f"{judge.name}.settings.json", judge.settings())
+    verdicts = judge.judge(pairs, JsonlCache(folder / f"{judge.name}.jsonl"))
+    return tally(verdicts, [p.category for p in pairs])
+
+
+def claim(path: Path, settings: dict) -> None:
+    """Write ``settings`` to ``path``, or check that the ones already there are the same: the cached work beside it
+    was made under them."""
+    settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples → lists)
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != settings:
+            changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+            raise ValueError(
+                f"{path.parent} holds an evaluation made under other settings ({', '.join(changed)} differ from "
+                f"{path.name}); its cached answers or verdicts would be mixed with new ones. Use another --output "
+                "folder, or delete that folder (or the judge's files under verdicts/) to start afresh."
+            )
+    else:
+        write_text_atomically(path, json.dumps(settings, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _label(side) -> str:
+    if isinstance(side, tuple):
+        return getattr(side[0], "name_or_path", None) or type(side[0]).__name__
+    return os.fspath(side)
+
+
+def _fingerprint(prompts: Dataset) -> str:
+    import hashlib
+
+    text = json.dumps(prompts.select_columns(["prompt", "category"]).to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,129 @@
+"""Judges that score each answer on its own and compare the scores: a reward model (``rm``) and a scoring function
+(``gold``: the toy world's known reward, or any ``(prompts, completions) -> scores``). A pair is a win when the
+policy's score beats the baseline's by more than ``tie_threshold``, a loss when it trails by more, else a tie."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import tokenize_prompt
+from ..modeling import sequence_scores
+from .base import JsonlCache, Pair, Verdict, margin_verdict
+
+
+class ScoreJudge:
+    """Scores both answers of every pair not yet in the cache (``{"policy": s, "baseline": s}`` under the pair's
+    key), then compares them with :func:`~trl_ppomax.judging.base.margin_verdict`. Subclasses define ``score``."""
+
+    name = "score"
+
+    def __init__(self, tie_threshold: float = 0.0, batch_size: int = 16) -> None:
+        self.tie_threshold, self.batch_size = tie_threshold, batch_size
+
+    def score(self, prompts: list, answers: list[str], finished: list[bool]) -> list[float]:
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        return {"judge": self.name, "tie_threshold": self.tie_threshold}
+
+    def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]:
+        pairs = list(pairs)
+        missing = [p for p in pairs if p.key not in cache]
+        for start in tqdm(range(0, len(missing), self.batch_size), desc=f"Judging ({self.name})", unit="batch"):
+            chunk = missing[start : start + self.batch_size]
+            prompts = [p.prompt for p in chunk] * 2
+            answers = [p.policy for p in chunk] + [p.baseline for p in chunk]
+            finished = [p.finished[0] for p in chunk] + [p.finished[1] for p in chunk]
+            scores = self.score(prompts, answers, finished)
+            for i, pair in enumerate(chunk):
+                cache.put(pair.key, {"policy": scores[i], "baseline": scores[len(chunk) + i]})
+        return [self.verdict(cache.get(p.key)) for p in pairs]
+
+    def verdict(self, scores: dict) -> Verdict:
+        return margin_verdict(scores["policy"], scores["baseline"], self.tie_threshold)
+
+
+class FunctionJudge(ScoreJudge):
+    """``function(prompts, completions) -> list[float]`` as a judge (TRL's reward-function convention); the default
+    name ``gold`` is the toy world's known reward (:func:`trl_ppomax.toyworld.gold_rewards`)."""
+
+    def __init__(self, function: Callable | None = None, name: str = "gold", tie_threshold: float = 0.0) -> None:
+        super().__init__(tie_threshold)
+        if function is None:
+            from ..toyworld import gold_rewards as function
+        self.function, self.name = function, name
+
+    def score(self, prompts, answers, finished) -> list[float]:
+        return [float(s) for s in self.function(prompts, answers)]
+
+    def settings(self) -> dict:
+        source = inspect.getsource(self.function) if inspect.isfunction(self.function) else repr(self.function)
+        return {
+            **super().settings(),
+            "function": getattr(self.function, "__qualname__", repr(self.function)),
+            "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        }
+
+
+class RewardModelJudge(ScoreJudge):
+    """A reward model (folder, Hub id or a loaded sequence-classification model with its tokenizer) scoring each
+    answer on exactly the ids it was trained on: the prompt as the trainer encodes it
+    (:func:`~trl_ppomax.data.tokenize_prompt`), the answer's tokens, and the stop token when the answer ended with it;
+    read where the model reads its score (:func:`~trl_ppomax.modeling.sequence_scores`)."""
+
+    name = "rm"
+
+    def __init__(self, model, tokenizer=None, tie_threshold: float = 0.0, batch_size: int = 8) -> None:
+        super().__init__(tie_threshold, batch_size)
+        self.model_name = os.fspath(model) if isinstance(model, str | os.PathLike) else model.name_or_path
+        if isinstance(model, str | os.PathLike):
+            model, tokenizer = load_reward_model(model)
+        if tokenizer is None:
+            raise ValueError("RewardModelJudge(model=<a loaded model>) needs its tokenizer too.")
+        self.model, self.tokenizer = model.eval(), tokenizer
+
+    def settings(self) -> dict:
+        return {**super().settings(), "reward_model": self.model_name}
+
+    @torch.no_grad()
+    def score(self, prompts, answers, finished) -> list[float]:
+        rows = [self.encode(p, a, f) for p, a, f in zip(prompts, answers, finished, strict=True)]
+        return sequence_scores(self.model, right_padded(rows, self.pad_id, self.model.device)).tolist()
+
+    def encode(self, prompt, answer: str, finished: bool) -> list[int]:
+        tokenizer = self.tokenizer
+        ids = tokenize_prompt(prompt, tokenizer) + tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return [*ids, tokenizer.eos_token_id] if finished and tokenizer.eos_token_id is not None else ids
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
+
+
+def load_reward_model(name: str | os.PathLike):
+    """``(model, tokenizer)``: ``AutoModelForSequenceClassification`` with one label (bfloat16 on a GPU)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    cuda = torch.cuda.is_available()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        os.fspath(name), num_labels=1, dtype=torch.bfloat16 if cuda else torch.float32
+    )
+    return model.to("cuda" if cuda else "cpu"), AutoTokenizer.from_pretrained(os.fspath(name))
+
+
+def right_padded(rows: Sequence[list[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` (B, max length), right-padded with ``pad_id``."""
+    from trl.trainer.utils import pad
+
+    ids = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+    return {
+        "input_ids": pad(ids, padding_value=pad_id, padding_side="right").to(device),
+        "attention_mask": pad([torch.ones_like(i) for i in ids], padding_value=0, padding_side="right").to(device),
+    }
