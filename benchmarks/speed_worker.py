@@ -56,6 +56,11 @@ def instrument(impl: str) -> None:
         import trl_ppomax.rewards as rewards
 
         wrap(trainer, "generate_responses", "generation")
+        if impl == "ppomax+vllm":
+            import trl_ppomax.vllm_engine as engine
+
+            wrap(engine.VLLMEngine, "generate", "generation")  # includes the weight sync, timed apart too
+            wrap(engine.VLLMEngine, "sync", "weight_sync")
         for owner, name in ((modeling, "response_logits"), (modeling, "token_values"), (rewards, "sequence_scores")):
             wrap(owner, name, "scoring_forwards", no_grad_only=True)
 
@@ -66,7 +71,7 @@ def peak_rss_bytes() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["trl112", "ppomax"], required=True)
+    parser.add_argument("--impl", choices=["trl112", "ppomax", "ppomax+vllm"], required=True)
     parser.add_argument("--preset", default="vanilla")
     parser.add_argument("--assets", required=True)
     parser.add_argument("--episodes", type=int, default=192)
@@ -88,6 +93,8 @@ def main() -> None:
         extra = {"preset": args.preset, "temperature": 0.7}
         if args.vanilla_sampling:
             extra.update(top_p=1.0, repetition_penalty=1.0)
+        if args.impl == "ppomax+vllm":
+            extra.update(use_vllm=True, vllm_gpu_memory_utilization=0.3)
     instrument(args.impl)
     tokenizer = AutoTokenizer.from_pretrained(f"{args.assets}/sft", padding_side="left")
     config = PPOConfig(
@@ -128,18 +135,21 @@ def main() -> None:
     logs = [entry for entry in trainer.state.log_history if kl_key in entry]
     lengths = [entry.get(length_key) for entry in logs if length_key in entry]
     update = seconds - PHASES.get("generation", 0.0) - PHASES.get("scoring_forwards", 0.0)
+    sync = PHASES.get("weight_sync", 0.0)
     print(
         "RESULT "
         + json.dumps(
             {
                 "impl": args.impl,
                 "preset": (args.preset + ("+vanilla_sampling" if args.vanilla_sampling else ""))
-                if args.impl == "ppomax"
+                if args.impl.startswith("ppomax")
                 else "trl112",
                 "episodes": args.episodes,
                 "train_seconds": seconds,
                 "episodes_per_second": args.episodes / seconds,
-                "generation_seconds": PHASES.get("generation", 0.0),
+                "generation_seconds": PHASES.get("generation", 0.0) - sync,
+                "weight_sync_seconds": sync,
+                "weight_sync_seconds_per_iteration": sync / len(logs) if logs else None,
                 "scoring_forwards_seconds": PHASES.get("scoring_forwards", 0.0),
                 "update_and_rest_seconds": update,
                 "peak_rss_gb": peak_rss_bytes() / 1e9,

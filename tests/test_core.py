@@ -1035,6 +1035,32 @@ def test_normalize_scores_none_returns_new_tensor():
     assert out is not scores and out.data_ptr() != scores.data_ptr()
 
 
+def test_nucleus_logprobs_by_hand():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2]]]))
+    # top_p 0.7: the mass before "1" is 0.5 < 0.7 (kept), before "2" it is 0.8 (dropped): nucleus {0, 1}, mass 0.8
+    got = core.nucleus_logprobs(logits, torch.tensor([[1]]), temperature=1.0, top_p=0.7)
+    assert got.item() == pytest.approx(math.log(0.3 / 0.8))
+    assert core.nucleus_logprobs(logits, torch.tensor([[2]]), 1.0, 1.0).item() == pytest.approx(math.log(0.2))
+
+
+def test_truncated_importance_weights_by_hand():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2)]])
+    sampler = torch.tensor([[math.log(0.25), math.log(0.1), math.log(0.4)]])
+    mask = torch.tensor([[1, 1, 0]])
+    weights = core.truncated_importance_weights(logprobs, sampler, mask, cap=3.0)
+    # 0.5 / 0.25 = 2; 0.9 / 0.1 = 9 truncated to 3; outside the mask: 1
+    assert torch.allclose(weights, torch.tensor([[2.0, 3.0, 1.0]]))
+
+
+def test_policy_loss_weights_scale_each_token():
+    logprobs, old = torch.zeros(1, 2), torch.zeros(1, 2)
+    advantages, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    plain, _ = core.clipped_policy_loss(logprobs, old, advantages, mask, 0.2)
+    weighted, _ = core.clipped_policy_loss(logprobs, old, advantages, mask, 0.2, weights=torch.tensor([[3.0, 0.5]]))
+    assert plain.item() == pytest.approx((-1.0 + 2.0) / 2)  # ρ = 1: mean of −A
+    assert weighted.item() == pytest.approx((-1.0 * 3.0 + 2.0 * 0.5) / 2)
+
+
 def test_public_api_is_covered():
     public = {
         name
@@ -1046,6 +1072,8 @@ def test_public_api_is_covered():
     }
     tested = {
         "RunningMoments",
+        "truncated_importance_weights",
+        "nucleus_logprobs",
         "clipped_policy_loss",
         "clipped_value_loss",
         "compute_gae",

@@ -107,13 +107,13 @@ def test_accumulated_step_uses_the_mean_of_micro_batch_gradients(tmp_path, monke
     experience, _ = trainer.make_experience(trainer.rollout(batch["input_ids"], batch["attention_mask"]))
     captured = []
 
-    def capture_instead_of_stepping(critic_only):
+    def capture_instead_of_stepping(_trainer, critic_only):
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         captured.append((trainer.accelerator.sync_gradients, grads))
         trainer.optimizer.zero_grad()
         return {}
 
-    monkeypatch.setattr(trainer, "_optimizer_step", capture_instead_of_stepping)
+    monkeypatch.setattr("trl_ppomax.optim.optimizer_step", capture_instead_of_stepping)
     torch.manual_seed(3)
     trainer.ppo_update(experience)
     ((synced, accumulated),) = captured

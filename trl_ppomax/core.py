@@ -292,14 +292,39 @@ def normalize_advantages(
 # Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats. An empty mask (every sample of the
 # micro-batch dropped) gives a zero loss with a zero gradient, and NaN stats.
 # --------------------------------------------------------------------------------------------------------------------
+def nucleus_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log-probs (B, T) of ``tokens`` under the nucleus-sampling distribution of ``logits`` (B, T, V): softmax at
+    ``temperature``, renormalised over the smallest set of most likely tokens whose mass reaches ``top_p``:
+    ``log p_T(y) − log Σ_{v ∈ nucleus} p_T(v)`` (what a sampler with top-p reports as its log-prob)."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if top_p >= 1.0:
+        return chosen
+    probs = logprobs.exp().sort(dim=-1, descending=True).values
+    kept = (probs.cumsum(-1) - probs) < top_p  # a token is kept while the mass before it is below top_p
+    return chosen - torch.log((probs * kept).sum(-1))
+
+
+def truncated_importance_weights(
+    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights ``w_t = min(exp(log π(y_t) − log q(y_t)), cap)`` (B, T) of the distribution the
+    update assumes (``logprobs``) over the one that sampled (``sampler_logprobs``, e.g. vLLM's); 1 outside ``mask``.
+    They multiply the per-token policy loss (TRL GRPO's ``token_truncate``)."""
+    weights = torch.exp(logprobs - sampler_logprobs).clamp(max=cap)
+    return torch.where(mask.bool(), weights, torch.ones_like(weights))
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float | None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` with ``ρ = exp(log π_θ − log π_old)``.
+    """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` with ``ρ = exp(log π_θ − log π_old)``, each
+    token's term times ``weights`` (B, T) when given (:func:`truncated_importance_weights`).
 
     ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
     tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``.
@@ -314,7 +339,7 @@ def clipped_policy_loss(
         pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
         pg_max = torch.max(pg_losses, pg_losses_clipped)
         clipped = (pg_losses_clipped > pg_losses).to(pg_losses.dtype)
-    loss = _masked_loss_mean(pg_max, mask)
+    loss = _masked_loss_mean(pg_max if weights is None else pg_max * weights, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),

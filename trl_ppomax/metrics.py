@@ -64,6 +64,16 @@ PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
 #: The trainer's run-state counters (``trainer.counters``): saved in ``ppo_state.json`` and logged as they stand.
 COUNTERS = (SKIPPED_ITERATIONS, SKIPPED_IN_A_ROW, SKIPPED_SAMPLES, SKIPPED_UPDATES)
 
+# ---- with use_vllm (TRL GRPO's names): the gap between vLLM's sampling log-probs and the HF forward's, the truncated
+# importance weights, and the engine's time per iteration (weight sync, generation)
+SAMPLING_LOGP_DIFF_MEAN = "sampling/sampling_logp_difference/mean"
+SAMPLING_LOGP_DIFF_MAX = "sampling/sampling_logp_difference/max"
+IS_RATIO_MIN = "sampling/importance_sampling_ratio/min"
+IS_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
+IS_RATIO_MAX = "sampling/importance_sampling_ratio/max"
+VLLM_SYNC_SECONDS = "vllm/sync_seconds"
+VLLM_GENERATION_SECONDS = "vllm/generation_seconds"
+
 # ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
 COLLAPSE_ANY = "collapse/any"
 

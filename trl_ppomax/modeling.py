@@ -258,7 +258,7 @@ def policy_for_generation(model: nn.Module, accelerator, args) -> Iterator[Polic
     from trl.models.utils import add_hooks, remove_hooks, unwrap_model_for_generation
 
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    checkpointing_kwargs = args.activation_checkpointing_kwargs
+    checkpointing_kwargs = args.checkpointing[1]
     if not (plugin is not None and plugin.zero_stage == 3 and args.ds3_gather_for_generation):
         gather = args.ds3_gather_for_generation
         with unwrap_model_for_generation(

@@ -1,14 +1,18 @@
 """Optimisation of the policy and the critic: parameter groups, gradient clipping, and the learning-rate schedules
-around critic warm-up. Orchestration helpers for :class:`~trl_ppomax.PPOMaxTrainer`; the losses are in ``core``."""
+around critic warm-up, one optimizer step. Orchestration helpers for :class:`~trl_ppomax.PPOMaxTrainer`; the losses are in ``core``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from .metrics import SKIPPED_UPDATES
+
+logger = logging.getLogger(__name__)
 MODELS = ("policy", "critic")
 
 
@@ -132,3 +136,26 @@ def after_critic_warmup(
         for base, group in zip(scheduler.lr_lambdas, optimizer.param_groups, strict=True)
     ]
     return LambdaLR(optimizer, lambdas)
+
+
+def optimizer_step(trainer, critic_only: bool) -> dict[str, torch.Tensor]:
+    """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is non-finite: then the
+    step is skipped and counted (the gradients are identical on every process). Under DeepSpeed the engine clips
+    and steps inside ``backward`` and skips a non-finite step itself; its norm and decision are read back."""
+    args = trainer.args
+    if trainer.is_deepspeed_enabled:
+        stats, applied = deepspeed_step(trainer.model_wrapped)
+    else:
+        wrapper = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        stats = clip_gradients(trainer.accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only)
+        applied = not stats or bool(torch.isfinite(torch.stack(list(stats.values()))).all())
+        if applied:
+            trainer.optimizer.step()
+    if applied:
+        trainer.lr_scheduler.step()
+    else:
+        trainer.counters[SKIPPED_UPDATES] += 1
+        logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", trainer.state.global_step + 1)
+        stats = {}
+    trainer.optimizer.zero_grad()
+    return stats

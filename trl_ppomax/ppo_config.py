@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 Preset = Literal["ppo_max", "vanilla"]
 ImportanceSampling = Literal["old_policy", "reference"]
+VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 
@@ -37,6 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "top_p": 0.9,
         "repetition_penalty": 1.1,
         "logprob_temperature": 1.0,
+        "vllm_importance_sampling_correction": True,
     },
     "vanilla": {
         "reward_norm": "none",
@@ -47,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "top_p": 1.0,
         "repetition_penalty": 1.0,
         "logprob_temperature": None,
+        "vllm_importance_sampling_correction": False,
     },
 }
 
@@ -414,6 +417,51 @@ class PPOMaxConfig(TrainingArguments):
         },
     )
 
+    # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate the rollouts with vLLM (the other forwards stay in the trainer); needs `vllm`."},
+    )
+    vllm_mode: VLLMMode = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vLLM engine in every training process, sharing its GPU; 'server': a separate "
+            "`trl vllm-serve` server (weights are pushed over NCCL: needs CUDA)."
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "colocate: share of the GPU's memory vLLM may take (weights and KV cache)."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "colocate: GPUs per vLLM engine (must divide the number of processes)."}
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "colocate: free vLLM's memory between rollouts (slower wake-up)."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "colocate: vLLM's context (prompt + response); None: the model's."}
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "vLLM's model implementation: 'vllm' or 'transformers'."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "server: its URL, e.g. http://localhost:8000 (host and port are then ignored)."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "server: host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "server: port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "server: seconds to wait for it to be up."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "server: port of the weight-update group."})
+    vllm_importance_sampling_correction: bool | None = _preset_field(
+        "vllm_importance_sampling_correction",
+        "With use_vllm: multiply each token's policy loss by the truncated importance weight min(π_HF / π_vLLM, "
+        "`vllm_importance_sampling_clip_max`), correcting for vLLM sampling from a slightly different distribution "
+        "than the HF forward (TRL GRPO's token_truncate).",
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=3.0, metadata={"help": "The cap C of the truncated importance weights (TRL GRPO's default)."}
+    )
+
     def __post_init__(self) -> None:
         self._resolve_preset()
         self._validate()
@@ -429,7 +477,7 @@ class PPOMaxConfig(TrainingArguments):
             self.bf16 = default_bf16(self.fp16)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "objective/scores"  # the release kept the best policy by validation reward
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # trl's default; `--gradient_checkpointing False` still turns it off
         super().__post_init__()
         self._derive_sizes()
@@ -482,12 +530,18 @@ class PPOMaxConfig(TrainingArguments):
         require(self.critic_warmup_steps >= 0, f"critic_warmup_steps must be ≥ 0, got {self.critic_warmup_steps}.")
         require(self.ptx_coef >= 0, f"ptx_coef must be ≥ 0, got {self.ptx_coef}.")
         require(self.entropy_coef >= 0, f"entropy_coef must be ≥ 0, got {self.entropy_coef}.")
+        require(
+            self.vllm_importance_sampling_clip_max >= 1,
+            f"vllm_importance_sampling_clip_max must be ≥ 1 (a cap below 1 shrinks every token's weight), got "
+            f"{self.vllm_importance_sampling_clip_max}.",
+        )
         for name, allowed in (
             ("reward_norm", RewardNorm),
             ("kl_estimator", KLEstimator),
             ("importance_sampling", ImportanceSampling),
             ("advantage_whitening_scope", AdvantageScope),
             ("grad_clip_scope", GradClipScope),
+            ("vllm_mode", VLLMMode),
         ):
             choices = get_args(allowed)
             require(getattr(self, name) in choices, f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
@@ -500,6 +554,13 @@ class PPOMaxConfig(TrainingArguments):
         self.batch_size = self.local_batch_size * self.world_size
         self.mini_batch_size = self.batch_size // self.num_mini_batches
         self.local_mini_batch_size = self.local_batch_size // self.num_mini_batches
+
+    @property
+    def checkpointing(self) -> tuple[bool, dict | None]:
+        """Whether activation checkpointing is on, and its kwargs (transformers < 5.20 names it gradient_…)."""
+        if hasattr(self, "activation_checkpointing"):
+            return bool(self.activation_checkpointing), self.activation_checkpointing_kwargs
+        return bool(self.gradient_checkpointing), self.gradient_checkpointing_kwargs
 
     @property
     def effective_critic_learning_rate(self) -> float:

@@ -40,6 +40,7 @@ from .rollout import (
     logprobs_and_perplexity,
     sequence_inputs,
 )
+from .vllm_engine import VLLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.counters = dict.fromkeys(M.COUNTERS, 0)  # logged as metrics, saved in checkpoints
         self.ptx_batches_used = 0
         self._prepare_models()
+        self.vllm = VLLMEngine(self) if args.use_vllm else None  # rollouts by vLLM (vllm_engine.py)
 
     @property
     def total_episodes(self) -> int:
@@ -141,8 +143,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def _prepare_models(self) -> None:
         num_updates = self.num_total_batches * self.args.num_ppo_epochs * self.args.num_mini_batches
         self.create_optimizer_and_scheduler(num_training_steps=num_updates)
-        if self.args.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(self.args.activation_checkpointing_kwargs)
+        enabled, kwargs = self.args.checkpointing
+        if enabled:
+            self.model.gradient_checkpointing_enable(kwargs)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         checks.check_engine(self)
         if self.is_deepspeed_enabled:
@@ -216,6 +219,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         rewards.count_skipped_iteration(self.counters, self._skip_reason, self.args, iteration)
         if experience is not None:
             metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
+            if self.vllm is not None and iteration > self.args.critic_warmup_steps:
+                self.vllm.mark_stale()  # the policy changed: its weights go to vLLM before the next rollout
+        metrics.update(self.vllm.pop_metrics() if self.vllm is not None else {})
         if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
             optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
         metrics.update({name: float(value) for name, value in self.counters.items()})
@@ -274,14 +280,25 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def _generate(self, wrapper: PolicyAndCritic, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool):
         """Responses of one chunk and the policy's and reference's log-probs and perplexities: Rollout fields."""
-        kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
-        responses, mask = generate_responses(wrapper.policy, query_ids, query_mask, kwargs)
+        if self.vllm is None:
+            kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
+            responses, mask, sampler_logprobs = (
+                *generate_responses(wrapper.policy, query_ids, query_mask, kwargs),
+                None,
+            )
+        else:
+            responses, mask, sampler_logprobs = self.vllm.generate(query_ids, query_mask, sampling)
         width = max(int(mask.sum(1).max()), 1)
         responses, mask = responses[:, :width], mask[:, :width]
         inputs = sequence_inputs(query_ids, query_mask, responses, mask)
         temperature = self.args.effective_logprob_temperature
         policy_logits = modeling.response_logits(wrapper.policy, inputs, width)
         logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
+        weights = (  # vLLM sampled: the gap to the HF forward, corrected when configured
+            None
+            if sampler_logprobs is None
+            else self.vllm.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
+        )
         with modeling.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             ref_logits = modeling.response_logits(reference, inputs, width)
             ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
@@ -294,6 +311,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             ref_logprobs=ref_logprobs,
             policy_perplexity=policy_perplexity,
             ref_perplexity=ref_perplexity,
+            sampling_weights=weights,
         )
 
     def _score(self, critic: nn.Module, fields: dict, columns: dict) -> Rollout:
@@ -395,7 +413,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                         self.accelerator.backward(loss)  # divides by gradient_accumulation_steps
                     for name, value in micro_stats.items():
                         stats[name].append(value)
-                for name, value in self._optimizer_step(critic_only).items():
+                for name, value in optim.optimizer_step(self, critic_only).items():
                     stats[name].append(value)
         means = torch.stack([torch.stack(values).float().nanmean() for values in stats.values()])
         means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
@@ -440,6 +458,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             experience.advantages[index, :width],
             mask,
             args.cliprange,
+            None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width],
         )
         vf_loss, vf_stats = core.clipped_value_loss(
             values, rollout.values[:, :width], experience.returns[index, :width], mask, args.cliprange_value
@@ -469,27 +488,3 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         batch = self.ptx_batches[self.ptx_batches_used]
         self.ptx_batches_used += 1
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
-
-    def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
-        """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is non-finite: then the
-        step is skipped and counted (the gradients are identical on every process). Under DeepSpeed the engine clips
-        and steps inside ``backward`` and skips a non-finite step itself; its norm and decision are read back."""
-        args = self.args
-        if self.is_deepspeed_enabled:
-            stats, applied = optim.deepspeed_step(self.model_wrapped)
-        else:
-            wrapper = self.accelerator.unwrap_model(self.model_wrapped)
-            stats = optim.clip_gradients(
-                self.accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only
-            )
-            applied = not stats or bool(torch.isfinite(torch.stack(list(stats.values()))).all())
-            if applied:
-                self.optimizer.step()
-        if applied:
-            self.lr_scheduler.step()
-        else:
-            self.counters[M.SKIPPED_UPDATES] += 1
-            logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
-            stats = {}
-        self.optimizer.zero_grad()
-        return stats

@@ -36,6 +36,7 @@ class Rollout:
     policy_perplexity: torch.Tensor  # (B,) perplexity of the policy (temperature 1) on its own response
     ref_perplexity: torch.Tensor  # (B,) perplexity of the reference model (temperature 1) on the same response
     source_scores: torch.Tensor | None = None  # (B, S) each reward source's score (rewards.RewardSources), if known
+    sampling_weights: torch.Tensor | None = None  # (B, T) truncated importance weights of a vLLM rollout, if corrected
 
     def select(self, index: torch.Tensor) -> Rollout:
         """Rows ``index`` of every field."""
@@ -54,7 +55,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         tensors = [getattr(p, name) for p in parts]
         if any(t is None for t in tensors):
             return None
-        if tensors[0].dim() == 2 and name not in ("query_ids", "query_mask", "source_scores"):
+        if tensors[0].dim() == 2 and name not in ("query_ids", "query_mask", "source_scores"):  # (B, T) fields
             fill = pad_token_id if name == "response_ids" else 0
             tensors = [nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors]
         return torch.cat(tensors)
