@@ -21,7 +21,7 @@ def test_presets_set_the_importance_sampling_correction(tmp_path):
 
 
 def test_server_mode_without_cuda_says_why(tmp_path):
-    with pytest.raises(ValueError, match="needs CUDA.*vllm_mode='colocate'"):
+    with pytest.raises(ValueError, match=r"needs CUDA.*vllm_mode='colocate'"):
         make_trainer(tmp_path, use_vllm=True, vllm_mode="server")
 
 

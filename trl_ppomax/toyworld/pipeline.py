@@ -224,6 +224,13 @@ METHODS: dict[str, dict] = {
     "reward_norm_only": dict(preset="vanilla", kl_coef=0.0, reward_norm="running", reward_clip=10.0),
     "critic_warmup_only": dict(preset="vanilla", kl_coef=0.0, critic_warmup_steps=4),
     "ptx_only": dict(preset="vanilla", kl_coef=0.0, ptx_coef=0.5),
+    # PPO-max minus one trick (the stress benchmark): each switches off exactly one of the fields in which the
+    # ppo_max preset differs from vanilla, or the KL penalty, with the value the config documents as "off"
+    "ppo_max_no_reward_norm": dict(preset="ppo_max", reward_norm="none"),  # the clip then bounds the raw score
+    "ppo_max_no_reward_clip": dict(preset="ppo_max", reward_clip=None),
+    "ppo_max_no_critic_warmup": dict(preset="ppo_max", critic_warmup_steps=0),
+    "ppo_max_no_grad_clip": dict(preset="ppo_max", max_grad_norm=0.0),
+    "ppo_max_no_kl": dict(preset="ppo_max", kl_coef=0.0),
 }
 
 
@@ -254,8 +261,11 @@ def ppo_config(output_dir: str, method: str = "ppo_max", iterations: int = 100, 
     return PPOMaxConfig(**{**settings, **METHODS[method], **overrides})
 
 
-def ppo_trainer(world: World, config, callbacks=None):
-    """PPOMaxTrainer on the world's SFT policy and reward model (also the critic's start), logging the gold reward."""
+def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
+    """PPOMaxTrainer on the world's SFT policy and reward model (also the critic's start), logging the gold reward.
+
+    ``extra_rewards``: reward functions added after the reward model as further sources (summed with
+    ``config.reward_weights``, one weight per source), e.g. the stress benchmark's offset or outliers."""
     from transformers import AutoModelForSequenceClassification
 
     from ..ppo_trainer import PPOMaxTrainer
@@ -270,7 +280,9 @@ def ppo_trainer(world: World, config, callbacks=None):
         processing_class=tokenizer,
         model=AutoModelForCausalLM.from_pretrained(world.sft),
         ref_model=None,
-        reward_model=AutoModelForSequenceClassification.from_pretrained(world.reward),
+        reward_model=_with_extra_rewards(
+            AutoModelForSequenceClassification.from_pretrained(world.reward), extra_rewards
+        ),
         train_dataset=train_prompts(seed=config.seed),
         value_model=None,
         eval_dataset=eval_prompts(),
@@ -278,6 +290,11 @@ def ppo_trainer(world: World, config, callbacks=None):
         ptx_dataset=ptx,
         rollout_metrics=GOLD_METRICS,
     )
+
+
+def _with_extra_rewards(reward_model, extra_rewards):
+    """The reward model alone, or the list of sources ``[reward_model, *extra_rewards]``."""
+    return [reward_model, *extra_rewards] if extra_rewards else reward_model
 
 
 SUMMARY_KEYS = {
@@ -305,9 +322,22 @@ CURVE_KEYS = {
 }
 
 
-def run_method(world: World, method: str, output_dir: str, iterations: int = 100, seed: int = 0, callbacks=None):
-    """Train ``method`` from the SFT policy; returns ``(trainer, sft_summary, final_summary, curves)``."""
-    trainer = ppo_trainer(world, ppo_config(output_dir, method, iterations=iterations, seed=seed), callbacks)
+def run_method(
+    world: World,
+    method: str,
+    output_dir: str,
+    iterations: int = 100,
+    seed: int = 0,
+    callbacks=None,
+    config_overrides: dict | None = None,
+    extra_rewards=(),
+):
+    """Train ``method`` from the SFT policy; returns ``(trainer, sft_summary, final_summary, curves)``.
+
+    ``config_overrides`` are set on top of the method's settings (e.g. ``reward_weights``, learning rates), and
+    ``extra_rewards`` are added as reward sources (:func:`ppo_trainer`)."""
+    config = ppo_config(output_dir, method, iterations=iterations, seed=seed, **(config_overrides or {}))
+    trainer = ppo_trainer(world, config, callbacks, extra_rewards=extra_rewards)
     if any(getattr(callback, "replaces_printer", False) for callback in callbacks or []):
         from transformers import PrinterCallback
 
