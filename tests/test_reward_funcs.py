@@ -152,3 +152,16 @@ def test_recipe_reward_funcs_dotted_paths():
     assert functions[0].__name__ == "think_format_reward"
     with pytest.raises(ValueError, match="could not be imported"):
         rewards.load_reward_function("trl.rewards.no_such_reward")
+
+
+def test_stored_reward_statistics_follow_the_weight_and_not_a_sum():
+    reward_model = build_models("llama")[2]
+    for key, value in {"reward_mean": 0.5, "reward_std": 2.0, "reward_stats_count": 100.0}.items():
+        setattr(reward_model.config, key, value)
+    alone = rewards.initial_reward_moments(rewards.RewardSources(reward_model), "running")
+    assert (alone.count, alone.mean, alone.std) == pytest.approx((100, 0.5, 2.0))
+    scaled = rewards.initial_reward_moments(rewards.RewardSources(reward_model, weights=[10.0]), "running")
+    assert (scaled.count, scaled.mean, scaled.std) == pytest.approx((100, 5.0, 20.0))  # 10·r: mean 10μ, std 10σ
+    summed = rewards.initial_reward_moments(rewards.RewardSources([reward_model, len], weights=[1.0, 1.0]), "running")
+    assert summed.count == 0  # the sum of two sources has no stored statistics
+    assert rewards.initial_reward_moments(rewards.RewardSources(reward_model), "none").count == 0

@@ -123,7 +123,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         )
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
         self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-        self.running_reward = rewards.initial_reward_moments(reward_model, args.reward_norm)
+        self.running_reward = rewards.initial_reward_moments(self.reward_sources, args.reward_norm)
         self.counters = dict.fromkeys(M.COUNTERS, 0)  # logged as metrics, saved in checkpoints
         self.ptx_batches_used = 0
         self._prepare_models()

@@ -502,11 +502,22 @@ def running_moments_from_config(config) -> core.RunningMoments | None:
     return moments
 
 
-def initial_reward_moments(reward_model, reward_norm: str) -> core.RunningMoments:
-    """The PPO trainer's running reward moments at the start: seeded with the statistics PPOMaxRewardTrainer stored in
-    the reward model's config when rewards are normalised, else empty."""
-    seeded = running_moments_from_config(getattr(reward_model, "config", None))  # checked even when unused
-    seeded = seeded if reward_norm != "none" else None
-    if seeded is not None:
-        logger.info("Reward normalisation starts from the reward model's stored statistics: %s", seeded)
-    return seeded or core.RunningMoments()
+def initial_reward_moments(sources: RewardSources, reward_norm: str) -> core.RunningMoments:
+    """The PPO trainer's running reward moments at the start, when rewards are normalised: the statistics
+    PPOMaxRewardTrainer stored in the reward model's config if the trainer's score is that one model's, times its
+    weight w (``w·r`` has mean ``w·μ`` and std ``|w|·σ``); empty with several sources (their sum's statistics are not
+    known) or no stored statistics. Stored statistics are checked in every case."""
+    seeds = [running_moments_from_config(getattr(module, "config", None)) for _, module in sources.modules]
+    if reward_norm == "none" or len(sources.sources) != 1 or seeds[:1] in ([], [None]):
+        if reward_norm != "none" and any(seeds) and len(sources.sources) != 1:
+            logger.info(
+                "Several reward sources: reward normalisation starts empty (their sum has no stored statistics)."
+            )
+        return core.RunningMoments()
+    seeded, weight = seeds[0], sources.weights[0]
+    state = seeded.state_dict()
+    seeded.load_state_dict({**state, "mean": state["mean"] * weight, "m2": state["m2"] * weight**2})
+    logger.info(
+        "Reward normalisation starts from the reward model's stored statistics (× weight %s): %s", weight, seeded
+    )
+    return seeded
