@@ -12,6 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # an engine in thi
 
 import torch
 from datasets import Dataset
+from helpers import TINY
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
@@ -20,25 +21,16 @@ from trl_ppomax.rollout import generate_responses
 from trl_ppomax.tiny import build_tokenizer, llama_config, prompt_texts
 
 pytestmark = pytest.mark.vllm
-SETTINGS = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=1,
-    num_mini_batches=1,
-    total_episodes=12,  # three iterations of 4 prompts
-    response_length=8,
-    num_ppo_epochs=1,
-    learning_rate=1e-3,
-    stop_token="eos",
-    report_to="none",
-    gradient_checkpointing=False,
-    num_sample_generations=0,
-    logging_steps=1,
-    save_strategy="no",
-    seed=0,
-    use_vllm=True,
-    vllm_gpu_memory_utilization=0.3,
-    repetition_penalty=1.0,  # vLLM's penalty also counts prompt tokens (see the penalty test); without it they agree
-)
+SETTINGS = {  # three iterations of 4 prompts
+    **TINY,
+    "gradient_accumulation_steps": 1,
+    "num_mini_batches": 1,
+    "total_episodes": 12,
+    "response_length": 8,
+    "use_vllm": True,
+    "vllm_gpu_memory_utilization": 0.3,
+    "repetition_penalty": 1.0,  # vLLM's penalty also counts prompt tokens (see the penalty test); without it they agree
+}
 
 
 def tiny_models(seed: int = 0):
@@ -54,7 +46,9 @@ def trained(tmp_path_factory):
     """A three-iteration colocated run whose first iteration is critic warm-up."""
     tokenizer, policy, reward = tiny_models()
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    args = PPOMaxConfig(output_dir=str(tmp_path_factory.mktemp("vllm") / "out"), critic_warmup_steps=1, **SETTINGS)
+    args = PPOMaxConfig(
+        output_dir=str(tmp_path_factory.mktemp("vllm") / "out"), **{**SETTINGS, "critic_warmup_steps": 1}
+    )
     trainer = PPOMaxTrainer(
         args=args,
         processing_class=tokenizer,

@@ -14,11 +14,22 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from statistics import fmean as mean
 
 import torch
 
 from . import core
 from . import metrics as M
+
+#: What ``importance_weights`` records per rollout chunk, in order, and how ``pop_metrics`` reduces each over an iteration.
+SAMPLING_STATS = (M.SAMPLING_LOGP_DIFF_MEAN, M.SAMPLING_LOGP_DIFF_MAX, M.IS_RATIO_MEAN, M.IS_RATIO_MIN, M.IS_RATIO_MAX)
+REDUCERS = {
+    M.SAMPLING_LOGP_DIFF_MAX: max,
+    M.IS_RATIO_MAX: max,
+    M.IS_RATIO_MIN: min,
+    M.VLLM_SYNC_SECONDS: sum,
+    M.VLLM_GENERATION_SECONDS: sum,
+}
 
 
 def _require_vllm() -> None:
@@ -154,27 +165,15 @@ class VLLMEngine:
         )
         ratios = weights[mask.bool()]
         if gap.numel():
-            self.stats[M.SAMPLING_LOGP_DIFF_MEAN].append(gap.mean().item())
-            self.stats[M.SAMPLING_LOGP_DIFF_MAX].append(gap.max().item())
-            self.stats[M.IS_RATIO_MEAN].append(ratios.mean().item())
-            self.stats[M.IS_RATIO_MIN].append(ratios.min().item())
-            self.stats[M.IS_RATIO_MAX].append(ratios.max().item())
+            values = torch.stack([gap.mean(), gap.max(), ratios.mean(), ratios.min(), ratios.max()]).tolist()  # 1 sync
+            for name, value in zip(SAMPLING_STATS, values, strict=True):
+                self.stats[name].append(value)
         return weights if args.vllm_importance_sampling_correction else None
 
     def pop_metrics(self) -> dict[str, float]:
-        """This iteration's means (maxima and minima for the extremes) of the sampling gap and the engine timings."""
-        reducers = {M.SAMPLING_LOGP_DIFF_MAX: max, M.IS_RATIO_MAX: max, M.IS_RATIO_MIN: min}
-        out = {
-            name: (
-                reducers[name](values)
-                if name in reducers
-                else sum(values) / len(values)
-                if "seconds" not in name
-                else sum(values)
-            )
-            for name, values in self.stats.items()
-            if values
-        }
+        """This iteration's sampling gap and engine times on this process: means over the rollout chunks, the extremes'
+        max / min, the times summed."""
+        out = {name: REDUCERS.get(name, mean)(values) for name, values in self.stats.items() if values}
         self.stats.clear()
         return out
 

@@ -3,13 +3,13 @@ arrives: the paper's §6.1 sampling (top-p 0.9, temperature 0.8, repetition pena
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
+from accelerate.utils import release_memory
 from datasets import Dataset
 from tqdm.auto import tqdm
 
@@ -139,9 +139,7 @@ def make_pairs(
         model, tokenizer = source if isinstance(source, tuple) else loader(source)
         answers[side] = generate_answers(model, tokenizer, rows["prompt"], keys, settings, cache, side)
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()  # garbage-collect and empty the CUDA cache: one model in memory at a time
     return [
         Pair(key, prompt, mine["text"], theirs["text"], category, (mine["finished"], theirs["finished"]))
         for key, prompt, category, mine, theirs in zip(

@@ -34,7 +34,7 @@ log-likelihood. Ties go to the first choice.
 from __future__ import annotations
 
 import contextlib
-import gc
+import inspect
 import itertools
 import json
 import logging
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from accelerate.utils import release_memory
 
 from .base import ALL, write_text_atomically
 from .generation import load_causal_lm
@@ -474,6 +475,38 @@ def score_multiple_choice(
         prediction and one score per choice (log-probability of the letter, or mean per-token log-likelihood of the
         text).
     """
+    questions, pool, settings = _prepared(
+        dataset,
+        few_shot=few_shot,
+        few_shot_dataset=few_shot_dataset,
+        scoring=scoring,
+        batch_size=batch_size,
+        max_questions=max_questions,
+        instruction=instruction,
+        question_column=question_column,
+        choices_column=choices_column,
+        answer_column=answer_column,
+        subject_column=subject_column,
+        max_length=max_length,
+        progress=progress,
+    )
+    return _score_questions(model, tokenizer, questions, pool, **settings)
+
+
+def _prepared(
+    dataset,
+    *,
+    few_shot,
+    few_shot_dataset,
+    scoring,
+    max_questions,
+    question_column,
+    choices_column,
+    answer_column,
+    subject_column,
+    **settings,
+) -> tuple[list[Question], list[Question], dict]:
+    """The questions (checked before any model loads), the few-shot pool, and the keywords of ``_score_questions``."""
     _check_scoring(scoring)
     columns = dict(
         question_column=question_column,
@@ -483,18 +516,7 @@ def score_multiple_choice(
     )
     questions = read_questions(dataset, max_questions=max_questions, **columns)
     pool = _few_shot_pool(few_shot, few_shot_dataset, columns)
-    return _score_questions(
-        model,
-        tokenizer,
-        questions,
-        pool,
-        few_shot=few_shot,
-        scoring=scoring,
-        instruction=instruction,
-        batch_size=batch_size,
-        max_length=max_length,
-        progress=progress,
-    )
+    return questions, pool, dict(few_shot=few_shot, scoring=scoring, **settings)
 
 
 def format_table(report: dict) -> str:
@@ -531,28 +553,32 @@ def format_table(report: dict) -> str:
     return "\n".join([title, fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
 
 
+def _score_options(options: dict) -> dict:
+    """``options`` over the defaults of :func:`score_multiple_choice`'s keywords; an unknown keyword is a TypeError."""
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(score_multiple_choice).parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY
+    }
+    unknown = sorted(options.keys() - defaults.keys())
+    if unknown:
+        raise TypeError(f"compare_multiple_choice() got unknown options {unknown}; it takes {sorted(defaults)}.")
+    return {**defaults, **options}
+
+
 def compare_multiple_choice(
     models: Mapping[str, str | os.PathLike],
     dataset,
     output_dir: str | os.PathLike,
     *,
-    few_shot: int = 0,
-    few_shot_dataset=None,
-    scoring: Scoring = "letter",
-    batch_size: int = 8,
-    max_questions: int | None = None,
-    instruction: str | None = None,
-    question_column: str = "question",
-    choices_column: str | Sequence[str] | None = None,
-    answer_column: str = "answer",
-    subject_column: str | None = "subject",
-    max_length: int | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-    progress: bool = True,
+    **options,
 ) -> dict:
     """Score each model of ``models`` (name → folder or Hub name, e.g. ``{"policy": ..., "baseline": ...}``) on the
-    same questions, one model in memory at a time (:func:`~trl_ppomax.judging.generation.load_causal_lm`), and print the table of :func:`format_table`.
+    same questions, one model in memory at a time (:func:`~trl_ppomax.judging.generation.load_causal_lm`), and print
+    the table of :func:`format_table`. ``options`` are :func:`score_multiple_choice`'s keywords (scoring, few-shot,
+    columns, batch size, …).
 
     Writes ``output_dir/mcq_report.json`` (atomically) as ``{"task": "mcq", "scoring", "few_shot", "models": {name:
     report}}`` with each report as :func:`accuracy_report`, and ``output_dir/mcq_predictions.jsonl``: one line per
@@ -563,40 +589,20 @@ def compare_multiple_choice(
     """
     if not models:
         raise ValueError("No models to compare.")
-    _check_scoring(scoring)
-    columns = dict(
-        question_column=question_column,
-        choices_column=choices_column,
-        answer_column=answer_column,
-        subject_column=subject_column,
-    )
-    questions = read_questions(dataset, max_questions=max_questions, **columns)  # check the data before loading
-    pool = _few_shot_pool(few_shot, few_shot_dataset, columns)
+    options = _score_options(options)
+    questions, pool, settings = _prepared(dataset, **options)  # the data is checked before a model loads
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     reports, predictions = {}, []
     for name, path in models.items():
         model, tokenizer = load_causal_lm(path, device, dtype)
-        reports[name], rows = _score_questions(
-            model,
-            tokenizer,
-            questions,
-            pool,
-            few_shot=few_shot,
-            scoring=scoring,
-            instruction=instruction,
-            batch_size=batch_size,
-            max_length=max_length,
-            progress=progress,
-        )
+        reports[name], rows = _score_questions(model, tokenizer, questions, pool, **settings)
         predictions += [{"model": name, **row} for row in rows]
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()  # garbage-collect and empty the CUDA cache: one model in memory at a time
 
-    report = {"task": "mcq", "scoring": scoring, "few_shot": few_shot, "models": reports}
+    report = {"task": "mcq", "scoring": settings["scoring"], "few_shot": settings["few_shot"], "models": reports}
     write_text_atomically(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     write_text_atomically(
         out / PREDICTIONS_FILE, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predictions)
