@@ -40,15 +40,8 @@ from transformers import TrainerCallback
 
 from trl_ppomax.metrics import EPISODE
 from trl_ppomax.plotting import training_dynamics_figure
-from trl_ppomax.toyworld.pipeline import (
-    CURVE_KEYS,
-    METHODS,
-    WorldSettings,
-    ppo_config,
-    prepare_world,
-    run_method,
-    win_tie_lose_vs_sft,
-)
+from trl_ppomax.toyworld.build import WorldSettings, prepare_world
+from trl_ppomax.toyworld.pipeline import CURVE_KEYS, METHODS, ppo_config, run_method, win_tie_lose_vs_sft
 
 FINAL_FIELDS = (
     "gold_reward_final",

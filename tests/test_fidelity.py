@@ -31,6 +31,48 @@ def test_logprob_temperature_defaults(preset, logprob_temperature, expected):
     assert config.effective_logprob_temperature == expected
 
 
+# Fig. 5 (p. 12) of the paper: the tricks PPO-max uses (starred) and those it does not, as resolved config values.
+FIG_5_STARRED = {
+    "1 token-level KL penalty": lambda c: c.kl_coef > 0 and c.kl_estimator == "k1",
+    "5 reward normalisation and clipping": lambda c: c.reward_norm == "running" and c.reward_clip is not None,
+    "7 value-function loss clipping": lambda c: c.cliprange_value == 0.2,
+    "8 critic initialisation and pre-training": lambda c: c.critic_warmup_steps > 0,  # value_model=None: from the RM
+    "10 GAE (λ 0.9, App. C.3)": lambda c: c.gamma == 1.0 and c.lam == 0.9,
+    "11 clipped surrogate": lambda c: c.cliprange == 0.2 and c.importance_sampling == "old_policy",
+    "12 global gradient clipping": lambda c: c.max_grad_norm > 0,
+}
+FIG_5_UNSTARRED = {
+    "6 advantage normalisation and clipping": lambda c: not c.whiten_advantages and c.advantage_clip is None,
+    "entropy bonus (App. B.3)": lambda c: c.entropy_coef == 0,
+}
+
+
+@pytest.mark.parametrize("trick", [*FIG_5_STARRED, *FIG_5_UNSTARRED])
+def test_default_preset_is_figure_5(trick):
+    config = PPOMaxConfig(output_dir="unused", report_to="none")
+    assert config.preset == "ppo_max"
+    assert {**FIG_5_STARRED, **FIG_5_UNSTARRED}[trick](config)
+
+
+def test_vanilla_preset_keeps_trl_112_whitening_and_lambda():
+    config = PPOMaxConfig(output_dir="unused", preset="vanilla", report_to="none")
+    assert config.whiten_advantages and config.lam == 0.95
+    assert PPOMaxConfig(output_dir="unused", whiten_advantages=True, lam=0.95, report_to="none").whiten_advantages
+
+
+@pytest.mark.parametrize("preset", ["ppo_max", "vanilla"])
+def test_advantages_are_whitened_only_under_vanilla(tmp_path, preset):
+    trainer = make_trainer(tmp_path, preset=preset)
+    experience, _ = trainer.make_experience(first_rollout(trainer))
+    mask = experience.rollout.response_mask.bool()
+    if preset == "ppo_max":
+        torch.testing.assert_close(experience.advantages, experience.raw_advantages)
+    else:
+        whitened = experience.advantages[mask]
+        assert abs(whitened.mean().item()) < 1e-4 and abs(whitened.std().item() - 1) < 0.05
+        assert not torch.allclose(experience.advantages, experience.raw_advantages)
+
+
 @pytest.mark.parametrize("logprob_temperature", [None, 1.0])
 def test_rollout_logprobs_use_the_logprob_temperature(tmp_path, logprob_temperature):
     trainer = make_trainer(tmp_path, temperature=0.5, logprob_temperature=logprob_temperature)
@@ -48,7 +90,7 @@ def test_rollout_logprobs_use_the_logprob_temperature(tmp_path, logprob_temperat
 
 
 def test_advantages_whitened_per_minibatch(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path, advantage_whitening_scope="minibatch", num_mini_batches=2)
+    trainer = make_trainer(tmp_path, whiten_advantages=True, advantage_whitening_scope="minibatch", num_mini_batches=2)
     experience, _ = trainer.make_experience(first_rollout(trainer))
     torch.testing.assert_close(experience.advantages, experience.raw_advantages)  # nothing normalised yet
     seen = []

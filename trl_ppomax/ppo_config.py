@@ -32,6 +32,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ppo_max": {
         "reward_norm": "running",
         "reward_clip": 10.0,
+        "whiten_advantages": False,
+        "lam": 0.9,
         "max_grad_norm": 1.0,
         "critic_warmup_steps": 4,
         "temperature": 0.8,
@@ -43,6 +45,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vanilla": {
         "reward_norm": "none",
         "reward_clip": None,
+        "whiten_advantages": True,
+        "lam": 0.95,
         "max_grad_norm": 0.0,
         "critic_warmup_steps": 0,
         "temperature": 0.7,
@@ -244,7 +248,10 @@ class PPOMaxConfig(TrainingArguments):
         default=0.2, metadata={"help": "ε_v of the clipped value loss (§3.2.3); None disables value clipping."}
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE (§3.2.2)."})
-    lam: float = field(default=0.95, metadata={"help": "λ of GAE (§3.2.2, App. C.3)."})
+    lam: float | None = _preset_field(
+        "lam",
+        "λ of GAE (§3.2.2); the paper uses 0.9 in all its experiments (App. C.3), trl 1.12 and the release 0.95.",
+    )
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={"help": "Under DeepSpeed ZeRO-3, gather the policy's weights for generation (faster, more memory)."},
@@ -336,9 +343,11 @@ class PPOMaxConfig(TrainingArguments):
     reward_clip: float | None = _preset_field(
         "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); None disables it.", none_is_a_value=True
     )
-    whiten_advantages: bool = field(
-        default=True,
-        metadata={"help": "Advantage normalisation over the real tokens of the global batch (§5.3.1)."},
+    whiten_advantages: bool | None = _preset_field(
+        "whiten_advantages",
+        "Advantage normalisation over the real tokens of the global batch (§5.3.1). Not part of PPO-max (Fig. 5 gives it "
+        "no star; App. B.1, Fig. 14: with reward normalisation and value clipping it is the first run to collapse); "
+        "trl 1.12 always whitened.",
     )
     advantage_clip: float | None = field(
         default=None,

@@ -1,6 +1,7 @@
 """The toy world: the whole RLHF pipeline on a laptop CPU, with a known gold reward (see ``world.py``)."""
 
-from .pipeline import GOLD_METRICS, World, WorldSettings, eval_prompts, prepare_world, train_prompts
+from .build import World, WorldSettings, prepare_world
+from .pipeline import GOLD_METRICS, eval_prompts, train_prompts
 from .world import gold_reward, gold_rewards
 
 __all__ = [

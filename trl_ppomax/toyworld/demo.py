@@ -8,7 +8,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .pipeline import WorldSettings, prepare_world, run_method, win_tie_lose_vs_sft
+from .build import WorldSettings, prepare_world
+from .pipeline import run_method, win_tie_lose_vs_sft
 from .world import gold_reward
 
 
