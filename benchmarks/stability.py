@@ -54,7 +54,15 @@ FINAL_FIELDS = (
 )
 SFT_FIELDS = ("gold_reward", "proxy_reward", "response_length", "perplexity")
 PLOTTED_CURVES = ("gold_reward", "proxy_reward", "kl", "perplexity", "response_length")
-QUICK_METHODS = ("vanilla_ppo", "trl_ppo", "ppo_max", "reward_norm_only", "critic_warmup_only", "ptx_only")
+QUICK_METHODS = (
+    "vanilla_ppo",
+    "trl_ppo",
+    "ppo_max",
+    "ppo_max_whitened",
+    "reward_norm_only",
+    "critic_warmup_only",
+    "ptx_only",
+)
 STRESS_METHODS = (
     "vanilla_ppo",
     "trl_ppo",
@@ -64,6 +72,7 @@ STRESS_METHODS = (
     "ppo_max_no_critic_warmup",
     "ppo_max_no_grad_clip",
     "ppo_max_no_kl",
+    "ppo_max_whitened",
 )
 STRESS_ITERATIONS = 60  # the quick benchmark's
 

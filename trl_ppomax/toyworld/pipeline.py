@@ -61,6 +61,8 @@ METHODS: dict[str, dict] = {
     "ppo_max_no_critic_warmup": dict(preset="ppo_max", critic_warmup_steps=0),
     "ppo_max_no_grad_clip": dict(preset="ppo_max", max_grad_norm=0.0),
     "ppo_max_no_kl": dict(preset="ppo_max", kl_coef=0.0),
+    # the package's ppo_max before it followed Fig. 5: advantage whitening (trl 1.12's) and λ 0.95 on top of PPO-max
+    "ppo_max_whitened": dict(preset="ppo_max", whiten_advantages=True, lam=0.95),
 }
 
 
