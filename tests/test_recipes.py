@@ -61,17 +61,34 @@ def test_ppo_configs_parse_and_validate(config, tmp_path):
     assert all(line.startswith("#") for line in header), "each config starts with a comment header"
 
 
-def test_moss_configs_reproduce_the_paper_batches(tmp_path):
+def parse_ppo_config(name: str, output_dir) -> tuple:
     from trl import ModelConfig, TrlParser
 
     from trl_ppomax import PPOMaxConfig
 
     parser = TrlParser((ppo_recipe().PPOMaxScriptArguments, PPOMaxConfig, ModelConfig))
-    _, args, _ = parser.parse_args_and_config(
-        ["--config", str(RECIPES / "configs" / "moss_7b_en.yaml"), "--bf16", "False", "--output_dir", str(tmp_path)]
-    )
+    path = str(RECIPES / "configs" / name)
+    return parser.parse_args_and_config(["--config", path, "--bf16", "False", "--output_dir", str(output_dir)])
+
+
+def test_moss_configs_reproduce_the_paper_batches(tmp_path):
+    _, args, _ = parse_ppo_config("moss_7b_en.yaml", tmp_path)
     # On 8 GPUs: rollout batch 128, train (mini) batch 32, as in the paper.
     assert args.local_batch_size * 8 == 128 and args.local_mini_batch_size * 8 == 32
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_moss_configs_follow_section_5_4(tmp_path, lang):
+    script_args, args, _ = parse_ppo_config(f"moss_7b_{lang}.yaml", tmp_path)
+    assert not args.whiten_advantages and args.advantage_clip is None  # Fig. 5, App. B.1
+    assert args.lam == 0.9 and args.gamma == 1.0  # App. C.3
+    assert args.learning_rate == 5e-7 and args.critic_learning_rate == 1.65e-6  # §5.1
+    # critic pre-training instead of the LR warm-up (§5.3.3)
+    assert args.critic_warmup_steps > 0 and args.warmup_steps == 0 and args.lr_scheduler_type == "constant"
+    assert args.eval_do_sample and (args.temperature, args.top_p, args.repetition_penalty) == (0.8, 0.9, 1.1)
+    assert args.ptx_coef > 0 and script_args.ptx_dataset_name  # PPO-ptx is part of PPO-max (§5.4)
+    assert args.critic_adam_epsilon == 1e-8 and args.adam_epsilon == 1e-6  # the release's
+    assert args.reward_norm == "running" and args.reward_clip and args.max_grad_norm > 0 and args.cliprange_value
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (RECIPES / "accelerate").glob("*.yaml")))
