@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from helpers import StopAt, make_trainer, snapshot
+from helpers import StopAt, changed, make_trainer, snapshot
+from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
@@ -132,15 +133,41 @@ def scheduled_reward(schedule, calls_per_evaluation):
     return reward
 
 
+EVAL_PROMPTS = Dataset.from_dict({"prompt": [f"{EVAL_MARK} {p}" for p in prompt_texts(6)]})
+TRAIN_PROMPTS = Dataset.from_dict({"prompt": [p.replace(EVAL_MARK, "sun") for p in prompt_texts(32)]})
+
+
+def scheduled_run(tmp_path, schedule, **overrides):
+    """A trainer whose evaluation k (k = 0 before the first update) scores ``schedule[k]``, evaluating and saving
+    every iteration."""
+    settings = {**dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1), **overrides}
+    return make_trainer(
+        tmp_path,
+        reward=scheduled_reward(schedule, calls_per_evaluation=1),
+        value_model=build_models()[2],
+        dataset=TRAIN_PROMPTS,
+        eval_dataset=EVAL_PROMPTS,
+        **settings,
+    )
+
+
+class EvaluatedAt(TrainerCallback):
+    """Records the iteration of every evaluation."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
 def test_evaluation_metrics_and_best_checkpoint(tmp_path):
-    eval_prompts = Dataset.from_dict({"prompt": [f"{EVAL_MARK} {p}" for p in prompt_texts(6)]})
-    train_prompts = Dataset.from_dict({"prompt": [p.replace(EVAL_MARK, "sun") for p in prompt_texts(32)]})
     trainer = make_trainer(
         tmp_path,
-        reward=scheduled_reward([1.0, 5.0, 2.0], calls_per_evaluation=2),
+        reward=scheduled_reward([0.5, 1.0, 5.0, 2.0], calls_per_evaluation=2),
         value_model=build_models()[2],
-        dataset=train_prompts,
-        eval_dataset=eval_prompts,
+        dataset=TRAIN_PROMPTS,
+        eval_dataset=EVAL_PROMPTS,
         total_episodes=48,
         eval_strategy="steps",
         eval_steps=1,
@@ -151,18 +178,74 @@ def test_evaluation_metrics_and_best_checkpoint(tmp_path):
     )
     trainer.train()
     evals = [entry for entry in trainer.state.log_history if "eval_objective/scores" in entry]
-    assert [e["eval_objective/scores"] for e in evals] == pytest.approx([1.0, 5.0, 2.0])
+    assert [e["eval_objective/scores"] for e in evals] == pytest.approx([0.5, 1.0, 5.0, 2.0])
     for name in ("eval_objective/kl", "eval_policy/perplexity", "eval_policy/ref_perplexity", "eval_response/length"):
         assert math.isfinite(evals[-1][name]), name
     assert "eval_objective/scores_normalized" in evals[-1]
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     assert trainer.state.best_metric == pytest.approx(5.0)
     # The policy in memory is the best one, not the last one.
-    from transformers import AutoModelForCausalLM
-
     saved = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint)
     for (name, p), q in zip(trainer.model.policy.named_parameters(), saved.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_the_initial_policy_is_evaluated_first_and_can_be_the_best_model(tmp_path, caplog):
+    trainer = scheduled_run(tmp_path, [5.0, 1.0, 2.0], save_total_limit=1, load_best_model_at_end=True)
+    initial = snapshot(trainer.model)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    history = trainer.state.log_history
+    evals = [i for i, entry in enumerate(history) if "eval_objective/scores" in entry]
+    assert [history[i]["step"] for i in evals] == [0, 1, 2]
+    assert evals[0] < min(i for i, entry in enumerate(history) if "objective/kl" in entry)  # before any update
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-0")
+    assert trainer.state.best_metric == pytest.approx(5.0)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-2"]  # the best is kept
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    assert changed(snapshot(trainer.model.policy), trained) > 0  # training did move the policy
+    assert changed(initial, trainer.model) == 0  # policy and critic are back at their initial weights
+    assert "the best model is the initial policy (step 0, before any update)" in caplog.text
+
+
+def test_evaluation_leaves_the_training_random_stream_unchanged(tmp_path):
+    plain = make_trainer(tmp_path / "a", eval_do_sample=True)
+    plain.train()
+    evaluated = make_trainer(
+        tmp_path / "b", eval_do_sample=True, eval_dataset=EVAL_PROMPTS, eval_strategy="steps", eval_steps=1
+    )
+    evaluated.train()
+    assert [e["step"] for e in evaluated.state.log_history if "eval_objective/scores" in e] == [0, 1, 2]
+    for (name, a), b in zip(plain.model.named_parameters(), evaluated.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_resumed_run_does_not_evaluate_step_0_again(tmp_path):
+    first = scheduled_run(tmp_path, [1.0, 2.0, 3.0, 4.0], total_episodes=48)
+    first.add_callback(StopAt(1))
+    first.train()
+    resumed = scheduled_run(tmp_path, [2.0, 3.0, 4.0], total_episodes=48)
+    evaluated = EvaluatedAt()
+    resumed.add_callback(evaluated)
+    resumed.train(resume_from_checkpoint=True)
+    assert evaluated.steps == [2, 3]
+    assert [e["step"] for e in resumed.state.log_history if "eval_objective/scores" in e] == [0, 1, 2, 3]
+
+
+def test_resuming_from_checkpoint_0_continues_exactly(tmp_path):
+    best = dict(save_strategy="best", metric_for_best_model="objective/scores")  # saves the initial policy only
+    straight = scheduled_run(tmp_path / "a", [2.0, 1.0, 1.0], **best)
+    straight.train()
+    checkpoint_0 = tmp_path / "a" / "out" / "checkpoint-0"
+    assert sorted(p.name for p in checkpoint_0.parent.glob("checkpoint-*")) == ["checkpoint-0"]
+    resumed = scheduled_run(tmp_path / "b", [1.0, 1.0], **best)
+    evaluated = EvaluatedAt()
+    resumed.add_callback(evaluated)
+    resumed.train(resume_from_checkpoint=str(checkpoint_0))
+    assert evaluated.steps == [1, 2]
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_evaluate_can_be_called_directly_with_a_raw_dataset(tmp_path):
@@ -175,13 +258,25 @@ def test_evaluate_can_be_called_directly_with_a_raw_dataset(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------------------------
-def test_long_prompts_are_truncated_with_a_count(tmp_path, caplog):
-    long_prompts = [" ".join(["hello"] * 200)] * 3 + prompt_texts(29)
+def test_long_prompts_are_kept_whole_or_skipped_with_a_count(tmp_path, caplog):
+    # Budget 20 tokens; a prompt that cannot be shortened (no turns to drop) is never cut: kept whole while it and a
+    # full response fit the policy's 128 positions (128 − response_length 6 = 122 tokens), skipped beyond.
+    tokenizer = build_models()[0]
+    extra = len(tokenizer("hello")["input_ids"]) - 1  # special tokens around the text
+
+    def hellos(n_tokens):
+        return " ".join(["hello"] * (n_tokens - extra))
+
+    prompts = [hellos(122), hellos(123), hellos(200), hellos(50), *prompt_texts(32)]
     with caplog.at_level(logging.WARNING):
-        trainer = make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": long_prompts}))
-    limit = 128 - 6  # max_position_embeddings − response_length
-    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == limit
-    assert "3 of 32 prompts are longer than 122 tokens" in caplog.text
+        trainer = make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": prompts}), max_prompt_length=20)
+    assert len(trainer.train_dataset) == 34 and trainer.train_dataset["prompt"][:2] == [hellos(122), hellos(50)]
+    assert [len(ids) for ids in trainer.train_dataset["input_ids"][:2]] == [122, 50]
+    assert "4 of 36 prompts are longer than 20 tokens" in caplog.text
+    assert "2 kept whole (at most 122 tokens" in caplog.text and "2 skipped" in caplog.text
+    query = torch.tensor(trainer.train_dataset["input_ids"][:1])
+    rollout = trainer.rollout(query, torch.ones_like(query))  # the longest kept prompt still gets a full response
+    assert query.shape[1] + rollout.response_ids.shape[1] <= 128
 
 
 def test_long_prompts_can_be_an_error(tmp_path):

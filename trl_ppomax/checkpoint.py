@@ -3,7 +3,9 @@
 Layout of ``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top, so that
 ``from_pretrained("checkpoint-N")`` loads it; ``critic/`` with the critic; ``optimizer.pt``/``scheduler.pt`` (or a
 DeepSpeed engine checkpoint); ``rng_state*.pth``; ``trainer_state.json``; ``ppo_state.json`` (counters, running
-reward moments, data position, and the settings that define the run).
+reward moments, data position, and the settings that define the run). ``checkpoint-0`` is the initial policy, written
+when its step-0 evaluation is the best so far and the best model must be loadable (``load_best_model_at_end`` or
+``save_strategy="best"``); it is rotated, resumed and checked like any other.
 
 What a run checks before its first rollout (:meth:`CheckpointMixin._start_run`), so that nothing is lost or mixed:
 ``output_dir`` is writable (at init); a trainer trains once; a fresh run does not reuse a folder holding another run's
@@ -597,7 +599,7 @@ class CheckpointMixin:
         self._check_finite_weights()
         run_dir, step = self.args.output_dir, self.state.global_step
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        if self.state.best_global_step:
+        if self.state.best_global_step is not None:  # 0 when the initial policy is the best so far
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if self.state.best_global_step == step or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
@@ -730,6 +732,24 @@ class CheckpointMixin:
         load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))
 
     def _load_best_model(self) -> None:
-        """Load the best checkpoint's weights (``load_best_model_at_end``), once a run has finished."""
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
-            self._load_weights_from(self.state.best_model_checkpoint)
+        """Load the best checkpoint's weights (``load_best_model_at_end``), once a run has finished, and say which:
+        a warning when it is ``checkpoint-0``, the initial policy that no later evaluation beat."""
+        path = self.state.best_model_checkpoint
+        if not (self.args.load_best_model_at_end and path):
+            return
+        self._load_weights_from(path)
+        metric = self.args.metric_for_best_model
+        metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+        if checkpoint_number(path) == 0:
+            logger.warning(
+                "load_best_model_at_end: the best model is the initial policy (step 0, before any update): no later "
+                "evaluation beat its %s = %.6g. The trainer now holds the initial (SFT) weights of %s, not trained "
+                "ones.",
+                metric,
+                self.state.best_metric,
+                path,
+            )
+        else:
+            logger.info(
+                "load_best_model_at_end: loaded the best model, %s (%s = %.6g).", path, metric, self.state.best_metric
+            )

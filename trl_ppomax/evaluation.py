@@ -31,7 +31,8 @@ class EvaluationMixin:
         metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
         """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
-        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``).
+        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``). The
+        torch random state is restored afterwards, so evaluating does not change what training samples next.
 
         A dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
         checked); a dict of datasets (here or the trainer's) is evaluated one by one, logged as
@@ -53,6 +54,23 @@ class EvaluationMixin:
             dataset = self.eval_dataset
         if not isinstance(dataset, Dataset):
             raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            totals = self._evaluation_sums(dataset)  # sampling here leaves the training random stream as it was
+        names = list(totals)
+        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
+        count = sums[names.index("count")]
+        metrics = {
+            M.eval_name(n, metric_key_prefix): (v / count).item()
+            for n, v in zip(names, sums, strict=True)
+            if n != "count"
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _evaluation_sums(self, dataset: Dataset) -> dict[str, torch.Tensor]:
+        """This process's weighted sums of every per-response metric over its rows of ``dataset``, and ``count``."""
         device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         rows, weights = rows_of_this_process(len(dataset), self.accelerator)
@@ -71,17 +89,7 @@ class EvaluationMixin:
                 totals[name] += (values.float() * weight).sum()
             totals["count"] += weight.sum()
         bar.close()
-        names = list(totals)
-        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
-        count = sums[names.index("count")]
-        metrics = {
-            M.eval_name(n, metric_key_prefix): (v / count).item()
-            for n, v in zip(names, sums, strict=True)
-            if n != "count"
-        }
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+        return totals
 
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:

@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 from trl.trainer.utils import selective_log_softmax_and_entropy
 
 from . import checks, core, data, modeling, optim, rewards
@@ -195,6 +195,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         pending: dict[str, list[float]] = defaultdict(list)
         start = (time.time(), self.state.episode)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if not resume_from_checkpoint:  # a resumed run evaluated its step 0 before it stopped
+            self._evaluate_initial_policy()
         for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             for name, value in self.training_iteration(iteration).items():
@@ -232,6 +234,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.state.num_train_epochs = self.total_episodes / len(self.train_dataset)
         self.state.global_step = 0
         self.state.episode = 0
+        self.state.epoch = 0.0
         for attribute in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(self.args, attribute)
             value = math.ceil(self.num_total_batches * value) if value and value < 1 else value
@@ -251,6 +254,22 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                 self.control.should_save = is_best
         if self.args.num_sample_generations > 0 and iteration % self.sample_every == 0:
             self.generate_completions(sampling=True)
+        self._save_if_asked()
+
+    def _evaluate_initial_policy(self) -> None:
+        """Step 0 of a fresh run that evaluates during training (``eval_strategy`` not "no", or ``eval_on_start``):
+        evaluate the initial policy before its first update, as the paper's release does. It is the first candidate
+        for the best model, kept as ``checkpoint-0`` when the best model must be loadable (``load_best_model_at_end``
+        or ``save_strategy="best"``)."""
+        args = self.args
+        if args.eval_strategy == IntervalStrategy.NO and not args.eval_on_start:
+            return
+        is_best = self._determine_best_metric(self.evaluate(), trial=None)
+        keeps_best = args.load_best_model_at_end or args.save_strategy == SaveStrategy.BEST
+        self.control.should_save = is_best and keeps_best and args.save_strategy != SaveStrategy.NO
+        self._save_if_asked()
+
+    def _save_if_asked(self) -> None:
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
