@@ -78,8 +78,20 @@ def test_format_dialogue_without_generation_prompt_and_custom_eos():
     assert format_dialogue(dialogue, "zh", add_generation_prompt=False) == "<|Human|>Hi</s><|MOSS|>Hello</s>"
     assert format_dialogue(SINGLE, add_generation_prompt=False) == "Human:Hi</s>"
     assert format_dialogue(SINGLE, eos_token="<eos>") == "Human:Hi<eos>Assistant:"
-    # contents are used verbatim: no stripping, no space after the tag
-    assert format_dialogue([user(" a \n")]) == "Human: a \n</s>Assistant:"
+    # no space after the tag; whitespace next to a special token is dropped, as the release's tokenizer dropped it
+    assert format_dialogue([user(" a \n")]) == "Human: a</s>Assistant:"
+
+
+def test_whitespace_next_to_special_tokens_is_dropped():
+    dialogue = [user(" Hi  there \n"), assistant("\tHello "), user("How?\n\n")]
+    # English tags are text: only the whitespace before </s> goes
+    assert format_dialogue(dialogue) == "Human: Hi  there</s>Assistant:\tHello</s>Human:How?</s>Assistant:"
+    # Chinese tags are special tokens: the whitespace after them goes too
+    assert format_dialogue(dialogue, "zh") == "<|Human|>Hi  there</s><|MOSS|>Hello</s><|Human|>How?</s><|MOSS|>"
+    for lang in ("en", "zh"):
+        tokenizer = setup_tokenizer(build_llama_style_tokenizer(lang), lang)
+        rendered = tokenizer.apply_chat_template(dialogue, add_generation_prompt=True, tokenize=False)
+        assert rendered == "<s>" + format_dialogue(dialogue, lang)
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Literal
 
 import torch
 from datasets import Dataset
@@ -114,13 +116,24 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
     """The most recent turns of a conversation that ``fits``: whole turns dropped from the start, one at a time
     (system messages kept), never cutting a turn — the MOSS-RLHF release's rule (``ppo_datahelper.py``). None when
     even the last turn alone does not fit."""
-    system = [m for m in messages if m.get("role") == "system"]
-    turns = [m for m in messages if m.get("role") != "system"]
+    system, turns = _split_system(messages)
     for start in range(len(turns)):
         kept = system + turns[start:]
         if fits(kept):
             return kept
     return None
+
+
+def _split_system(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(system messages, turns)`` of a conversation."""
+    system = [m for m in messages if m.get("role") == "system"]
+    return system, [m for m in messages if m.get("role") != "system"]
+
+
+def _shortest_form(messages: list[dict]) -> list[dict]:
+    """The system messages and the last turn: what the release keeps when nothing shorter fits."""
+    system, turns = _split_system(messages)
+    return system + turns[-1:]
 
 
 def prepare_prompt_dataset(
@@ -130,15 +143,21 @@ def prepare_prompt_dataset(
     max_prompt_length: int | None = None,
     truncate: bool = True,
     name: str = "The prompt dataset",
+    max_kept_length: int | None = None,
 ) -> Dataset:
     """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
-    (text or conversation, see :func:`tokenize_prompt`).
+    (text or conversation, see :func:`tokenize_prompt`), the MOSS-RLHF release's way (``ppo_datahelper.py``):
 
-    Prompts longer than ``max_prompt_length``: a conversation first drops its oldest whole turns
-    (:func:`drop_oldest_turns`); what is still too long keeps its last tokens (with a warning that counts them) or
-    raises, as ``truncate`` says. Empty prompts, and ``prompt`` and ``input_ids`` columns that disagree, are refused
-    (``name`` says which dataset in the message). The other columns (and ``prompt``) are kept: reward functions get
-    them as keywords, as TRL's GRPO does."""
+    - a conversation with an empty turn (content None, empty or blank) is dropped, with a warning that counts them
+      (the release keeps only samples whose turns are all non-empty);
+    - a conversation longer than ``max_prompt_length`` drops its oldest whole turns (:func:`drop_oldest_turns`);
+    - a prompt still longer (its last turn alone, a text prompt, or ids) is never cut: with ``truncate`` it is kept
+      whole up to ``max_kept_length`` tokens (default ``max_prompt_length``) and skipped beyond, with a warning that
+      counts both (the release keeps it up to its total context and skips it beyond); without ``truncate`` it raises.
+
+    Empty text prompts and ids, and ``prompt`` and ``input_ids`` columns that disagree, are refused (``name`` says
+    which dataset in the message). The other columns (and ``prompt``) are kept: reward functions get them as
+    keywords, as TRL's GRPO does."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
@@ -149,38 +168,70 @@ def prepare_prompt_dataset(
         if "prompt" in columns:
             _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
     elif "prompt" in columns:
-
-        def tokenize(example: dict) -> dict:
-            prompt = example["prompt"]
-            if max_prompt_length and is_conversational({"prompt": prompt}):
-                fitting = drop_oldest_turns(
-                    prompt, lambda kept: len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
-                )
-                prompt = fitting or prompt[-1:]
-            return {"input_ids": tokenize_prompt(prompt, tokenizer)}
-
-        dropped = [c for c in ("attention_mask", "loss_mask") if c in columns]
-        dataset = dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
+        dataset = _tokenize_prompts(_drop_empty_turns(dataset, num_proc, name), tokenizer, num_proc, max_prompt_length)
         _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
     else:
         raise ValueError(
             f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
             f"conversation); {name} has {columns}."
         )
-    return _limit_prompt_length(dataset, max_prompt_length, truncate) if max_prompt_length else dataset
+    if not max_prompt_length:
+        return dataset
+    return _limit_prompt_length(dataset, max_prompt_length, max_kept_length or max_prompt_length, truncate, name)
+
+
+def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_prompt_length: int | None) -> Dataset:
+    """An ``input_ids`` column; conversations longer than ``max_prompt_length`` lose their oldest whole turns, down
+    to the last turn alone (the release's loop: drop while too long and more than one turn remains)."""
+
+    def tokenize(example: dict) -> dict:
+        prompt = example["prompt"]
+        if max_prompt_length and is_conversational({"prompt": prompt}):
+            fitting = drop_oldest_turns(
+                prompt, lambda kept: len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
+            )
+            prompt = fitting or _shortest_form(prompt)
+        return {"input_ids": tokenize_prompt(prompt, tokenizer)}
+
+    dropped = [c for c in ("attention_mask", "loss_mask") if c in dataset.column_names]
+    return dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
+
+
+def _is_blank(content) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip())
+
+
+def _has_empty_turn(prompt) -> bool:
+    """A conversation with a user or assistant turn whose content is None, empty or blank."""
+    if not is_conversational({"prompt": prompt}):
+        return False
+    return any(_is_blank(m.get("content")) for m in _split_system(prompt)[1])
+
+
+def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Dataset:
+    """``dataset`` without the conversations that have an empty turn (the release's ``all(sample)``), counted in a
+    warning; raises when none is left."""
+    kept = dataset.filter(
+        lambda example: not _has_empty_turn(example["prompt"]), num_proc=num_proc, desc="Dropping empty turns"
+    )
+    dropped = len(dataset) - len(kept)
+    if dropped == 0:
+        return dataset
+    message = f"{name}: {dropped} of {len(dataset)} conversations have an empty turn (content None, empty or blank)"
+    if len(kept) == 0:
+        raise ValueError(f"{message}: no prompt is left. Fill in or remove the empty turns.")
+    logger.warning("%s; they were dropped, as the MOSS-RLHF release drops such samples.", message)
+    return kept
 
 
 def _is_empty_prompt(prompt) -> bool:
-    """None, blank text, no ids, or a conversation without any non-blank message."""
+    """None, blank text, no ids, or no messages (a conversation with an empty turn is dropped instead, see
+    :func:`_drop_empty_turns`)."""
     if prompt is None:
         return True
     if isinstance(prompt, str):
         return not prompt.strip()
-    if len(prompt) == 0:
-        return True
-    if all(isinstance(m, dict) for m in prompt):  # a conversation
-        return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in prompt)
-    return False
+    return len(prompt) == 0
 
 
 def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
@@ -212,19 +263,41 @@ def _check_prompts_match_ids(dataset: Dataset, tokenizer: PreTrainedTokenizerBas
         )
 
 
-def _limit_prompt_length(dataset: Dataset, max_length: int, truncate: bool) -> Dataset:
+def _limit_prompt_length(dataset: Dataset, max_length: int, max_kept: int, truncate: bool, name: str) -> Dataset:
+    """Prompts longer than ``max_length`` (after dropping turns) are never cut: kept whole up to ``max_kept`` tokens
+    and skipped beyond (``truncate``), with a warning that counts both; or an error (not ``truncate``)."""
+    if max_kept < max_length:
+        raise ValueError(f"max_kept_length={max_kept} must be at least max_prompt_length={max_length}.")
     lengths = [len(ids) for ids in dataset["input_ids"]]
-    too_long = sum(length > max_length for length in lengths)
-    if too_long == 0:
+    too_long = [n for n in lengths if n > max_length]
+    if not too_long:
         return dataset
-    message = f"{too_long} of {len(lengths)} prompts are longer than {max_length} tokens (longest: {max(lengths)})"
+    message = (
+        f"{name}: {len(too_long)} of {len(lengths)} prompts are longer than {max_length} tokens (longest: "
+        f"{max(too_long)}), conversations after dropping their oldest turns"
+    )
     if not truncate:
         raise ValueError(
             f"{message}. Shorten them, raise max_prompt_length (the model's context minus response_length by "
-            "default), or set truncate_long_prompts=True to keep their last tokens."
+            f"default), or set truncate_long_prompts=True to keep them whole up to {max_kept} tokens and skip longer "
+            "ones (a prompt is never cut inside a turn)."
         )
-    logger.warning("%s; they were truncated to their last %d tokens.", message, max_length)
-    return dataset.map(lambda e: {"input_ids": e["input_ids"][-max_length:]}, desc="Truncating long prompts")
+    fitting = [i for i, n in enumerate(lengths) if n <= max_kept]
+    if not fitting:
+        raise ValueError(
+            f"{message}, and all are longer than {max_kept} tokens, the longest prompt that leaves room for a full "
+            "response: none is left. Shorten the prompts or lower response_length."
+        )
+    skipped = len(lengths) - len(fitting)
+    logger.warning(
+        "%s: %d kept whole (at most %d tokens: a prompt is never cut inside a turn), %d skipped (longer), as the "
+        "MOSS-RLHF release does.",
+        message,
+        len(too_long) - skipped,
+        max_kept,
+        skipped,
+    )
+    return dataset.select(fitting) if skipped else dataset
 
 
 def prepare_text_dataset(
@@ -265,7 +338,8 @@ def prepare_text_dataset(
 
 def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callable[[Dataset], Dataset]:
     """``prepare_prompt_dataset`` with the trainer's settings: the prompt budget (``max_prompt_length``, or the
-    policy's context minus ``response_length``) and the truncation rule."""
+    policy's context minus ``response_length``), the longest prompt kept whole (:func:`longest_prompt_length`) and
+    the truncation rule."""
     limit = prompt_length_limit(args.max_prompt_length, policy, args.response_length)
     return partial(
         prepare_prompt_dataset,
@@ -273,19 +347,39 @@ def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callabl
         num_proc=args.dataset_num_proc,
         max_prompt_length=limit,
         truncate=args.truncate_long_prompts,
+        max_kept_length=longest_prompt_length(policy, args.response_length),
     )
+
+
+def model_context(model) -> int | None:
+    """The model's context, ``config.max_position_embeddings`` (of the text config for a multimodal model), or None
+    when the config does not say."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None and hasattr(config, "get_text_config"):
+        context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
     """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``;
     raises (:func:`check_prompt_budget`) when a prompt and its response cannot fit in that context."""
-    config = getattr(model, "config", None)
-    context = getattr(config, "max_position_embeddings", None)
-    if context is None and hasattr(config, "get_text_config"):
-        context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if isinstance(context, int):
+    context = model_context(model)
+    if context is not None:
         check_prompt_budget(context, max_prompt_length, response_length)
     return _context_limit(max_prompt_length, context, response_length)
+
+
+def longest_prompt_length(model, response_length: int) -> int | None:
+    """The longest prompt kept whole when even its last turn exceeds the prompt budget: the policy's context minus
+    ``response_length``, so that the prompt and a full response fit the positions the model has; None (the budget
+    itself) when the context is unknown.
+
+    The release's total context is ``maxlen_prompt`` (2048, prompt and response together): it keeps such a prompt up
+    to 2048 tokens and then samples up to ``maxlen_res`` (512) more, past LLaMA's 2048 positions. Here the response
+    must fit too, so with the release's settings (1536 + 512 = 2048) such a prompt is skipped."""
+    context = model_context(model)
+    return None if context is None else context - response_length
 
 
 def check_prompt_budget(context: int, max_prompt_length: int | None, response_length: int) -> None:
@@ -346,41 +440,92 @@ def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] =
             )
 
 
-def load_any_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
-    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt)."""
-    import os
+def load_any_dataset(
+    name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
+) -> Dataset:
+    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt).
 
+    The MOSS-RLHF release's data files (:func:`release_files`: a file, or a folder's ``*train.json`` /
+    ``*valid.json``) are read as the release reads them (:func:`read_release_files`): as prompts (``kind="prompts"``)
+    or as dialogues for the ptx loss (``kind="ptx"``)."""
     from datasets import load_dataset
 
+    files = release_files(name, split)
+    if files:
+        return read_release_files(files, kind)
     extension = os.path.splitext(name)[1]
-    if os.path.isfile(name) and extension == ".json" and _is_release_prompt_list(name):
-        return _release_prompt_list(name)
     if os.path.isfile(name) and extension in FILE_BUILDERS:
         return load_dataset(FILE_BUILDERS[extension], data_files={split: name}, split=split)
     return load_dataset(name, name=config, split=split)
 
 
-def _is_release_prompt_list(path: str) -> bool:
-    import json
-
-    with open(path, encoding="utf-8") as file:
-        head = file.read(1)
-        if head != "[":
-            return False
-        file.seek(0)
-        data = json.load(file)
-    return isinstance(data, list) and all(isinstance(d, list) and all(isinstance(t, str) for t in d) for d in data)
+#: Split names read from the files of a release folder whose names end with another word (``*valid.json``).
+RELEASE_SPLIT_FILES = {"validation": "valid"}
 
 
-def _release_prompt_list(path: str) -> Dataset:
-    """The MOSS-RLHF release's prompt files: a JSON list of dialogues, each a list of turns whose **last turn is the
-    human's**; roles are assigned from the end, as the release does (``ppo_datahelper.py``: ``i + (len + 1) % 2``),
-    so an even-length dialogue starts with an assistant turn."""
-    import json
+def release_files(name: str, split: str = "train") -> list[str]:
+    """The MOSS-RLHF release's data files that ``name`` holds for ``split``: ``name`` itself when it is such a file
+    (a JSON list of samples, each a list of turns); in a folder, every such file whose name ends with
+    ``{split}.json`` (``validation`` reads ``*valid.json``), sorted, as the release reads ``*{mode}.json``
+    (``ppo_datahelper.py``). Empty when ``name`` is neither."""
+    if os.path.isfile(name):
+        return [name] if name.endswith(".json") and _read_release_list(name) is not None else []
+    if not os.path.isdir(name):
+        return []
+    suffix = f"{RELEASE_SPLIT_FILES.get(split, split)}.json"
+    files = sorted(os.path.join(name, f) for f in os.listdir(name) if f.endswith(suffix))
+    files = [f for f in files if os.path.isfile(f)]
+    return files if files and all(_read_release_list(f) is not None for f in files) else []
 
-    with open(path, encoding="utf-8") as file:
-        dialogues = json.load(file)
-    return Dataset.from_dict({"prompt": [roles_from_the_end(dialogue) for dialogue in dialogues]})
+
+def _read_release_list(path: str) -> list[list[str | None]] | None:
+    """The samples of a release data file, or None when ``path`` holds something else."""
+    with open(path, encoding="utf-8-sig") as file:
+        text = file.read()
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    is_turns = all(isinstance(s, list) and all(t is None or isinstance(t, str) for t in s) for s in data)
+    return data if is_turns else None
+
+
+def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "prompts") -> Dataset:
+    """The samples of the release's data files (JSON lists of samples, each a list of turns), in file order.
+
+    - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's**, roles assigned from the end
+      (:func:`roles_from_the_end`, the release's ``i + (len + 1) % 2``), so an even-length sample starts with an
+      assistant turn. A sample with no turn or an empty one (None, empty or blank) is dropped, as the release's
+      ``all(sample)`` does.
+    - ``kind="ptx"``: a ``messages`` column, roles from the start, the human's first (:func:`roles_from_the_start`,
+      the release's ptx dialogues); a sample with fewer than two turns or an empty one is dropped, as the release
+      does.
+
+    Dropped samples are counted in a warning per file; raises when none is left."""
+    samples, shortest = [], 2 if kind == "ptx" else 1
+    for path in paths:
+        data = _read_release_list(path)
+        if data is None:
+            raise ValueError(f"{path} is not a MOSS-RLHF data file: a JSON list of samples, each a list of turns.")
+        kept = [s for s in data if len(s) >= shortest and not any(_is_blank(t) for t in s)]
+        if len(kept) < len(data):
+            logger.warning(
+                "%s: dropped %d of %d samples with %s turns or an empty one, as the MOSS-RLHF release does.",
+                path,
+                len(data) - len(kept),
+                len(data),
+                "fewer than two" if kind == "ptx" else "no",
+            )
+        samples.extend(kept)
+    if not samples:
+        raise ValueError(
+            f"No sample is left in {', '.join(paths)}: every sample has an empty turn, or the files are empty."
+        )
+    if kind == "ptx":
+        return Dataset.from_dict({"messages": [roles_from_the_start(s) for s in samples]})
+    return Dataset.from_dict({"prompt": [roles_from_the_end(s) for s in samples]})
 
 
 def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
@@ -388,6 +533,11 @@ def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
     return [
         {"role": "user" if (len(turns) - 1 - i) % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
     ]
+
+
+def roles_from_the_start(turns: list[str]) -> list[dict[str, str]]:
+    """Messages for a list of turns whose first one is the user's: ``[user, assistant, user, ...]``."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
 
 
 def to_prompt_dataset(dataset: Dataset) -> Dataset:

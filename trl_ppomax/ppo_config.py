@@ -264,7 +264,11 @@ class PPOMaxConfig(TrainingArguments):
     )
     truncate_long_prompts: bool = field(
         default=True,
-        metadata={"help": "Keep the last max_prompt_length tokens of longer prompts (with a warning), or raise."},
+        metadata={
+            "help": "A prompt still longer than max_prompt_length after dropping whole oldest turns is never cut: True "
+            "keeps it whole while it and response_length fit the policy's context and skips longer ones (counted in a "
+            "warning), as the MOSS-RLHF release does; False raises."
+        },
     )
     eval_do_sample: bool = field(
         default=False,

@@ -95,6 +95,12 @@ def generate_answers(
     ids = prepare_prompt_dataset(
         Dataset.from_dict({"prompt": prompts}), tokenizer, max_prompt_length=limit, name="The evaluation prompts"
     )["input_ids"]
+    if len(ids) != len(prompts):  # the answers are matched to the prompts by position
+        raise ValueError(
+            f"{len(prompts) - len(ids)} of {len(prompts)} evaluation prompts were dropped (an empty turn, or longer "
+            f"than the {limit} tokens that leave room for max_new_tokens; see the warning above). Every prompt needs "
+            "an answer: remove or shorten them in the prompt set, or lower max_new_tokens."
+        )
     collate, width = PromptCollator(pad_id), settings.batch_size
     sampling = SimpleNamespace(response_length=settings.max_new_tokens, **_sampling_fields(settings))
     starts = [s for s in range(0, len(prompts), width) if any(f"{side}|{k}" not in cache for k in keys[s : s + width])]

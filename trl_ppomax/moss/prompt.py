@@ -11,6 +11,13 @@ assistant's turn with its bare tag, and the policy's reply ends with eos::
 Roles are assigned **from the end**, as in the release: the last turn is the human's, so a dialogue with an even
 number of turns starts with an assistant turn. Turns must alternate; the first may be either speaker's.
 
+Whitespace next to a special token is dropped: a turn's trailing whitespace (before ``</s>``) and, in Chinese, its
+leading whitespace (after the special tag). The release's tokenizer (the slow SentencePiece ``LlamaTokenizer`` of
+transformers 4.30, whose ``eos_token`` and tags it set as plain strings) stripped it, so the release's ids never held
+it. That tokenizer also encoded each piece of text between special tokens as a new text, with SentencePiece's ``▁``
+prefix: ``</s>Assistant:`` is ``</s> ▁Assistant :``. A current LLaMA tokenizer does that only when loaded with
+``legacy=True``; :func:`setup_tokenizer` checks it (:func:`check_release_tokenization`).
+
 The tags are :data:`SPEAKER_TAGS`; the tokenizer is LLaMA's (bos ``<s>``, eos ``</s>``, pad = ``<unk>`` id 0), plus
 the special tokens ``<|Human|>`` and ``<|MOSS|>`` for the Chinese model. The release encodes the prompt string with
 the tokenizer's special tokens, i.e. with LLaMA's bos in front: ``tokenizer(prompt).input_ids`` = ``[1, ...]``.
@@ -20,14 +27,15 @@ does) are exactly the release's ids, with one bos. :func:`format_dialogue` and :
 without bos: tokenise it with ``tokenizer(prompt)``.
 
 Too long a dialogue loses whole turns, oldest first, one at a time (:func:`truncate_dialogue`, the release's rule);
-text inside a turn is never cut.
+text inside a turn is never cut. The trainer keeps a prompt whose last turn alone is too long whole while it and a full
+response fit the policy's context, and skips it beyond (:func:`trl_ppomax.data.prepare_prompt_dataset`).
 
 Example::
 
     >>> from trl_ppomax.moss.prompt import build_prompt, format_dialogue, setup_tokenizer
     >>> format_dialogue([{"role": "user", "content": "Hi"}])
     'Human:Hi</s>Assistant:'
-    >>> tokenizer = setup_tokenizer(AutoTokenizer.from_pretrained(llama_path), lang="en")  # doctest: +SKIP
+    >>> tokenizer = setup_tokenizer(AutoTokenizer.from_pretrained(llama_path, legacy=True), "en")  # doctest: +SKIP
     >>> prompt = build_prompt(messages, tokenizer, max_tokens=512)  # doctest: +SKIP
     >>> input_ids = tokenizer(prompt).input_ids  # bos + prompt, as the release  # doctest: +SKIP
 """
@@ -47,6 +55,7 @@ __all__ = [
     "ZH_SPECIAL_TOKENS",
     "build_prompt",
     "chat_template",
+    "check_release_tokenization",
     "format_dialogue",
     "setup_tokenizer",
     "truncate_dialogue",
@@ -118,7 +127,9 @@ def format_dialogue(
         [assistant "Hello", user "How?"]  →  "Assistant:Hello</s>Human:How?</s>Assistant:"
         [user "Hi", assistant "Hello"], add_generation_prompt=False  →  "Human:Hi</s>Assistant:Hello</s>"
 
-    Contents are used verbatim (no stripping, no space after the tag).
+    No space is put after the tag. Whitespace next to a special token is dropped, as the release's tokenizer
+    dropped it (see the module docstring): every turn's trailing whitespace, and for ``lang="zh"`` (whose tags are
+    special tokens) its leading whitespace too; the rest of a content is used verbatim.
 
     Raises:
         ValueError: empty ``messages``, a "system" or unknown role, two turns in a row with the same role, an
@@ -130,8 +141,13 @@ def format_dialogue(
         raise ValueError("eos_token is empty: the MOSS-RLHF format closes every turn with the eos token ('</s>').")
     _validate(messages, add_generation_prompt)
     tags = {"user": human, "assistant": assistant}
-    text = "".join(tags[m["role"]] + m["content"] + eos_token for m in messages)
+    text = "".join(tags[m["role"]] + _trim(m["content"], lang) + eos_token for m in messages)
     return text + assistant if add_generation_prompt else text
+
+
+def _trim(content: str, lang: str) -> str:
+    """``content`` without the whitespace the release's tokenizer dropped next to special tokens."""
+    return content.strip() if lang == "zh" else content.rstrip()
 
 
 def chat_template(lang: str = "en") -> str:
@@ -146,6 +162,7 @@ def chat_template(lang: str = "en") -> str:
     (``jinja2.TemplateError``) on the same inputs :func:`format_dialogue` rejects.
     """
     human, assistant = (json.dumps(tag) for tag in _tags(lang))
+    content = "message['content'].strip()" if lang == "zh" else "message['content'].rstrip()"  # as _trim
     system_error, empty_error, last_error = (json.dumps(e) for e in (_SYSTEM_ERROR, _EMPTY_ERROR, _LAST_ERROR))
     order_error = json.dumps(_ORDER_ERROR + ": message ")
     return (
@@ -163,9 +180,9 @@ def chat_template(lang: str = "en") -> str:
         "{{ raise_exception('Message contents must be strings.') }}"
         "{%- endif -%}"
         "{%- if message['role'] == 'user' -%}"
-        f"{{{{- {human} + message['content'] + eos_token -}}}}"
+        f"{{{{- {human} + {content} + eos_token -}}}}"
         "{%- else -%}{%- generation -%}"  # the assistant's turn, tag and eos included: what the release's ptx loss counts
-        f"{{{{- {assistant} + message['content'] + eos_token -}}}}"
+        f"{{{{- {assistant} + {content} + eos_token -}}}}"
         "{%- endgeneration -%}{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}"
@@ -183,10 +200,13 @@ def setup_tokenizer(tokenizer: Any, lang: str = "en") -> Any:
       ``decode(..., skip_special_tokens=True)``), in that order, unless already special. On a bare LLaMA vocabulary
       they get ids 32000 and 32001: the model's embedding matrix must have ``len(tokenizer)`` rows;
     - the chat template is :func:`chat_template` for ``lang``;
-    - a warning if the eos token is not ``</s>`` (the format closes turns with the tokenizer's eos).
+    - a warning if the eos token is not ``</s>`` (the format closes turns with the tokenizer's eos);
+    - text after a special token must be encoded as the release's tokenizer did (:func:`check_release_tokenization`);
+      a LLaMA tokenizer's ``legacy=True`` is written to its saved config, so that it reloads the same way.
 
     Raises:
-        ValueError: the vocabulary has no ``<unk>`` token, or ``lang`` is unknown.
+        ValueError: the vocabulary has no ``<unk>`` token, ``lang`` is unknown, or the tokenizer encodes text after
+            a special token differently from the release (load it with ``legacy=True``).
     """
     _tags(lang)
     if PAD_TOKEN not in tokenizer.get_vocab():
@@ -214,7 +234,51 @@ def setup_tokenizer(tokenizer: Any, lang: str = "en") -> Any:
         if missing:
             tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     tokenizer.chat_template = chat_template(lang)
+    check_release_tokenization(tokenizer, lang)
+    if getattr(tokenizer, "legacy", None) is True and isinstance(getattr(tokenizer, "init_kwargs", None), dict):
+        tokenizer.init_kwargs["legacy"] = True  # so that save_pretrained writes it and a reload encodes the same
     return tokenizer
+
+
+#: A text to put after the Chinese tags in :func:`check_release_tokenization` (any text shows the ``▁`` prefix).
+_PROBE = "Hi"
+
+
+def check_release_tokenization(tokenizer: Any, lang: str = "en") -> None:
+    """Raise unless ``tokenizer`` encodes the text that follows a special token in the MOSS format as the release's
+    did: as a new text, with SentencePiece's ``▁`` prefix, so ``ids(special + text) == ids(special) + ids(text)``.
+
+    The special token and its text: ``</s>`` and each English tag (``</s>Assistant:`` → ``</s> ▁Assistant :``), or
+    each Chinese tag and a content (``<|Human|>Hi`` → ``<|Human|> ▁Hi``). A special token that the tokenizer does not
+    treat as one (e.g. an eos that is an ordinary word) is not checked.
+
+    Raises:
+        ValueError: the ids differ, naming the tokens both ways and the fix (a LLaMA tokenizer loaded with
+            ``legacy=False``, the default of current transformers, drops the ``▁``).
+    """
+    human, assistant = _tags(lang)
+    pairs = (
+        [(human, _PROBE), (assistant, _PROBE)]
+        if lang == "zh"
+        else [(tokenizer.eos_token, human), (tokenizer.eos_token, assistant)]
+    )
+    added = set(tokenizer.get_added_vocab())
+    for special, text in pairs:
+        if special not in added:
+            continue
+        together = tokenizer(special + text, add_special_tokens=False)["input_ids"]
+        apart = [
+            *tokenizer(special, add_special_tokens=False)["input_ids"],
+            *tokenizer(text, add_special_tokens=False)["input_ids"],
+        ]
+        if together != apart:
+            tokens = tokenizer.convert_ids_to_tokens
+            raise ValueError(
+                f"The tokenizer encodes {special + text!r} as {tokens(together)}, but the MOSS-RLHF release encoded "
+                f"the text after {special!r} as a new text, {tokens(apart)} (its slow SentencePiece LlamaTokenizer, "
+                "transformers 4.30). Load the tokenizer with legacy=True, e.g. AutoTokenizer.from_pretrained(path, "
+                "legacy=True), so that its prompt ids are the ones the released models were trained on."
+            )
 
 
 def _eos(tokenizer: Any) -> str:
@@ -242,9 +306,9 @@ def truncate_dialogue(
 
     Returns:
         ``messages[k:]`` for the smallest ``k`` that fits (the same dict objects, in a new list), or **None** when
-        even the last user turn alone is longer than ``max_tokens``: the caller should skip that sample. (The
-        release keeps such a turn while it fits the whole context, 2048 tokens, and skips it beyond; here
-        ``max_tokens`` is the one limit.)
+        even the last user turn alone is longer than ``max_tokens``: the caller should keep it whole or skip it.
+        (The release keeps it while it fits its whole context, 2048 tokens, and skips it beyond; the trainer keeps
+        it while it and a full response fit the policy's context: :func:`trl_ppomax.data.prepare_prompt_dataset`.)
 
     Raises:
         ValueError: ``max_tokens`` is not a positive int, the messages are not a valid prompt (see

@@ -505,7 +505,7 @@ def _write_config_and_tokenizer(config, diff: Path, raw: Path, folder: Path, mod
         config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(folder)
     source = diff if any(diff.glob("tokenizer*")) else raw
-    tokenizer = setup_tokenizer(AutoTokenizer.from_pretrained(source), lang=lang)
+    tokenizer = setup_tokenizer(AutoTokenizer.from_pretrained(source, legacy=True), lang=lang)  # the release's ids
     tokenizer.save_pretrained(folder)
 
 

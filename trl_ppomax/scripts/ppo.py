@@ -18,12 +18,14 @@
 Fields come from `PPOMaxScriptArguments` (below), `PPOMaxConfig` and trl's `ModelConfig`; any of them can be set in
 the YAML file or on the command line (`--kl_coef 0.02`). Models: `sft_model_path` (policy and reference, or
 `model_name_or_path`), `reward_model_path`, `value_model_path` (default: the reward model). Prompts: a Hub id, a
-folder or a file, in trl's prompt formats, `messages` conversations, raw Anthropic HH-RLHF, or the release's JSON
-prompt lists.
+folder or a file, in trl's prompt formats, `messages` conversations, raw Anthropic HH-RLHF, or the release's data: a
+JSON list of turn lists, or a folder whose `*train.json` files are the training prompts and `*valid.json` files the
+evaluation prompts (unless `eval_dataset_name` says otherwise).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,7 +34,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
-from trl_ppomax.data import check_local_paths, load_any_dataset, to_prompt_dataset
+from trl_ppomax.data import check_local_paths, load_any_dataset, release_files, to_prompt_dataset
 from trl_ppomax.monitor import CollapseMonitor
 from trl_ppomax.moss import setup_tokenizer
 from trl_ppomax.plan import plan
@@ -61,11 +63,21 @@ class PPOMaxScriptArguments(ScriptArguments):
     )
     eval_dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Evaluation prompts from another dataset or prompt file (e.g. the release's valid.json)."},
+        metadata={
+            "help": "Evaluation prompts from another dataset or prompt file (e.g. the release's valid.json); default: "
+            "the *valid.json files of a release data folder given as dataset_name."
+        },
     )
     max_train_prompts: int | None = field(default=None, metadata={"help": "Use at most this many training prompts."})
     ptx_dataset_name: str | None = field(
-        default=None, metadata={"help": "Pre-training/SFT texts ('text' column) for the PPO-ptx loss (ptx_coef)."}
+        default=None,
+        metadata={
+            "help": "Pre-training/SFT texts ('text' column), dialogues ('messages') or the release's ptx files (JSON "
+            "lists of turns, the human's first) for the PPO-ptx loss (ptx_coef)."
+        },
+    )
+    ptx_dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration of the ptx dataset (e.g. 'wikitext-103-raw-v1')."}
     )
     ptx_dataset_split: str = field(default="train", metadata={"help": "Split of the ptx dataset."})
     collapse_monitor: bool = field(
@@ -107,9 +119,12 @@ def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfi
 
 
 def load_tokenizer(policy_path: str, prompt_format: str):
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    """The policy's tokenizer; for a MOSS format loaded with ``legacy=True``, as the release's LLaMA tokenizer
+    encoded text after ``</s>`` (``moss.setup_tokenizer`` checks it)."""
     if prompt_format != "auto":
+        tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left", legacy=True)
         return setup_tokenizer(tokenizer, lang=prompt_format.removeprefix("moss_"))
+    tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     if tokenizer.pad_token is None:
         raise ValueError(
             f"The tokenizer of {policy_path} has no pad token. Give it one (a dedicated token, resized embeddings) "
@@ -125,15 +140,24 @@ def load_prompts(script_args):
     )
     if script_args.max_train_prompts:
         train = train.select(range(min(script_args.max_train_prompts, len(train))))
-    evaluation = None
-    if script_args.eval_dataset_name:
-        evaluation = to_prompt_dataset(load_any_dataset(script_args.eval_dataset_name, split="train"))
+    evaluation, eval_name = None, eval_source(script_args)
+    if eval_name:
+        eval_split = "valid" if release_files(eval_name, "valid") else "train"
+        evaluation = to_prompt_dataset(load_any_dataset(eval_name, split=eval_split))
         if script_args.eval_samples:
             evaluation = evaluation.select(range(min(script_args.eval_samples, len(evaluation))))
     elif script_args.eval_samples:
         split = train.train_test_split(test_size=script_args.eval_samples, seed=0)
         train, evaluation = split["train"], split["test"]
     return train, evaluation
+
+
+def eval_source(script_args) -> str | None:
+    """``eval_dataset_name``, or a release data folder given as ``dataset_name`` that has ``*valid.json`` files."""
+    name = script_args.dataset_name
+    if script_args.eval_dataset_name or not (os.path.isdir(name) and release_files(name, "valid")):
+        return script_args.eval_dataset_name
+    return name
 
 
 def check_combination(script_args, training_args: PPOMaxConfig, model_args: ModelConfig) -> None:
@@ -173,7 +197,12 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
         train_prompts, eval_prompts = load_prompts(script_args)
         ptx = None
         if script_args.ptx_dataset_name:
-            ptx = load_any_dataset(script_args.ptx_dataset_name, split=script_args.ptx_dataset_split)
+            ptx = load_any_dataset(
+                script_args.ptx_dataset_name,
+                script_args.ptx_dataset_config,
+                split=script_args.ptx_dataset_split,
+                kind="ptx",
+            )
 
     trainer = PPOMaxTrainer(
         args=training_args,
