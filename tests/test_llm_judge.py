@@ -38,7 +38,7 @@ KEY = "sk-test-SECRET"
 
 @dataclass
 class Request:
-    """One POST the server received; ``status`` is what it answered."""
+    """One POST the server received (header names in lower case); ``status`` is what it answered."""
 
     path: str
     headers: dict[str, str]
@@ -103,7 +103,8 @@ def make_handler(server: FakeJudgeServer):
             if self.path != "/v1/chat/completions":
                 status, data, headers = 404, b'{"error": {"message": "no such route"}}', {}
             else:
-                status, data, headers = server.respond(Request(self.path, dict(self.headers), body))
+                sent = {name.lower(): value for name, value in self.headers.items()}
+                status, data, headers = server.respond(Request(self.path, sent, body))
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -194,7 +195,7 @@ def test_agreement_in_both_orders_gives_win_lose_tie_in_pair_order(server, tmp_p
     first = server.requests[0].body
     assert first["model"] == "judge-model" and first["temperature"] == 0.0 and first["max_tokens"] == 1024
     assert [m["role"] for m in first["messages"]] == ["system", "user"]
-    assert "Authorization" not in server.requests[0].headers
+    assert "authorization" not in server.requests[0].headers
     assert any("User: Hi there" in request.user for request in server.requests)
     win = cache.get(cache_key(pairs[0], "baseline_first"))
     assert win == {"verdict": "win", "label": "B", "reply": "Comparing the two answers carefully.\n[[B]]", "asks": 1}
@@ -271,7 +272,7 @@ def test_server_errors_back_off_exponentially_with_a_cap(server, tmp_path):
     sleep = SleepRecorder()
     judge = make_judge(server, backoff=0.5, max_backoff=1.5, sleep=sleep)
     assert judge.judge(make_pairs(["lose"]), JsonlCache(tmp_path / "c.jsonl")) == ["lose"]
-    assert sleep == [0.5, 1.0, 1.5]
+    assert sleep == [0.5, 1.0, 1.5]  # our schedule, not openai's: also fails if openai stops calling our retry hook
 
 
 def test_timeouts_are_retried(server, tmp_path):
@@ -315,6 +316,22 @@ def test_persistent_server_errors_raise_after_max_retries_keeping_earlier_verdic
     assert len(cache) == 4
     assert [cache.get(cache_key(pairs[0], o))["verdict"] for o in ("policy_first", "baseline_first")] == ["win"] * 2
     assert [cache.get(cache_key(pairs[1], o))["verdict"] for o in ("policy_first", "baseline_first")] == ["lose"] * 2
+
+
+def test_a_request_failing_for_good_stops_the_other_workers_retrying(server, tmp_path):
+    refused, overloaded = make_pairs(["win", "lose"])
+
+    def behaviour(request):
+        if refused.policy in request.answers:
+            return 400, {"error": {"message": "bad request"}}, {}
+        return 503, "overloaded", {}
+
+    server.behaviour = behaviour
+    judge = make_judge(server, max_retries=5, concurrency=2, sleep=lambda seconds: time.sleep(0.1))
+    with pytest.raises(JudgeRequestError, match="HTTP 400"):
+        judge.judge([refused, overloaded], JsonlCache(tmp_path / "c.jsonl"))
+    retried = [request for request in server.requests if overloaded.policy in request.answers]
+    assert 1 <= len(retried) < 1 + 5
 
 
 def test_other_client_errors_fail_at_once_with_the_server_message(server, tmp_path):
@@ -363,15 +380,15 @@ def test_resume_after_a_crash_sends_no_request_already_answered(server, tmp_path
 def test_api_key_is_sent_but_never_stored_or_shown(server, tmp_path, caplog):
     def echo_header(request):
         if nth_request(server) == 1:
-            return 429, {"error": {"message": f"slow down, {request.headers['Authorization']}"}}, {"Retry-After": "0"}
-        return f"You sent {request.headers['Authorization']}. [[A]]"
+            return 429, {"error": {"message": f"slow down, {request.headers['authorization']}"}}, {"Retry-After": "0"}
+        return f"You sent {request.headers['authorization']}. [[A]]"
 
     server.behaviour = echo_header
     judge = make_judge(server, api_key=KEY)
-    with caplog.at_level(logging.DEBUG, logger="trl_ppomax"):
+    with caplog.at_level(logging.DEBUG):  # every logger: ours, openai's and its HTTP library's
         assert judge.judge(make_pairs(["win"]), JsonlCache(tmp_path / "c.jsonl")) == ["tie"]
 
-    assert all(request.headers["Authorization"] == f"Bearer {KEY}" for request in server.requests)
+    assert all(request.headers["authorization"] == f"Bearer {KEY}" for request in server.requests)
     assert "slow down" in caplog.text
     for text in ((tmp_path / "c.jsonl").read_text(), json.dumps(judge.settings()), repr(judge), caplog.text):
         assert "SECRET" not in text
@@ -381,7 +398,7 @@ def test_api_key_is_sent_but_never_stored_or_shown(server, tmp_path, caplog):
 def test_api_key_from_the_environment(server, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     make_judge(server).judge(make_pairs(["win"]), JsonlCache(tmp_path / "c.jsonl"))
-    assert server.requests[0].headers["Authorization"] == f"Bearer {KEY}"
+    assert server.requests[0].headers["authorization"] == f"Bearer {KEY}"
 
 
 def test_rejected_key_fails_at_once_without_showing_it(server, tmp_path):
@@ -395,8 +412,8 @@ def test_rejected_key_fails_at_once_without_showing_it(server, tmp_path):
 
 
 def test_exhausted_retries_do_not_show_the_key(server, tmp_path, caplog):
-    server.behaviour = lambda request: (502, f"bad gateway for {request.headers['Authorization']}", {})
-    with caplog.at_level(logging.DEBUG, logger="trl_ppomax"), pytest.raises(JudgeUnavailableError) as error:
+    server.behaviour = lambda request: (502, f"bad gateway for {request.headers['authorization']}", {})
+    with caplog.at_level(logging.DEBUG), pytest.raises(JudgeUnavailableError) as error:
         make_judge(server, api_key=KEY, max_retries=1).judge(make_pairs(["win"]), JsonlCache(tmp_path / "c.jsonl"))
     message = "".join(traceback.format_exception(error.value))
     assert "bad gateway for Bearer ***" in message

@@ -9,10 +9,12 @@ the policy's and the baseline's answers pairwise, as in LLM-as-a-judge (Zheng et
   :func:`~trl_ppomax.judging.base.combine_swapped` joins the two orders.
 * Cache: ``"<pair.key>|<order>"`` → ``{"verdict", "label", "reply", "asks"}``, stored as each reply arrives; a cached
   request is never sent again.
+* Transport: the ``openai`` client, which sends the requests and retries them; we only choose the wait and log why.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -20,12 +22,13 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import requests
+import openai
 from tqdm.auto import tqdm
 
 from .base import JsonlCache, Pair, Verdict, combine_swapped, prompt_text
@@ -44,17 +47,18 @@ LABEL_VERDICTS: dict[str, dict[str, Verdict]] = {
 _LABEL = re.compile(r"\[\[\s*([ABC])\s*\]\]")
 _PLACEHOLDER = re.compile(r"\{(question|answer_a|answer_b)\}")
 _SYSTEM_SEPARATOR = re.compile(r"^---[ \t]*$", re.MULTILINE)
-_TRANSIENT_ERRORS = (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError)
 _MAX_SERVER_MESSAGE = 500
+#: Sent when there is no API key: openai always wants one, so it gets a stand-in and this drops its header.
+_NO_AUTHORIZATION = {"Authorization": openai.Omit()}
 
 
 class JudgeUnavailableError(RuntimeError):
-    """The judge server kept failing (429, 5xx, timeout, connection error) through every retry."""
+    """The judge server kept failing (408, 409, 429, 5xx, timeout, connection error) through every retry."""
 
 
 class JudgeRequestError(RuntimeError):
-    """The judge server refused a request in a way a retry cannot fix (a 4xx other than 429, or a reply that is not
-    a chat completion)."""
+    """The judge server refused a request in a way a retry cannot fix (another 4xx, or a reply that is not a chat
+    completion)."""
 
 
 class JudgeAuthError(JudgeRequestError):
@@ -110,11 +114,26 @@ class PromptTemplate:
         return [*system, {"role": "user", "content": user}]
 
 
+class _RetryHookClient(openai.OpenAI):
+    """``openai.OpenAI`` that calls ``before_retry(retries_taken, response)`` in place of its own wait.
+
+    openai decides what to retry (408, 409, 429, 5xx, timeouts, connection errors) and how often (``max_retries``), but
+    its wait (0.5 s · 2ⁿ with jitter, at most 8 s) has no public setting; ``_sleep_for_retry`` (openai ≥ 1.76) is the
+    one place it waits. ``response`` is ``None`` after a timeout or connection error."""
+
+    def __init__(self, *, before_retry: Callable[[int, Any], None], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._before_retry = before_retry
+
+    def _sleep_for_retry(self, *, retries_taken: int, max_retries: int, options: Any, response: Any) -> None:
+        self._before_retry(retries_taken, response)
+
+
 class LLMJudge:
     """Pairwise judge over an OpenAI-compatible chat-completions API; see the module docstring for the protocol.
 
-    A failed request (429, 408, 5xx, timeout, connection error) is retried up to ``max_retries`` times after
-    ``min(Retry-After or backoff · 2**attempt, max_backoff)`` seconds, then :class:`JudgeUnavailableError`; 401/403
+    A failed request (429, 408, 409, 5xx, timeout, connection error) is retried up to ``max_retries`` times after
+    ``min(Retry-After or backoff · 2**retry, max_backoff)`` seconds, then :class:`JudgeUnavailableError`; 401/403
     raise :class:`JudgeAuthError` and other 4xx :class:`JudgeRequestError` at once. A reply without a label is asked
     again up to ``parse_retries`` times, then counts as ``invalid``. ``api_key`` defaults to ``$OPENAI_API_KEY``
     (none: no ``Authorization`` header); it never appears in messages, logs, ``repr`` or the cache."""
@@ -159,6 +178,7 @@ class LLMJudge:
         return f"LLMJudge(model={self.model!r}, base_url={self.base_url!r}, api_key={key})"
 
     def settings(self) -> dict:
+        """What decides the verdicts (the key of the judge's cache); never the API key."""
         return {
             "model": self.model,
             "base_url": self.base_url,
@@ -174,20 +194,21 @@ class LLMJudge:
         pairs = list(pairs)
         unique = list({pair.key: pair for pair in pairs}.values())
         todo = [pair for pair in unique if not all(cache_key(pair, order) in cache for order in ORDERS)]
+        stop = threading.Event()
+        bar = tqdm(total=len(unique), initial=len(unique) - len(todo), desc="Judging (llm)", unit="pair", disable=None)
         try:
-            with tqdm(
-                total=len(unique), initial=len(unique) - len(todo), desc="Judging (llm)", unit="pair", disable=None
-            ) as bar:
-                self._judge_all(todo, cache, bar)
+            with self._client(stop) as client, bar:
+                self._judge_all(todo, cache, client, stop, bar)
         except _RetriesExhausted as error:
             raise JudgeUnavailableError(self._unavailable_message(str(error), unique, cache)) from None
         return [self._pair_verdict(pair, cache) for pair in pairs]
 
-    def _judge_all(self, pairs: list[Pair], cache: JsonlCache, bar) -> None:
-        """Judge ``pairs`` on ``concurrency`` threads; the first failure stops the rest and is raised."""
-        stop = threading.Event()
+    def _judge_all(
+        self, pairs: list[Pair], cache: JsonlCache, client: openai.OpenAI, stop: threading.Event, bar
+    ) -> None:
+        """Judge ``pairs`` on ``concurrency`` threads; the first failure sets ``stop`` and is raised."""
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = [pool.submit(self._judge_pair, pair, cache, stop) for pair in pairs]
+            futures = [pool.submit(self._judge_pair, pair, cache, client, stop) for pair in pairs]
             try:
                 for future in as_completed(futures):
                     future.result()
@@ -198,16 +219,16 @@ class LLMJudge:
                     future.cancel()
                 raise  # after the pool has let running requests finish (and cache what they got)
 
-    def _judge_pair(self, pair: Pair, cache: JsonlCache, stop: threading.Event) -> None:
+    def _judge_pair(self, pair: Pair, cache: JsonlCache, client: openai.OpenAI, stop: threading.Event) -> None:
         for order in ORDERS:
             if cache_key(pair, order) not in cache:
-                cache.put(cache_key(pair, order), self._judge_order(pair, order, stop))
+                cache.put(cache_key(pair, order), self._judge_order(pair, order, client, stop))
 
-    def _judge_order(self, pair: Pair, order: str, stop: threading.Event) -> dict:
+    def _judge_order(self, pair: Pair, order: str, client: openai.OpenAI, stop: threading.Event) -> dict:
         """``{"verdict", "label", "reply", "asks"}`` for one order, asking up to ``1 + parse_retries`` times."""
         messages = self._messages(pair, order)
         for ask in range(1, self.parse_retries + 2):
-            reply = self._complete(messages, stop)
+            reply = self._complete(client, messages, stop)
             label = parse_label(reply)
             if label is not None:
                 break
@@ -224,60 +245,74 @@ class LLMJudge:
         first, second = (cache.get(cache_key(pair, order))["verdict"] for order in ORDERS)
         return combine_swapped(first, second)
 
-    # -- HTTP ------------------------------------------------------------------------------------------------------
+    # -- the server ------------------------------------------------------------------------------------------------
 
-    def _complete(self, messages: list[dict[str, str]], stop: threading.Event) -> str:
-        """The reply text of one chat completion, retrying transient failures; ``_RetriesExhausted`` when they last."""
-        payload = {
-            "model": self.model,
-            "messages": messages,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-        for attempt in range(self.max_retries + 1):
-            if stop.is_set():
-                raise _Stopped
-            retry_after = None
-            try:
-                response = requests.post(self.url, json=payload, headers=self._headers(), timeout=self.timeout)
-            except _TRANSIENT_ERRORS as error:
-                reason = self._redact(f"{type(error).__name__}: {error}")
-            else:
-                if response.ok:
-                    return self._reply_text(response)
-                if not _is_transient(response.status_code):
-                    raise self._refusal(response)
-                reason = f"HTTP {response.status_code}: {self._server_message(response)}"
-                retry_after = _retry_after_seconds(response)
-            if attempt < self.max_retries:
-                delay = min(retry_after if retry_after is not None else self.backoff * 2**attempt, self.max_backoff)
-                logger.warning(
-                    "Judge request to %s failed (%s); retry %d/%d in %.2f s",
-                    self.url,
-                    reason,
-                    attempt + 1,
-                    self.max_retries,
-                    delay,
-                )
-                self._sleep(delay)
-        raise _RetriesExhausted(reason)
+    def _client(self, stop: threading.Event) -> _RetryHookClient:
+        """An openai client for one ``judge()`` call; its retries wait through :meth:`_before_retry`."""
+        return _RetryHookClient(
+            base_url=self.base_url,
+            api_key=self._api_key or "no-key",  # its header is dropped per request (_NO_AUTHORIZATION)
+            max_retries=self.max_retries,
+            timeout=self.timeout,
+            before_retry=functools.partial(self._before_retry, stop),
+        )
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-
-    def _reply_text(self, response: requests.Response) -> str:
+    def _complete(self, client: openai.OpenAI, messages: list[dict[str, str]], stop: threading.Event) -> str:
+        """The reply text of one chat completion (openai retries transient failures); ``_RetriesExhausted`` when they
+        last, :class:`JudgeRequestError` when the server refuses."""
+        if stop.is_set():
+            raise _Stopped
         try:
-            content = response.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            raw = client.chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=messages,
+                temperature=self.temperature,
+                max_tokens=self.max_tokens,
+                extra_headers=None if self._api_key else _NO_AUTHORIZATION,
+            )
+        except openai.APIStatusError as error:
+            raise self._status_error(error.response) from None
+        except openai.APIConnectionError as error:  # APITimeoutError included
+            raise _RetriesExhausted(self._redact(f"{type(error).__name__}: {error.__cause__ or error}")) from None
+        return self._reply_text(raw)
+
+    def _before_retry(self, stop: threading.Event, retry: int, response: Any) -> None:
+        """Log why, then wait ``min(Retry-After or backoff · 2**retry, max_backoff)``; ``_Stopped`` when another
+        request already failed for good."""
+        if stop.is_set():
+            raise _Stopped
+        if response is None:
+            retry_after, reason = None, "timeout or connection error"
+        else:
+            retry_after = _retry_after_seconds(response.headers)
+            reason = f"HTTP {response.status_code}: {self._server_message(response)}"
+        delay = min(retry_after if retry_after is not None else self.backoff * 2**retry, self.max_backoff)
+        logger.warning(
+            "Judge request to %s failed (%s); retry %d/%d in %.2f s",
+            self.url,
+            reason,
+            retry + 1,
+            self.max_retries,
+            delay,
+        )
+        self._sleep(delay)
+
+    def _reply_text(self, raw: Any) -> str:
+        """The message text of a raw openai response; :class:`JudgeRequestError` when it is no chat completion."""
+        try:
+            content = raw.parse().choices[0].message.content
+        except (ValueError, AttributeError, IndexError, TypeError):
             raise JudgeRequestError(
                 f"{self.url} did not answer with a chat completion (is base_url right? it usually ends in /v1): "
-                f"{self._server_message(response)}"
+                f"{self._server_message(raw.http_response)}"
             ) from None
         return content or ""
 
-    def _refusal(self, response: requests.Response) -> JudgeRequestError:
-        """The error for a 4xx that retrying cannot fix."""
+    def _status_error(self, response: Any) -> Exception:
+        """The error for an HTTP error openai gave up on: retried until exhausted, a bad key, or a refusal."""
         status, message = response.status_code, self._server_message(response)
+        if _is_transient(status):
+            return _RetriesExhausted(f"HTTP {status}: {message}")
         if status in (401, 403):
             return JudgeAuthError(
                 f"The judge server at {self.url} refused the request (HTTP {status}: {message}). Check the API key "
@@ -285,7 +320,7 @@ class LLMJudge:
             )
         return JudgeRequestError(f"The judge server at {self.url} refused the request (HTTP {status}): {message}")
 
-    def _server_message(self, response: requests.Response) -> str:
+    def _server_message(self, response: Any) -> str:
         """The server's error message (OpenAI's ``error.message``, vLLM's ``message``, else the body), truncated."""
         try:
             body = response.json()
@@ -309,14 +344,14 @@ class LLMJudge:
 
 
 def _is_transient(status: int) -> bool:
-    """429 (rate limit), 408 (request timeout) and 5xx are worth retrying."""
-    return status in (408, 429) or status >= 500
+    """The statuses openai retries: 408 (request timeout), 409 (lock timeout), 429 (rate limit) and 5xx."""
+    return status in (408, 409, 429) or status >= 500
 
 
-def _retry_after_seconds(response: requests.Response) -> float | None:
+def _retry_after_seconds(headers: Mapping[str, str]) -> float | None:
     """A numeric ``Retry-After`` header in seconds (an HTTP date is ignored)."""
     try:
-        seconds = float(response.headers["Retry-After"])
+        seconds = float(headers["Retry-After"])
     except (KeyError, ValueError):
         return None
     return max(seconds, 0.0) if math.isfinite(seconds) else None
