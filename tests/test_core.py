@@ -22,6 +22,7 @@ from trl_ppomax.core import (
     clipped_policy_loss,
     clipped_value_loss,
     compute_gae,
+    ends_with_stop,
     entropy_from_logits,
     entropy_loss,
     kl_penalty,
@@ -505,6 +506,12 @@ def test_response_mask_from_stop_none_is_all_real():
     responses = torch.tensor([[1, 2, 3], [2, 2, 2]])
     mask = response_mask_from_stop(responses, None)
     assert mask.dtype == torch.bool and mask.shape == (2, 3) and bool(mask.all())
+
+
+def test_ends_with_stop_looks_inside_the_mask_only():
+    responses = torch.tensor([[5, STOP, 0], [5, 6, 7], [5, 6, STOP], [STOP, 6, 7]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]])  # row 2: its stop token is padding
+    assert ends_with_stop(responses, mask, STOP).tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.float32])
@@ -1077,6 +1084,7 @@ def test_public_api_is_covered():
         "clipped_policy_loss",
         "clipped_value_loss",
         "compute_gae",
+        "ends_with_stop",
         "entropy_from_logits",
         "entropy_loss",
         "kl_penalty",

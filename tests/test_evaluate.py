@@ -22,7 +22,7 @@ from trl_ppomax.judging.report import count, tally, wilson_interval
 from trl_ppomax.judging.run import evaluate_policy
 from trl_ppomax.judging.scored import FunctionJudge, RewardModelJudge
 from trl_ppomax.modeling import sequence_scores
-from trl_ppomax.toyworld import eval_prompts
+from trl_ppomax.toyworld import eval_prompts, gold_rewards
 
 CAT = "user: tell me about the cat </s> assistant:"
 TOY = GenerationSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, repetition_penalty=1.0, batch_size=4)
@@ -75,11 +75,13 @@ def test_gold_judge_by_hand(tmp_path):
     # gold: topic 1 + polite 0.5 = 1.5 against 3 words with 2 repeats: −0.6 − 0.3 (too short) = −0.9
     good, bad = "the cat is nice please", "the the the"
     pairs = [Pair("0", CAT, good, bad), Pair("1", CAT, bad, good), Pair("2", CAT, good, good)]
-    judge = FunctionJudge()
+    judge = FunctionJudge(gold_rewards)
     cache = JsonlCache(tmp_path / "gold.jsonl")
     assert judge.judge(pairs, cache) == ["win", "lose", "tie"]
     assert cache.get("0") == {"policy": pytest.approx(1.5), "baseline": pytest.approx(-0.9)}
-    assert FunctionJudge(tie_threshold=3.0).judge(pairs, JsonlCache(tmp_path / "g2.jsonl")) == ["tie"] * 3
+    assert (
+        FunctionJudge(gold_rewards, tie_threshold=3.0).judge(pairs, JsonlCache(tmp_path / "g2.jsonl")) == ["tie"] * 3
+    )
 
 
 def test_rm_judge_scores_the_trained_inputs(tiny_dir, tmp_path):
@@ -107,7 +109,7 @@ def test_rm_judge_scores_the_trained_inputs(tiny_dir, tmp_path):
 
 def test_evaluate_policy_end_to_end_and_resume(world, tmp_path, monkeypatch):
     prompts = load_prompts(eval_prompts(8))
-    judges = [FunctionJudge(), RewardModelJudge(world.reward)]
+    judges = [FunctionJudge(gold_rewards), RewardModelJudge(world.reward)]
     report = evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", judges, TOY)
     for name in ("gold", "rm"):
         entry = report["judges"][name]["categories"]["all"]
@@ -124,7 +126,7 @@ def test_evaluate_policy_end_to_end_and_resume(world, tmp_path, monkeypatch):
 
     monkeypatch.setattr("trl_ppomax.judging.generation.load_causal_lm", refuse)
     monkeypatch.setattr(FunctionJudge, "score", refuse)
-    again = evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", [FunctionJudge()], TOY)
+    again = evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", [FunctionJudge(gold_rewards)], TOY)
     assert again["judges"]["gold"] == report["judges"]["gold"]
     with pytest.raises(ValueError, match=r"other settings .*generation"):
         evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", [], GenerationSettings(max_new_tokens=5))

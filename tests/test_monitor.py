@@ -10,7 +10,8 @@ import pytest
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from trl_ppomax.monitor import CollapseMonitor, last_checkpoint_before
+from trl_ppomax.files import last_checkpoint_before
+from trl_ppomax.monitor import CollapseMonitor
 
 LOGGER = "trl_ppomax.monitor"
 HEALTHY = {

@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic folders, the policy/critic split of one state dict, and loading weights back.
+"""Checkpoint files: the policy/critic split of one state dict, and loading weights back.
 
 Layout of ``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top, so that
 ``from_pretrained("checkpoint-N")`` loads it; ``critic/`` with the critic; ``optimizer.pt``/``scheduler.pt`` (or a
@@ -50,22 +50,26 @@ from transformers.utils import (
 )
 from transformers.utils.hub import hf_api
 
+from .files import (
+    atomic_directory,
+    checkpoint_folders,
+    checkpoint_number,
+    last_checkpoint_before,
+    read_json,
+    write_json,
+)
+
 logger = logging.getLogger(__name__)
 
 PPO_STATE_NAME = "ppo_state.json"
 CRITIC_DIR = "critic"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
-#: The files whose presence says "a complete model is here"; a merge writes them last and removes them first.
-MODEL_MARKERS = ("config.json", "adapter_config.json")
-#: Top-level weight files of a model folder; a merge removes those of an earlier save that the new one did not write.
-WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "adapter_model.*")
 #: ``ppo_state.json`` keys a resume needs.
 PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
 #: Field names (or parts of them) that hold secrets; never written to disk.
 SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
 NOT_SECRETS = frozenset({"stop_token"})
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 #: Files of a checkpoint's top level that a push during training does not copy into ``output_dir``.
@@ -90,84 +94,6 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------------------------
 # Folders
 # ----------------------------------------------------------------------------------------------------------------
-@contextmanager
-def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool = False) -> Iterator[str]:
-    """Yield a temporary folder to write into; publish it as ``final`` once the block (on every process, when an
-    ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
-
-    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end: a crash while
-    writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by the next write
-    of the same folder; an exception removes it at once. An existing ``final`` is replaced only after the new folder
-    is complete.
-
-    With ``merge=True`` (a model folder saved into a folder that may hold other things, such as ``output_dir`` with
-    its ``checkpoint-N`` folders and logs) the temporary folder is ``final/.tmp-save`` and, once complete, its entries
-    are moved into ``final`` one by one (:func:`merge_model_folder`): nothing else in ``final`` is touched, and
-    ``config.json``/``adapter_config.json`` are removed first and moved in last, so ``final`` never has a config
-    without the complete weights next to it (a crash mid-way leaves no config, which loading and ``push`` refuse).
-    """
-    final = Path(final)
-    temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
-    is_main = accelerator is None or accelerator.is_main_process
-    barrier = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
-    if is_main:
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
-    barrier()
-    try:
-        yield str(temporary)
-    except BaseException:
-        if is_main:
-            shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    barrier()
-    if is_main:
-        if merge:
-            merge_model_folder(temporary, final)
-        else:
-            retired = final.with_name(f".old-{final.name}")
-            shutil.rmtree(retired, ignore_errors=True)
-            if final.exists():
-                os.replace(final, retired)  # kept until the new folder is in place
-            os.replace(temporary, final)
-            shutil.rmtree(retired, ignore_errors=True)
-    barrier()
-
-
-def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> None:
-    """Move the complete model folder ``source`` into ``final`` (see :func:`atomic_directory` with ``merge``): the
-    markers of ``final`` (:data:`MODEL_MARKERS`) go first, then every other entry of ``source`` replaces its namesake,
-    weight files of an earlier save that the new one did not write are removed, and the markers come last."""
-    source, final = Path(source), Path(final)
-    written = {entry.name for entry in source.iterdir()}
-    for name in MODEL_MARKERS:
-        (final / name).unlink(missing_ok=True)
-    for entry in sorted(source.iterdir()):
-        if entry.name in MODEL_MARKERS:
-            continue
-        target = final / entry.name
-        if entry.is_dir():
-            retired = final / f".old-{entry.name}"
-            shutil.rmtree(retired, ignore_errors=True)
-            if target.exists():
-                os.replace(target, retired)
-            os.replace(entry, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(entry, target)
-    for stale in final.iterdir():
-        if (
-            stale.is_file()
-            and stale.name not in written
-            and any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
-        ):
-            stale.unlink()
-    for name in MODEL_MARKERS:
-        if (source / name).exists():
-            os.replace(source / name, final / name)
-    shutil.rmtree(source, ignore_errors=True)
-
-
 def probe_writable(folder: str | os.PathLike) -> None:
     """Create ``folder`` and write and delete a small file in it; a ValueError naming the folder if that fails, so
     that a run is not lost at its first or final save."""
@@ -182,30 +108,6 @@ def probe_writable(folder: str | os.PathLike) -> None:
             f"output_dir {str(folder)!r} is not writable ({type(err).__name__}: {err.strerror or err}); the run would "
             "be lost at its first save. Set output_dir to a folder you can write to, or fix its permissions."
         ) from err
-
-
-def checkpoint_number(path: str | os.PathLike) -> int | None:
-    """``N`` for a folder named exactly ``checkpoint-N`` (as transformers writes it), else None."""
-    number = Path(path).name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
-    return int(number) if number.isdecimal() and number != Path(path).name else None
-
-
-def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
-    """The ``checkpoint-N`` folders in ``folder``, oldest (smallest N) first; empty when ``folder`` is absent."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and _CHECKPOINT_NAME.match(p.name)]
-    return sorted(found, key=checkpoint_number)
-
-
-def previous_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The newest ``checkpoint-M`` next to ``path`` = ``checkpoint-N`` with ``M < N``, or None."""
-    number = checkpoint_number(path)
-    if number is None:
-        return None
-    older = [p for p in checkpoint_folders(Path(path).parent) if checkpoint_number(p) < number]
-    return older[-1] if older else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,14 +195,6 @@ def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
         )
 
 
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True))
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    return json.loads(Path(path).read_text())
-
-
 def secret_fields(args) -> list[str]:
     """The names of the fields of ``args`` that hold a secret (``hub_token``, any ``*_token``/``*_api_key``/
     ``*_password``/``*_secret`` string field; not ``stop_token``) and are set."""
@@ -350,7 +244,7 @@ def _reading(checkpoint: str, what: str, loading: bool = False) -> Iterator[None
 
 
 def _damaged_message(checkpoint: str | os.PathLike, what: str, reason: str, loading: bool = False) -> str:
-    previous = previous_checkpoint(checkpoint)
+    previous = last_checkpoint_before(Path(checkpoint).parent, checkpoint_number(checkpoint))
     advice = (
         f"resume from the previous checkpoint instead: resume_from_checkpoint={str(previous)!r}"
         if previous
@@ -403,9 +297,6 @@ class CheckpointMixin:
         self._run_started = False
         self._resume_path: str | None = None
         super().__init__(*args, **kwargs)
-        from .plotting import DynamicsFigureCallback  # plotting imports this module
-
-        self.add_callback(DynamicsFigureCallback())  # the training-dynamics figure to the trackers, when one is on
         if self.args.push_to_hub:
             self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
 
@@ -492,7 +383,7 @@ class CheckpointMixin:
         """``ppo_state.json`` (returned) and ``trainer_state.json``, checked to be readable and complete."""
         with _reading(path, PPO_STATE_NAME):
             saved = read_json(os.path.join(path, PPO_STATE_NAME))
-            if not isinstance(saved, dict) or any(key not in saved for key in PPO_STATE_KEYS):
+            if any(key not in saved for key in PPO_STATE_KEYS):
                 raise ValueError(f"it must be a JSON object with the keys {list(PPO_STATE_KEYS)}")
         with _reading(path, TRAINER_STATE_NAME):
             TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))

@@ -183,6 +183,11 @@ def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) 
     return stops_before == 0
 
 
+def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int) -> torch.Tensor:
+    """1.0 (B,) where the masked response (B, T) holds ``stop_token_id``, else 0.0."""
+    return ((responses == stop_token_id) & mask.bool()).any(dim=1).float()
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index (B,) of the last 1 in each row of a right-padded mask (B, T); 0 for an empty row."""
     lengths = mask.long().sum(dim=1)

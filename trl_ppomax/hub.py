@@ -9,7 +9,6 @@ specific to MOSS-RLHF.
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import os
 import re
@@ -21,6 +20,8 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from trl.trainer.utils import generate_model_card
+
+from .files import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -180,17 +181,6 @@ CHECKPOINT_FILES = (
 )
 #: Checkpoint folders left out unless asked: the critic, DeepSpeed engine states, FSDP optimizer shards.
 CHECKPOINT_DIRS = ("critic", "global_step*", "optimizer_*", "pytorch_model_fsdp_*")
-
-
-def read_json(path: Path) -> dict:
-    """The JSON object in ``path``; a ValueError naming the file if it is unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"Could not read {path}: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
-    return data
 
 
 def _check_folder(folder: str | os.PathLike) -> Path:

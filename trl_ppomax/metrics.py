@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import Reduce, masked_mean
-from .rewards import ends_with_stop
+from .core import Reduce, ends_with_stop, masked_mean
 
 # ---- per response, averaged over the rollout batch (and logged by evaluate() as eval_<name>) -----------------------
 KL = "objective/kl"  # Σ_t KL_t of the response (the configured estimator)

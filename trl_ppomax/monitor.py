@@ -10,16 +10,13 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
-from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import sort_checkpoints
 
 from . import metrics
-from .checkpoint import checkpoint_number
+from .files import last_checkpoint_before
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +364,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
     ) -> None:
         since = self._onsets[signal]
         if not self.events:
-            self.last_healthy_checkpoint = last_checkpoint_before(getattr(args, "output_dir", None), since)
+            found = last_checkpoint_before(args.output_dir, since) if getattr(args, "output_dir", None) else None
+            self.last_healthy_checkpoint = str(found) if found else None
         message = (
             f"Possible pattern collapse at step {state.global_step}: signal '{signal}', {description}, for "
             f"{self._streaks[signal]} consecutive logs since step {since}. The policy may be over-optimising the "
@@ -403,20 +401,6 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         name = type(self).__name__
         if not isinstance(state.stateful_callbacks.get(name), list):
             state.stateful_callbacks[name] = self.state()
-
-
-def last_checkpoint_before(output_dir: str | os.PathLike | None, step: int | None) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` with ``N < step`` (by name), or None.
-
-    The folders are found and ordered by transformers' ``sort_checkpoints``; only names that are exactly
-    ``checkpoint-<digits>`` count (not ``.tmp-checkpoint-N`` nor ``checkpoint-N-old``)."""
-    if output_dir is None or step is None or not os.path.isdir(output_dir):
-        return None
-    for path in reversed(sort_checkpoints(os.fspath(output_dir))):
-        number = checkpoint_number(path)
-        if number is not None and number < step:
-            return os.path.join(output_dir, Path(path).name)
-    return None
 
 
 def _finite(value: Any) -> float | None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transformers.trainer_utils import sort_checkpoints
+from transformers import TrainerCallback, TrainerState
 
 from . import metrics
-from .checkpoint import checkpoint_number
+from .files import checkpoint_folders
 from .metrics import eval_name
 
 if TYPE_CHECKING:
@@ -271,24 +271,21 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(f"run folder not found: {run_dir}")
     state_file = run_dir / "trainer_state.json"
     if not state_file.is_file():
-        checkpoints = [  # oldest first, by N (transformers' ordering)
-            path
-            for path in map(Path, sort_checkpoints(str(run_dir)))
-            if checkpoint_number(path) is not None and (path / "trainer_state.json").is_file()
-        ]
+        checkpoints = [path for path in checkpoint_folders(run_dir) if (path / "trainer_state.json").is_file()]
         if not checkpoints:
             raise FileNotFoundError(
                 f"no trainer_state.json in {run_dir} nor in a checkpoint-N folder of it (looked for "
                 f"{state_file} and {run_dir / 'checkpoint-N' / 'trainer_state.json'})"
             )
-        state_file = run_dir / checkpoints[-1].name / "trainer_state.json"
+        state_file = checkpoints[-1] / "trainer_state.json"
     try:
-        state = json.loads(state_file.read_text(encoding="utf-8"))
+        history = TrainerState.load_from_json(str(state_file)).log_history
     except json.JSONDecodeError as err:
         raise ValueError(f"{state_file} is not valid JSON: {err}") from err
-    history = state.get("log_history") if isinstance(state, dict) else None
-    if not isinstance(history, list):
-        raise ValueError(f"{state_file} has no log_history list")
+    except TypeError as err:
+        raise ValueError(f"{state_file} is not a trainer state: {err}") from err
+    if not history or not isinstance(history, list):
+        raise ValueError(f"{state_file} has no log_history entries")
     return [entry for entry in history if isinstance(entry, dict)]
 
 
@@ -340,13 +337,7 @@ def log_image(args, key: str, path: str | Path) -> list[str]:
     return [t.__name__ for t in trackers]
 
 
-try:
-    from transformers import TrainerCallback as _Callback
-except ImportError:  # pragma: no cover
-    _Callback = object
-
-
-class DynamicsFigureCallback(_Callback):
+class DynamicsFigureCallback(TrainerCallback):
     """At the end of training, draw :func:`plot_training_dynamics` into ``output_dir/training_dynamics.png`` and log
     it to the active trackers (only when one is on)."""
 

@@ -30,6 +30,7 @@ from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .hub import TAGS
 from .modeling import PolicyAndCritic
+from .plotting import DynamicsFigureCallback
 from .ppo_config import PPOMaxConfig
 from .rollout import (
     Experience,
@@ -118,7 +119,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
-            callbacks=callbacks,
+            callbacks=[*(callbacks or []), DynamicsFigureCallback()],  # the training-dynamics figure to the trackers
             optimizers=optimizers,
         )
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.

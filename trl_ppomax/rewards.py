@@ -34,6 +34,7 @@ from trl import is_conversational
 from trl.trainer.utils import disable_dropout_in_model
 
 from . import core
+from . import metrics as M
 from .modeling import backbone_and_head, check_single_label, sequence_scores
 
 if TYPE_CHECKING:
@@ -343,18 +344,13 @@ def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> di
     }
 
 
-def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int) -> torch.Tensor:
-    """1.0 (B,) where the response holds ``stop_token_id``, else 0.0."""
-    return ((responses == stop_token_id) & mask.bool()).any(dim=1).float()
-
-
 def apply_missing_eos_penalty(
     scores: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, stop_token_id: int, penalty: float | None
 ) -> torch.Tensor:
     """``scores − penalty`` for the responses (B,) without the stop token; unchanged when ``penalty`` is None."""
     if penalty is None:
         return scores
-    return scores - penalty * (1.0 - ends_with_stop(responses, mask, stop_token_id))
+    return scores - penalty * (1.0 - core.ends_with_stop(responses, mask, stop_token_id))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -410,8 +406,6 @@ def count_skipped_iteration(counters: dict[str, float], problem: str | None, arg
     skip in a row, or when the last iteration ends a run in which every iteration was skipped: either would otherwise
     end "successfully" with an untrained model.
     """
-    from . import metrics as M  # metrics imports this module
-
     if problem is None:
         counters[M.SKIPPED_IN_A_ROW] = 0
         return

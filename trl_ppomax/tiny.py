@@ -39,7 +39,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from .checkpoint import atomic_directory
+from .files import atomic_directory
 
 __all__ = [
     "ARCHITECTURES",
@@ -298,7 +298,7 @@ def save_tiny_models(
     tokenizer), ``prompts.jsonl`` (48 rows, column "prompt") and ``preferences.jsonl`` (64 rows, columns
     "prompt" / "chosen" / "rejected", see :func:`preference_rows`). Everything is first written into a temporary
     sibling folder that is renamed into place only once complete
-    (:func:`~trl_ppomax.checkpoint.atomic_directory`), so a crash never leaves a half-written ``output_dir``.
+    (:func:`~trl_ppomax.files.atomic_directory`), so a crash never leaves a half-written ``output_dir``.
 
     Returns:
         ``{"sft": ..., "reward": ..., "prompts": ..., "preferences": ...}`` as strings.

@@ -130,20 +130,3 @@ class Judge(Protocol):
         ...
 
     def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]: ...
-
-
-def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """Write ``text`` to a temporary file beside ``path``, fsync it and rename it over ``path``: readers see the old
-    file or the new one, never half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("w", encoding=encoding, newline="") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path

@@ -4,7 +4,6 @@ logged as ``eval/win_rate_vs_sft`` (with the tie and lose rates)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,10 +13,12 @@ from transformers import TrainerCallback
 
 from .. import metrics as M
 from ..checks import prepare_eval_prompts
+from ..core import ends_with_stop
 from ..data import rows_of_this_process
-from ..rewards import decode_texts, ends_with_stop
+from ..files import read_json, write_json
+from ..rewards import decode_texts
 from .base import margin_verdict
-from .scored import FunctionJudge, ScoreJudge
+from .scored import ScoreJudge
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,10 @@ class WinRateCallback(TrainerCallback):
     ``output_dir/win_rate_baseline/`` so that a resumed run compares with the same answers). Each check samples the
     policy on the same prompts with the training sampling settings under a fixed seed (the training random streams
     are left untouched) and counts, per prompt, ``win`` if ``score(policy) − score(SFT) > tie_threshold``.
-    ``judge``: ``"rm"`` (the trainer's score: the reward model's, after the missing-stop-token penalty), ``"gold"``
-    (the toy world's gold reward) or a :class:`~trl_ppomax.judging.scored.ScoreJudge`. ``prompts``: a prompt
-    dataset (default: the trainer's ``eval_dataset``, else its training prompts), of which the first ``num_prompts``
-    are used."""
+    ``judge``: ``"rm"`` (the trainer's score: the reward model's, after the missing-stop-token penalty) or a
+    :class:`~trl_ppomax.judging.scored.ScoreJudge` (``FunctionJudge(gold_rewards)`` for the toy world's gold reward).
+    ``prompts``: a prompt dataset (default: the trainer's ``eval_dataset``, else its training prompts), of which the
+    first ``num_prompts`` are used."""
 
     def __init__(
         self,
@@ -46,9 +47,9 @@ class WinRateCallback(TrainerCallback):
         if every < 1:
             raise ValueError(f"WinRateCallback(every={every}): check every N ≥ 1 iterations.")
         self.trainer, self.every, self.tie_threshold = trainer, every, tie_threshold
-        self.judge = FunctionJudge() if judge == "gold" else judge
-        if not (self.judge == "rm" or isinstance(self.judge, ScoreJudge)):
-            raise ValueError(f"WinRateCallback(judge={judge!r}): use 'rm', 'gold' or a ScoreJudge.")
+        if not (judge == "rm" or isinstance(judge, ScoreJudge)):
+            raise ValueError(f"WinRateCallback(judge={judge!r}): use 'rm' or a ScoreJudge such as FunctionJudge(f).")
+        self.judge = judge
         dataset = prepare_eval_prompts(trainer, prompts) if prompts is not None else None
         if dataset is None:
             eval_dataset = trainer.eval_dataset
@@ -59,11 +60,10 @@ class WinRateCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         path = Path(args.output_dir) / "win_rate_baseline" / f"process-{self.trainer.accelerator.process_index}.json"
         if path.exists():
-            self.baseline = json.loads(path.read_text())["scores"]
+            self.baseline = read_json(path)["scores"]
         elif state.global_step == 0:
             self.baseline = self.scores(seed=args.seed)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"scores": self.baseline}))
+            write_json(path, {"scores": self.baseline})
         else:
             logger.warning(
                 "WinRateCallback: resumed without %s; the SFT answers are unknown, no win rate is logged.", path

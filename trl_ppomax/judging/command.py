@@ -136,9 +136,10 @@ def build_judges(args: argparse.Namespace) -> list:
 
             judges.append(RewardModelJudge(args.reward_model, tie_threshold=args.tie_threshold))
         elif name == "gold":
+            from ..toyworld import gold_rewards  # commands sit above the demo
             from .scored import FunctionJudge
 
-            function = _import_function(args.gold_function) if args.gold_function else None
+            function = _import_function(args.gold_function) if args.gold_function else gold_rewards
             judges.append(FunctionJudge(function, tie_threshold=args.tie_threshold))
         elif name == "llm":
             if not args.judge_model:

@@ -18,7 +18,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from .base import JsonlCache, Pair, Verdict, prompt_text, write_text_atomically
+from ..files import write_json, write_text_atomically
+from .base import JsonlCache, Pair, Verdict, prompt_text
 
 SHEET_NAME = "human_sheet.csv"
 KEY_NAME = "human_key.json"
@@ -68,7 +69,7 @@ def export_sheet(
     rows, key = _layout(pairs, seed)
     if not overwrite:
         _guard(sheet_path, key_path, key)
-    write_text_atomically(key_path, json.dumps(key, indent=1, ensure_ascii=False, sort_keys=True) + "\n")
+    write_json(key_path, key)
     write_text_atomically(sheet_path, _csv_text(rows), encoding="utf-8-sig")
     write_text_atomically(folder / README_NAME, README)
     return sheet_path, key_path

@@ -51,7 +51,8 @@ from typing import Literal
 import torch
 from accelerate.utils import release_memory
 
-from .base import ALL, write_text_atomically
+from ..files import write_json, write_text_atomically
+from .base import ALL
 from .generation import load_causal_lm
 
 logger = logging.getLogger(__name__)
@@ -603,7 +604,7 @@ def compare_multiple_choice(
         release_memory()  # garbage-collect and empty the CUDA cache: one model in memory at a time
 
     report = {"task": "mcq", "scoring": settings["scoring"], "few_shot": settings["few_shot"], "models": reports}
-    write_text_atomically(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_json(out / REPORT_FILE, report)
     write_text_atomically(
         out / PREDICTIONS_FILE, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predictions)
     )

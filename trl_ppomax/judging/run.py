@@ -13,7 +13,8 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .base import JsonlCache, Judge, Pair, write_text_atomically
+from ..files import read_json, write_json, write_text_atomically
+from .base import JsonlCache, Judge, Pair
 from .generation import GenerationSettings, make_pairs
 from .report import format_table, plot_win_tie_lose, tally
 
@@ -47,7 +48,7 @@ def evaluate_policy(
     report = {**names, "num_prompts": len(pairs), "generation": generation.as_dict(), "judges": {}}
     for judge in judges:
         report["judges"][judge.name] = {"settings": judge.settings(), "categories": judge_pairs(judge, pairs, output)}
-    write_text_atomically(output / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
+    write_json(output / "report.json", report)
     tables = {name: entry["categories"] for name, entry in report["judges"].items()}
     if tables:
         print(format_table(tables))
@@ -69,7 +70,7 @@ def claim(path: Path, settings: dict) -> None:
     was made under them."""
     settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples → lists)
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_json(path)
         if saved != settings:
             changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
             raise ValueError(
@@ -78,7 +79,7 @@ def claim(path: Path, settings: dict) -> None:
                 "folder, or delete that folder (or the judge's files under verdicts/) to start afresh."
             )
     else:
-        write_text_atomically(path, json.dumps(settings, indent=2, sort_keys=True, ensure_ascii=False))
+        write_json(path, settings)
 
 
 def _label(side) -> str:

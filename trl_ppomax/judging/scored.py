@@ -1,5 +1,5 @@
 """Judges that score each answer on its own and compare the scores: a reward model (``rm``) and a scoring function
-(``gold``: the toy world's known reward, or any ``(prompts, completions) -> scores``). A pair is a win when the
+(``gold``: a known reward such as the toy world's, any ``(prompts, completions) -> scores``). A pair is a win when the
 policy's score beats the baseline's by more than ``tie_threshold``, a loss when it trails by more, else a tie."""
 
 from __future__ import annotations
@@ -50,13 +50,11 @@ class ScoreJudge:
 
 
 class FunctionJudge(ScoreJudge):
-    """``function(prompts, completions) -> list[float]`` as a judge (TRL's reward-function convention); the default
-    name ``gold`` is the toy world's known reward (:func:`trl_ppomax.toyworld.gold_rewards`)."""
+    """``function(prompts, completions) -> list[float]`` as a judge (TRL's reward-function convention), named
+    ``gold`` by default: a known reward, such as the toy world's :func:`~trl_ppomax.toyworld.gold_rewards`."""
 
-    def __init__(self, function: Callable | None = None, name: str = "gold", tie_threshold: float = 0.0) -> None:
+    def __init__(self, function: Callable, name: str = "gold", tie_threshold: float = 0.0) -> None:
         super().__init__(tie_threshold)
-        if function is None:
-            from ..toyworld import gold_rewards as function
         self.function, self.name = function, name
 
     def score(self, prompts, answers, finished) -> list[float]:

@@ -14,7 +14,8 @@ import os
 from huggingface_hub import ModelCard
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, read_json, render_card, repo_like, trained_intro
+from ..files import read_json
+from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, render_card, repo_like, trained_intro
 from .prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
 from .recovery import CONVERSION_INFO, MODEL_TYPES, RELEASES, recovery_command
 

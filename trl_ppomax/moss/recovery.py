@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..checkpoint import atomic_directory
+from ..files import atomic_directory
 from .prompt import SPEAKER_TAGS, setup_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ..checkpoint import atomic_directory
+from ..files import atomic_directory, read_json, write_json
 from ..tiny import llama_config, word_level_tokenizer
 from .world import EOS, WorldSampler, bradley_terry_label, gold_reward, vocabulary
 
@@ -206,7 +206,7 @@ def train_reward_model(settings: WorldSettings, sft: str, output: Path) -> dict:
     trainer.save_model(str(output))
     shutil.rmtree(output / "run", ignore_errors=True)
     report = {"pairs": len(pairs["train"]) + len(pairs["test"]), "held_out_accuracy": accuracy}
-    (output / "toyworld_report.json").write_text(json.dumps(report))
+    write_json(output / "toyworld_report.json", report)
     return report
 
 
@@ -216,5 +216,5 @@ def prepare_world(settings: WorldSettings | None = None, cache_dir: str | os.Pat
     root = Path(cache_dir or default_cache_dir()) / settings.key()
     sft = _stage(root / "sft", lambda tmp: train_sft(settings, tmp))
     reward = _stage(root / "reward", lambda tmp: train_reward_model(settings, sft, tmp))
-    report = json.loads((Path(reward) / "toyworld_report.json").read_text())
+    report = read_json(Path(reward) / "toyworld_report.json")
     return World(sft=sft, reward=reward, report=report)

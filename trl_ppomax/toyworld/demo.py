@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..files import write_json
 from .build import WorldSettings, prepare_world
 from .pipeline import run_method, win_tie_lose_vs_sft
 from .world import gold_reward
@@ -88,6 +88,6 @@ def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: i
         "vs_sft": versus_sft,
         "seconds": time.time() - start,
     }
-    Path(output_dir, "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(Path(output_dir, "summary.json"), summary)
     print(f"\nFigure: {figure}\nSummary: {Path(output_dir, 'summary.json')}  ({summary['seconds']:.0f} s)")
     return summary

@@ -1,0 +1,150 @@
+"""Small file helpers every writer shares: atomic folders and files (a crash never leaves half of one where a reader
+looks), JSON in and out, checkpoint folder names."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+#: The files whose presence says "a complete model is here"; a merge writes them last and removes them first.
+MODEL_MARKERS = ("config.json", "adapter_config.json")
+#: Top-level weight files of a model folder; a merge removes those of an earlier save that the new one did not write.
+WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "adapter_model.*")
+
+
+@contextmanager
+def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool = False) -> Iterator[str]:
+    """Yield a temporary folder to write into; publish it as ``final`` once the block (on every process, when an
+    ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
+
+    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end: a crash while
+    writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by the next write
+    of the same folder; an exception removes it at once. An existing ``final`` is replaced only after the new folder
+    is complete.
+
+    With ``merge=True`` (a model folder saved into a folder that may hold other things, such as ``output_dir`` with
+    its ``checkpoint-N`` folders and logs) the temporary folder is ``final/.tmp-save`` and, once complete, its entries
+    are moved into ``final`` one by one (:func:`merge_model_folder`): nothing else in ``final`` is touched, and
+    ``config.json``/``adapter_config.json`` are removed first and moved in last, so ``final`` never has a config
+    without the complete weights next to it (a crash mid-way leaves no config, which loading and ``push`` refuse).
+    """
+    final = Path(final)
+    temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
+    is_main = accelerator is None or accelerator.is_main_process
+    barrier = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
+    if is_main:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    barrier()
+    try:
+        yield str(temporary)
+    except BaseException:
+        if is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    barrier()
+    if is_main:
+        if merge:
+            merge_model_folder(temporary, final)
+        else:
+            retired = final.with_name(f".old-{final.name}")
+            shutil.rmtree(retired, ignore_errors=True)
+            if final.exists():
+                os.replace(final, retired)  # kept until the new folder is in place
+            os.replace(temporary, final)
+            shutil.rmtree(retired, ignore_errors=True)
+    barrier()
+
+
+def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move the complete model folder ``source`` into ``final`` (see :func:`atomic_directory` with ``merge``): the
+    markers of ``final`` (:data:`MODEL_MARKERS`) go first, then every other entry of ``source`` replaces its namesake,
+    weight files of an earlier save that the new one did not write are removed, and the markers come last."""
+    source, final = Path(source), Path(final)
+    written = {entry.name for entry in source.iterdir()}
+    for name in MODEL_MARKERS:
+        (final / name).unlink(missing_ok=True)
+    for entry in sorted(source.iterdir()):
+        if entry.name in MODEL_MARKERS:
+            continue
+        target = final / entry.name
+        if entry.is_dir():
+            retired = final / f".old-{entry.name}"
+            shutil.rmtree(retired, ignore_errors=True)
+            if target.exists():
+                os.replace(target, retired)
+            os.replace(entry, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(entry, target)
+    for stale in final.iterdir():
+        if (
+            stale.is_file()
+            and stale.name not in written
+            and any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
+        ):
+            stale.unlink()
+    for name in MODEL_MARKERS:
+        if (source / name).exists():
+            os.replace(source / name, final / name)
+    shutil.rmtree(source, ignore_errors=True)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to a temporary file beside ``path``, fsync it and rename it over ``path``: readers see the old
+    file or the new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with temporary.open("w", encoding=encoding, newline="") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    """Write ``data`` to ``path`` as indented UTF-8 JSON, atomically (:func:`write_text_atomically`)."""
+    return write_text_atomically(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in ``path``; a ValueError naming the file if it is unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"Could not read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def checkpoint_number(path: str | os.PathLike) -> int | None:
+    """``N`` for a folder named exactly ``checkpoint-N`` (as transformers writes it), else None."""
+    number = Path(path).name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+    return int(number) if number.isdecimal() and number != Path(path).name else None
+
+
+def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders in ``folder``, oldest (smallest N) first; empty when ``folder`` is absent. Only
+    names exactly ``checkpoint-<digits>`` count (not ``.tmp-checkpoint-N`` nor ``checkpoint-N-old``)."""
+    folder = Path(folder)
+    found = [p for p in folder.iterdir() if p.is_dir() and checkpoint_number(p) is not None] if folder.is_dir() else []
+    return sorted(found, key=checkpoint_number)
+
+
+def last_checkpoint_before(folder: str | os.PathLike, step: int | None) -> Path | None:
+    """The newest ``checkpoint-N`` folder in ``folder`` with ``N < step``, or None (always None without a step)."""
+    older = [p for p in checkpoint_folders(folder) if step is not None and checkpoint_number(p) < step]
+    return older[-1] if older else None
