@@ -315,12 +315,6 @@ CASES = [
         r"train_dataset: 1 of 32 prompts are empty .*row 4",
     ),
     (
-        "empty-message",
-        trainer(train_dataset=prompts((6, [{"role": "user", "content": ""}]), column="conversation")),
-        ValueError,
-        r"train_dataset: 1 of 32 prompts are empty .*row 6",
-    ),
-    (
         "empty-input_ids",
         trainer(train_dataset=prompts((2, []), column="input_ids")),
         ValueError,
@@ -383,7 +377,8 @@ def test_valid_edge_values_are_accepted(tmp_path, overrides):
 
 
 def test_a_prompt_budget_of_one_token_is_accepted(tmp_path, rollout_forbidden):
-    trainer = make_trainer(tmp_path, response_length=CONTEXT - 1)
+    one_token = Dataset.from_dict({"input_ids": [[5 + i % 10] for i in range(32)]})
+    trainer = make_trainer(tmp_path, response_length=CONTEXT - 1, dataset=one_token)
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 1
 
 
@@ -480,8 +475,9 @@ def test_a_dict_of_evaluation_datasets_is_evaluated_with_prefixes(tmp_path):
     assert "eval_long_objective/kl" in logged
 
 
-def test_evaluate_cuts_raw_prompts_to_the_training_budget(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path, max_prompt_length=10)
+def test_evaluate_prepares_raw_prompts_as_training_does(tmp_path, monkeypatch):
+    """Over the prompt budget: kept whole while prompt + response fit the context, skipped beyond; never cut."""
+    trainer = make_trainer(tmp_path, max_prompt_length=10, response_length=CONTEXT - 40)
     widths = []
     original = PPOMaxTrainer.rollout
 
@@ -490,9 +486,10 @@ def test_evaluate_cuts_raw_prompts_to_the_training_budget(tmp_path, monkeypatch)
         return original(self, query_ids, query_mask, sampling, **kwargs)
 
     monkeypatch.setattr(PPOMaxTrainer, "rollout", recording)
-    long_prompts = Dataset.from_dict({"prompt": [" ".join(["hello"] * 60)] * 2 + prompt_texts(2)})
+    fits, too_long = " ".join(["hello"] * 30), " ".join(["hello"] * 60)  # 30 tokens ≤ 128 − 88 = 40 < 60
+    long_prompts = Dataset.from_dict({"prompt": [fits, too_long, *prompt_texts(2)]})
     metrics = trainer.evaluate(long_prompts)
-    assert widths and max(widths) == 10
+    assert widths and max(widths) == 30  # kept whole, not cut to 10; the 60-token prompt skipped
     assert metrics["eval_response/length"] > 0
 
 

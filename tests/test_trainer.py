@@ -199,7 +199,7 @@ def test_kl_penalty_enters_the_reward(tmp_path):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_advantages_whitened_and_clipped(tmp_path, clip):
-    trainer = make_trainer(tmp_path, advantage_clip=clip)
+    trainer = make_trainer(tmp_path, whiten_advantages=True, advantage_clip=clip)
     experience, _ = trainer.make_experience(first_rollout(trainer))
     mask = experience.rollout.response_mask
     if clip is None:
