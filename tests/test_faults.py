@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,8 +31,9 @@ from trl_ppomax.checkpoint import CheckpointError
 from trl_ppomax.cli import main
 from trl_ppomax.data import looks_local, tokenize_prompt
 from trl_ppomax.moss.recovery import TensorFolder, recover
-from trl_ppomax.rewards import call_reward_function, count_skipped_iteration, drop_non_finite, kept_gather
-from trl_ppomax.rollout import Rollout
+from trl_ppomax.ppo_state import PPOState
+from trl_ppomax.rewards import call_reward_function
+from trl_ppomax.rollout import Rollout, drop_non_finite, kept_gather
 from trl_ppomax.tiny import build_models, prompt_texts, save_tiny_models
 
 # ==================================================================================================================
@@ -910,9 +910,11 @@ def test_one_nan_reward_per_batch_still_trains_and_counts_the_dropped_samples(tm
     before = snapshot(trainer.model.policy), snapshot(trainer.model.critic)
     trainer.train()
     dropped = len(calls)  # one NaN per call of the reward function
-    assert trainer.counters[M.SKIPPED_SAMPLES] == dropped > 0
-    assert trainer.counters[M.SKIPPED_ITERATIONS] == 0 and trainer.counters[M.SKIPPED_UPDATES] == 0
-    assert trainer.running_reward.count == sum(calls) - dropped  # the dropped scores never entered the moments
+    assert trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == dropped > 0
+    assert trainer.ppo_state.counters[M.SKIPPED_ITERATIONS] == 0 and trainer.ppo_state.counters[M.SKIPPED_UPDATES] == 0
+    assert (
+        trainer.ppo_state.running_reward.count == sum(calls) - dropped
+    )  # the dropped scores never entered the moments
     assert changed(before[0], trainer.model.policy) > 0 and changed(before[1], trainer.model.critic) > 0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     last = trainer.state.log_history[-1]
@@ -928,7 +930,7 @@ def test_minibatch_whitening_survives_a_minibatch_with_no_sample_left(tmp_path):
     )
     before = snapshot(trainer.model.critic)
     trainer.train()
-    assert trainer.counters[M.SKIPPED_SAMPLES] == 30 and trainer.counters[M.SKIPPED_UPDATES] == 0
+    assert trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 30 and trainer.ppo_state.counters[M.SKIPPED_UPDATES] == 0
     assert changed(before, trainer.model.critic) > 0
 
 
@@ -944,21 +946,21 @@ def test_dropped_samples_leave_the_same_experience_as_a_batch_without_them(tmp_p
     poisoned = Rollout(**{**vars(rollout), "scores": rollout.scores.clone()})
     poisoned.scores[[1, 5]] = torch.tensor([NAN, -INF])
     keep = torch.isfinite(poisoned.scores)
-    start = trainer.running_reward.state_dict()
+    start = trainer.ppo_state.running_reward.state_dict()
 
     masked, masked_metrics = trainer.make_experience(poisoned)
-    moments = trainer.running_reward.state_dict()
-    trainer.running_reward.load_state_dict(start)
+    moments = trainer.ppo_state.running_reward.state_dict()
+    trainer.ppo_state.running_reward.load_state_dict(start)
     clean, clean_metrics = trainer.make_experience(rollout.select(keep))
 
-    assert moments == pytest.approx(trainer.running_reward.state_dict())
+    assert moments == pytest.approx(trainer.ppo_state.running_reward.state_dict())
     assert moments["count"] == start["count"] + keep.sum().item()
     for name in ("advantages", "returns", "raw_advantages"):
         torch.testing.assert_close(getattr(masked, name)[keep], getattr(clean, name), msg=name)
         assert torch.all(getattr(masked, name)[~keep] == 0), name
     assert masked.rollout.response_mask[~keep].sum() == 0 and torch.all(masked.rollout.scores[~keep] == 0)
     assert masked_metrics == pytest.approx(clean_metrics)
-    assert trainer.counters[M.SKIPPED_SAMPLES] == 2
+    assert trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 2
 
 
 def test_an_all_nan_reward_stops_after_max_skipped_iterations(tmp_path):
@@ -971,8 +973,10 @@ def test_an_all_nan_reward_stops_after_max_skipped_iterations(tmp_path):
         trainer.train()
     assert "iteration 2" in str(error.value) and "non-finite rewards" in str(error.value)
     assert len(calls) == 2  # stopped at once: no third rollout
-    assert trainer.counters[M.SKIPPED_ITERATIONS] == 2 and trainer.counters[M.SKIPPED_SAMPLES] == 32
-    assert trainer.running_reward.count == 0  # never updated from a skipped batch
+    assert (
+        trainer.ppo_state.counters[M.SKIPPED_ITERATIONS] == 2 and trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 32
+    )
+    assert trainer.ppo_state.running_reward.count == 0  # never updated from a skipped batch
     assert changed(before, trainer.model) == 0
 
 
@@ -1003,16 +1007,16 @@ def test_the_run_of_skipped_iterations_survives_a_resume(tmp_path):
     ],
 )
 def test_skips_in_a_row_are_counted_and_stop_the_run(pattern, limit, total, stops_at, message):
-    counters = dict.fromkeys(M.COUNTERS, 0)
-    args = SimpleNamespace(max_skipped_iterations=limit, num_total_batches=total)
+    state = PPOState()
+    counters = state.counters
     for iteration, kind in enumerate(pattern, start=1):
         problem = "non-finite values (1)" if kind == "S" else None
         if iteration == stops_at:
             with pytest.raises(RuntimeError, match=rf"max_skipped_iterations={limit}\b") as error:
-                count_skipped_iteration(counters, problem, args, iteration)
+                state.count_iteration(problem, iteration, total, limit)
             assert message in str(error.value) and "the last had non-finite values (1)" in str(error.value)
             return
-        count_skipped_iteration(counters, problem, args, iteration)
+        state.count_iteration(problem, iteration, total, limit)
     assert stops_at is None
     assert counters[M.SKIPPED_ITERATIONS] == pattern.count("S")
     assert counters[M.SKIPPED_IN_A_ROW] == len(pattern) - len(pattern.rstrip("S"))
@@ -1091,7 +1095,7 @@ def test_valid_stored_reward_statistics_still_seed_the_moments(tmp_path):
     reward_model = build_models()[2]
     for key, value in {"reward_mean": 0.5, "reward_std": 2.0, "reward_stats_count": 100.0}.items():
         setattr(reward_model.config, key, value)
-    moments = make_trainer(tmp_path, reward=reward_model).running_reward
+    moments = make_trainer(tmp_path, reward=reward_model).ppo_state.running_reward
     assert (moments.count, moments.mean, moments.std) == pytest.approx((100.0, 0.5, 2.0))
 
 

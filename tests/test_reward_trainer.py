@@ -14,8 +14,8 @@ from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core
+from trl_ppomax.reward_stats import fold_reward_stats, reward_statistics
 from trl_ppomax.reward_trainer import HISTOGRAM_NAME, with_lm_head
-from trl_ppomax.rewards import fold_reward_stats, reward_statistics
 from trl_ppomax.tiny import WORDS, build_models, prompt_texts
 
 FILLER = [w for w in WORDS if w not in ("please", "thanks")]
@@ -195,13 +195,13 @@ def test_trained_reward_model_serves_ppo_as_reward_and_critic(trained, tmp_path)
         value_model=None,
     )
     # The running reward moments start from the statistics the reward trainer stored.
-    assert ppo.running_reward.count == reward_model.config.reward_stats_count
-    assert ppo.running_reward.mean == pytest.approx(reward_model.config.reward_mean)
-    assert ppo.running_reward.std == pytest.approx(reward_model.config.reward_std)
+    assert ppo.ppo_state.running_reward.count == reward_model.config.reward_stats_count
+    assert ppo.ppo_state.running_reward.mean == pytest.approx(reward_model.config.reward_mean)
+    assert ppo.ppo_state.running_reward.std == pytest.approx(reward_model.config.reward_std)
     before = {n: p.clone() for n, p in ppo.model.critic.named_parameters()}
     ppo.train()
     assert any(not torch.equal(before[n], p) for n, p in ppo.model.critic.named_parameters())
-    assert ppo.running_reward.count == reward_model.config.reward_stats_count + 8  # 2 iterations × 4
+    assert ppo.ppo_state.running_reward.count == reward_model.config.reward_stats_count + 8  # 2 iterations × 4
 
 
 def test_peft_reward_model_with_imitation_loss(tmp_path):

@@ -33,9 +33,11 @@ def test_resume_continues_as_if_never_stopped(tmp_path):
 
     assert resumed.state.global_step == straight.state.global_step == 4
     assert resumed.state.episode == straight.state.episode == 64
-    assert resumed.counters == straight.counters
-    assert resumed.ptx_batches_used == straight.ptx_batches_used > 0
-    assert resumed.running_reward.state_dict() == pytest.approx(straight.running_reward.state_dict(), rel=1e-6)
+    assert resumed.ppo_state.counters == straight.ppo_state.counters
+    assert resumed.ppo_state.ptx_batches_used == straight.ppo_state.ptx_batches_used > 0
+    assert resumed.ppo_state.running_reward.state_dict() == pytest.approx(
+        straight.ppo_state.running_reward.state_dict(), rel=1e-6
+    )
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     # The resumed run differs from a fresh run: it really continued from iteration 2.
@@ -89,8 +91,8 @@ def test_nan_reward_skips_the_iteration(tmp_path):
     trainer = make_trainer(tmp_path, reward=reward, value_model=build_models()[2], total_episodes=32)
     policy, critic = snapshot(trainer.model.policy), snapshot(trainer.model.critic)
     trainer.train()
-    assert trainer.counters["skipped/iterations"] == 1
-    assert trainer.running_reward.count == 16  # only the finite batch entered the moments
+    assert trainer.ppo_state.counters["skipped/iterations"] == 1
+    assert trainer.ppo_state.running_reward.count == 16  # only the finite batch entered the moments
     assert trainer.state.log_history[-1]["skipped/iterations"] == 1.0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(policy[n], p) for n, p in trainer.model.policy.named_parameters())
@@ -108,7 +110,7 @@ def test_nan_loss_never_reaches_the_optimizer(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "micro_batch_loss", poisoned)
     before = snapshot(trainer.model)
     trainer.train()
-    assert trainer.counters["skipped/updates"] == 2  # both minibatches of the only iteration
+    assert trainer.ppo_state.counters["skipped/updates"] == 2  # both minibatches of the only iteration
     for name, p in trainer.model.named_parameters():
         assert torch.equal(before[name], p), name
 

@@ -161,7 +161,7 @@ def test_reward_normalisation_modes(tmp_path, mode):
     raw = rollout.scores
     expected = {"running": (raw - raw.mean()) / raw.std(), "scale": raw / raw.std(), "none": raw}[mode]
     assert metrics["objective/scores_normalized"] == pytest.approx(expected.mean().item(), abs=1e-4)
-    assert trainer.running_reward.mean == pytest.approx(raw.mean().item())
+    assert trainer.ppo_state.running_reward.mean == pytest.approx(raw.mean().item())
 
 
 def test_reward_clip_bounds_normalised_scores(tmp_path):

@@ -557,9 +557,7 @@ class CheckpointMixin:
         return {
             "global_step": self.state.global_step,
             "episode": self.state.episode,
-            "running_reward": self.running_reward.state_dict(),
-            "counters": dict(self.counters),
-            "ptx_batches_used": self.ptx_batches_used,
+            **self.ppo_state.state_dict(),
             "run": self._run_settings(),
         }
 
@@ -591,9 +589,7 @@ class CheckpointMixin:
         saved = read_json(os.path.join(path, PPO_STATE_NAME))
         with _reading(path, PPO_STATE_NAME):
             self.state.episode = saved["episode"]
-            self.running_reward.load_state_dict(saved["running_reward"])
-            self.counters.update(saved["counters"])
-            self.ptx_batches_used = saved["ptx_batches_used"]
+            self.ppo_state.load_state_dict(saved)
         if weights_only:
             logger.warning(
                 "resume_weights_only=True: resumed the weights and PPO state of %s at iteration %d; the optimizer "

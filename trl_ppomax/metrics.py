@@ -60,7 +60,7 @@ LEARNING_RATE = "lr"
 CRITIC_LEARNING_RATE = "critic/lr"
 PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
 
-#: The trainer's run-state counters (``trainer.counters``): saved in ``ppo_state.json`` and logged as they stand.
+#: The run-state counters (``PPOState.counters``): saved in ``ppo_state.json`` and logged as they stand.
 COUNTERS = (SKIPPED_ITERATIONS, SKIPPED_IN_A_ROW, SKIPPED_SAMPLES, SKIPPED_UPDATES)
 
 # ---- with use_vllm (TRL GRPO's names): the gap between vLLM's sampling log-probs and the HF forward's, the truncated

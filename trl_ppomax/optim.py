@@ -7,10 +7,9 @@ import logging
 from collections.abc import Callable
 
 import torch
+from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
-
-from .metrics import SKIPPED_UPDATES
 
 logger = logging.getLogger(__name__)
 MODELS = ("policy", "critic")
@@ -138,24 +137,20 @@ def after_critic_warmup(
     return LambdaLR(optimizer, lambdas)
 
 
-def optimizer_step(trainer, critic_only: bool) -> dict[str, torch.Tensor]:
-    """Clip the gradients (per model or jointly, App. C.2), then step — unless a gradient is non-finite: then the
-    step is skipped and counted (the gradients are identical on every process). Under DeepSpeed the engine clips
-    and steps inside ``backward`` and skips a non-finite step itself; its norm and decision are read back."""
-    args = trainer.args
-    if trainer.is_deepspeed_enabled:
-        stats, applied = deepspeed_step(trainer.model_wrapped)
+def optimizer_step(model_wrapped, accelerator, optimizer, lr_scheduler, args, critic_only: bool) -> dict | None:
+    """Clip the gradients (per model or jointly, App. C.2), then step the optimizer and the schedule — unless a
+    gradient is non-finite: then nothing steps and None is returned (the gradients are identical on every process).
+    Under DeepSpeed (``model_wrapped`` an engine) the engine clips and steps inside ``backward`` and skips a
+    non-finite step itself; its norm and decision are read back. Returns the gradient-norm stats."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        stats, applied = deepspeed_step(model_wrapped)
     else:
-        wrapper = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        stats = clip_gradients(trainer.accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only)
+        wrapper = accelerator.unwrap_model(model_wrapped)
+        stats = clip_gradients(accelerator, wrapper, args.max_grad_norm, args.grad_clip_scope, critic_only)
         applied = not stats or bool(torch.isfinite(torch.stack(list(stats.values()))).all())
         if applied:
-            trainer.optimizer.step()
+            optimizer.step()
     if applied:
-        trainer.lr_scheduler.step()
-    else:
-        trainer.counters[SKIPPED_UPDATES] += 1
-        logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", trainer.state.global_step + 1)
-        stats = {}
-    trainer.optimizer.zero_grad()
-    return stats
+        lr_scheduler.step()
+    optimizer.zero_grad()
+    return stats if applied else None

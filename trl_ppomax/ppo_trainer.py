@@ -32,12 +32,15 @@ from .hub import TAGS
 from .modeling import PolicyAndCritic
 from .plotting import DynamicsFigureCallback
 from .ppo_config import PPOMaxConfig
+from .ppo_state import PPOState
 from .rollout import (
     Experience,
     Rollout,
     concat_rollouts,
+    drop_non_finite,
     generate_responses,
     generation_kwargs,
+    kept_gather,
     logprobs_and_perplexity,
     sequence_inputs,
 )
@@ -124,9 +127,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         )
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
         self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-        self.running_reward = rewards.initial_reward_moments(self.reward_sources, args.reward_norm)
-        self.counters = dict.fromkeys(M.COUNTERS, 0)  # logged as metrics, saved in checkpoints
-        self.ptx_batches_used = 0
+        # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
+        self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
         self.vllm = VLLMEngine(self) if args.use_vllm else None  # rollouts by vLLM (vllm_engine.py)
 
@@ -215,11 +217,14 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
         """One PPO-max iteration on rollout batch ``iteration``. Samples with a non-finite reward are dropped; a batch
-        with none left, or a non-finite value or log-prob, is skipped (:func:`rewards.count_skipped_iteration`)."""
+        with none left, or a non-finite value or log-prob, is skipped (:meth:`PPOState.count_iteration`)."""
         batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns)
         experience, metrics = self.make_experience(rollout)
-        rewards.count_skipped_iteration(self.counters, self._skip_reason, self.args, iteration)
+        args = self.args
+        self.ppo_state.count_iteration(
+            self._skip_reason, iteration, self.num_total_batches, args.max_skipped_iterations
+        )
         if experience is not None:
             metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
             if self.vllm is not None and iteration > self.args.critic_warmup_steps:
@@ -227,7 +232,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         metrics.update(self.vllm.pop_metrics() if self.vllm is not None else {})
         if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
             optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
-        metrics.update({name: float(value) for name, value in self.counters.items()})
+        metrics.update({name: float(value) for name, value in self.ppo_state.counters.items()})
         return metrics
 
     def _begin_state(self) -> None:
@@ -357,15 +362,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float]]:
         """Shape rewards (normalise + clip, token KL), compute GAE advantages and returns (§5.3); samples with a
-        non-finite score are masked out (:func:`rewards.drop_non_finite`). ``(None, {})`` on every process, the reason
+        non-finite score are masked out (:func:`rollout.drop_non_finite`). ``(None, {})`` on every process, the reason
         in ``_skip_reason``, when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
-        rollout, keep, dropped, self._skip_reason = rewards.drop_non_finite(rollout, self._reduce_sum)
-        args, mask, reduce = self.args, rollout.response_mask, self._reduce_sum
-        self.counters[M.SKIPPED_SAMPLES] += dropped
+        rollout, keep, dropped, self._skip_reason = drop_non_finite(rollout, self._reduce_sum)
+        args, mask, reduce, moments = self.args, rollout.response_mask, self._reduce_sum, self.ppo_state.running_reward
+        self.ppo_state.counters[M.SKIPPED_SAMPLES] += dropped
         if self._skip_reason:
             return None, {}
-        moments = self.running_reward.state_dict()  # restored if the batch is skipped below
-        self.running_reward.update(rollout.scores[keep], reduce=reduce)
+        before = moments.state_dict()  # restored if the batch is skipped below
+        moments.update(rollout.scores[keep], reduce=reduce)
         scores, kl = self._shape_scores(rollout)
         token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
@@ -377,7 +382,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                 advantages, mask, args.whiten_advantages, args.advantage_clip, reduce
             )
         if not self._all_finite(normalised, returns):
-            self.running_reward.load_state_dict(moments)
+            moments.load_state_dict(before)
             self._skip_reason = "non-finite advantages or returns"
             return None, {}
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
@@ -386,7 +391,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised and clipped scores (B,) with the current running moments, and the per-token KL (B, T)."""
-        args, moments = self.args, self.running_reward
+        args, moments = self.args, self.ppo_state.running_reward
         scores = core.normalize_scores(rollout.scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
         kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
         return scores, kl
@@ -402,8 +407,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def _rollout_metrics(self, rollout, keep, scores, kl, advantages, returns) -> dict[str, float]:
         per_response = self._response_metrics(rollout.select(keep), scores[keep], kl[keep])  # the kept samples only
         metrics = {name: M.global_mean(value, self._reduce_sum) for name, value in per_response.items()}
-        gather = rewards.kept_gather(keep, self.accelerator.gather)
-        batch = M.batch_metrics(rollout, advantages, returns, self.running_reward, self._reduce_sum, gather)
+        gather = kept_gather(keep, self.accelerator.gather)
+        batch = M.batch_metrics(rollout, advantages, returns, self.ppo_state.running_reward, self._reduce_sum, gather)
         return {**metrics, **batch}
 
     def _all_finite(self, *tensors: torch.Tensor) -> bool:
@@ -433,11 +438,21 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                         self.accelerator.backward(loss)  # divides by gradient_accumulation_steps
                     for name, value in micro_stats.items():
                         stats[name].append(value)
-                for name, value in optim.optimizer_step(self, critic_only).items():
+                for name, value in self._optimizer_step(critic_only).items():
                     stats[name].append(value)
         means = torch.stack([torch.stack(values).float().nanmean() for values in stats.values()])
         means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
         return dict(zip(stats.keys(), means.tolist(), strict=True))
+
+    def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
+        """:func:`optim.optimizer_step`; a step skipped for a non-finite gradient is counted and logged."""
+        stats = optim.optimizer_step(
+            self.model_wrapped, self.accelerator, self.optimizer, self.lr_scheduler, self.args, critic_only
+        )
+        if stats is None:
+            self.ppo_state.counters[M.SKIPPED_UPDATES] += 1
+            logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
+        return stats or {}
 
     def _minibatch_advantages(self, experience: Experience, minibatch: torch.Tensor) -> Experience:
         """With ``advantage_whitening_scope="minibatch"`` (§5.3.1): the minibatch's rows of the advantages whitened
@@ -505,6 +520,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         return loss, stats
 
     def _next_ptx_batch(self) -> dict[str, torch.Tensor]:
-        batch = self.ptx_batches[self.ptx_batches_used]
-        self.ptx_batches_used += 1
+        batch = self.ptx_batches[self.ppo_state.ptx_batches_used]
+        self.ppo_state.ptx_batches_used += 1
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}

@@ -27,7 +27,7 @@ from . import core
 from .modeling import score_head, score_position
 from .plotting import log_image
 from .reward_config import PPOMaxRewardConfig
-from .rewards import fold_reward_stats, reward_statistics, store_reward_stats
+from .reward_stats import fold_reward_stats, reward_statistics, store_reward_stats
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Reward sources and the reward-statistics contract.
+"""Reward sources: what scores a response.
 
 - Sources: a reward model (a ``*ForSequenceClassification`` with one label, read where the model reads it, see
   :func:`~trl_ppomax.modeling.score_position`) or a Python function, called as TRL's ``GRPOTrainer`` calls its
@@ -8,16 +8,12 @@
   gives one source's scores (B,); :class:`RewardSources` holds a weighted list of them (models, functions, model
   ids, reward models with their own tokenizer), logged as ``rewards/<name>/mean``. The missing-stop-token penalty
   is applied on top of the combined score (:func:`apply_missing_eos_penalty`).
-- Statistics: :class:`~trl_ppomax.PPOMaxRewardTrainer` measures the mean and std of its rewards and stores them in
-  the saved model's config (:data:`STATS_KEYS`); :class:`~trl_ppomax.PPOMaxTrainer` seeds its running reward moments
-  from them (:func:`running_moments_from_config`), which rejects non-finite ones.
-- Non-finite rewards: the samples are masked out of their batch (:func:`drop_non_finite`); a batch with none left is
-  skipped, and ``max_skipped_iterations`` skips in a row stop the run (:func:`count_skipped_iteration`).
+- Reward normalisation starts from the reward model's stored statistics when the score is that one model's
+  (:func:`initial_reward_moments`; the statistics contract is in :mod:`~trl_ppomax.reward_stats`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import math
@@ -25,7 +21,6 @@ import numbers
 import os
 import reprlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,18 +29,12 @@ from trl import is_conversational
 from trl.trainer.utils import disable_dropout_in_model
 
 from . import core
-from . import metrics as M
 from .modeling import backbone_and_head, check_single_label, sequence_scores
-
-if TYPE_CHECKING:
-    from .rollout import Rollout
+from .reward_stats import running_moments_from_config
 
 logger = logging.getLogger(__name__)
 
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
-
-#: Config attributes holding the reward statistics written by the reward trainer and read by the PPO trainer.
-STATS_KEYS = ("reward_mean", "reward_std", "reward_stats_count")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -351,149 +340,6 @@ def apply_missing_eos_penalty(
     if penalty is None:
         return scores
     return scores - penalty * (1.0 - core.ends_with_stop(responses, mask, stop_token_id))
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Non-finite rewards
-# --------------------------------------------------------------------------------------------------------------------
-def drop_non_finite(rollout: Rollout, reduce: core.Reduce) -> tuple[Rollout, torch.Tensor, int, str | None]:
-    """Mask out the samples whose score is NaN or ±inf: their response mask is zeroed and their score, log-probs and
-    values set to 0, so that they add nothing to the running reward moments, advantages, losses or metrics.
-
-    Returns ``(rollout, keep, dropped, problem)``: ``keep`` (B,) marks the samples kept on this process, ``dropped``
-    counts the samples dropped on every process, and ``problem`` says why the whole batch must be skipped — no finite
-    score left on any process, or a non-finite log-prob or value — else None. One reduction; ``dropped`` and
-    ``problem`` are the same on every process.
-    """
-    keep = torch.isfinite(rollout.scores)
-    checked = {"policy log-probs": rollout.logprobs, "reference log-probs": rollout.ref_logprobs}
-    checked["values"] = rollout.values
-    local = [(~keep).sum(), torch.tensor(keep.numel(), device=keep.device)]
-    local += [(~torch.isfinite(tensor)).sum() for tensor in checked.values()]
-    dropped, total, *bad = (int(n) for n in reduce(torch.stack(local).double()).tolist())
-    problem = ", ".join(f"non-finite {name} ({n})" for name, n in zip(checked, bad, strict=True) if n) or None
-    if problem is None and dropped == total:
-        problem = f"non-finite rewards (NaN or inf) for all {total} samples"
-    if problem is None and dropped:
-        logger.warning("Dropped %d of %d samples from the batch: their rewards were NaN or inf.", dropped, total)
-    if problem is None and not keep.all():
-        row = keep[:, None]
-        zero_rows = {name: torch.where(row, getattr(rollout, name), 0.0) for name in ("logprobs", "ref_logprobs")}
-        rollout = dataclasses.replace(
-            rollout,
-            **zero_rows,
-            values=torch.where(row, rollout.values, 0.0),
-            scores=torch.where(keep, rollout.scores, 0.0),
-            response_mask=rollout.response_mask * row.to(rollout.response_mask.dtype),
-        )
-    return rollout, keep, dropped, problem
-
-
-def kept_gather(keep: torch.Tensor, gather: core.Reduce) -> core.Reduce:
-    """``gather`` (concatenation over processes) restricted to the kept samples: maps values (B,) to the kept values of
-    every process, which may keep different numbers of samples (so those cannot be gathered directly)."""
-
-    def gather_kept(values: torch.Tensor) -> torch.Tensor:
-        both = gather(torch.stack([values.float(), keep.float()], dim=1))
-        return both[both[:, 1] > 0, 0]
-
-    return gather_kept
-
-
-def count_skipped_iteration(counters: dict[str, float], problem: str | None, args, iteration: int) -> None:
-    """Count iteration ``iteration`` in the trainer's ``counters``: skipped because of ``problem``, or trained when
-    ``problem`` is None, which ends a run of skips. Raises ``RuntimeError`` at the ``args.max_skipped_iterations``-th
-    skip in a row, or when the last iteration ends a run in which every iteration was skipped: either would otherwise
-    end "successfully" with an untrained model.
-    """
-    if problem is None:
-        counters[M.SKIPPED_IN_A_ROW] = 0
-        return
-    counters[M.SKIPPED_ITERATIONS] += 1
-    counters[M.SKIPPED_IN_A_ROW] += 1
-    streak, limit = counters[M.SKIPPED_IN_A_ROW], args.max_skipped_iterations
-    if streak >= limit:
-        what = f"{streak:g} iterations in a row were skipped for non-finite numbers (max_skipped_iterations={limit})"
-    elif iteration == args.num_total_batches and streak == iteration:
-        what = (
-            f"every one of the run's {iteration} iterations was skipped for non-finite numbers, so the model is "
-            f"untrained (max_skipped_iterations={limit} was not reached)"
-        )
-    else:
-        logger.warning(
-            "Iteration %d skipped (%g in a row, max_skipped_iterations=%d): %s.", iteration, streak, limit, problem
-        )
-        return
-    raise RuntimeError(
-        f"Stopped at iteration {iteration}: {what}; the last had {problem}. Check the reward function or model "
-        "(NaN/inf scores), the learning rate and mixed precision (non-finite log-probs or values), then resume from "
-        "the last checkpoint; or raise max_skipped_iterations."
-    )
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The reward-statistics contract
-# --------------------------------------------------------------------------------------------------------------------
-def reward_statistics(pairs: torch.Tensor) -> dict[str, float]:
-    """Mean and unbiased std of every reward in ``pairs`` (N, 2) = (chosen, rejected), and how many there were."""
-    values = pairs.flatten().double()
-    std = values.std().item() if values.numel() > 1 else 1.0
-    return {"reward_mean": values.mean().item(), "reward_std": std, "reward_stats_count": float(values.numel())}
-
-
-@torch.no_grad()
-def fold_reward_stats(head: nn.Linear, stats: dict[str, float]) -> dict[str, float]:
-    """Rescale ``head`` so it outputs ``(r − μ) / σ``: ``w ← w/σ``, ``b ← (b − μ)/σ``. Without a bias only the scale
-    can be folded, and the outputs keep the mean ``μ/σ``. Returns the statistics of the folded head's outputs."""
-    mean, std = stats["reward_mean"], stats["reward_std"]
-    if not math.isfinite(std) or std <= 0:
-        raise ValueError(f"Cannot fold a reward std of {std}; evaluate on more than one distinct reward first.")
-    head.weight.div_(std)
-    if head.bias is not None:
-        head.bias.sub_(mean).div_(std)
-        folded_mean = 0.0
-    else:
-        folded_mean = mean / std
-        logger.warning(
-            "The score head has no bias, so only the reward scale was folded; the mean (%.4g after scaling) stays in "
-            "the outputs and is stored in the config as reward_mean.",
-            folded_mean,
-        )
-    return {**stats, "reward_mean": folded_mean, "reward_std": 1.0}
-
-
-def store_reward_stats(config, stats: dict[str, float] | None) -> None:
-    """Write ``reward_mean``, ``reward_std`` and ``reward_stats_count`` into a model config (saved with it)."""
-    if stats is not None:
-        for key in STATS_KEYS:
-            setattr(config, key, float(stats[key]))
-
-
-def running_moments_from_config(config) -> core.RunningMoments | None:
-    """RunningMoments seeded with the reward statistics stored by PPOMaxRewardTrainer, or None if there are none.
-
-    Raises ``ValueError`` naming them when stored statistics are NaN/inf, or a negative std or count: seeding reward
-    normalisation with them would make every reward non-finite and skip every iteration.
-    """
-    stored = {key: getattr(config, key, None) for key in STATS_KEYS}
-    bad = {
-        key: value
-        for key, value in stored.items()
-        if isinstance(value, (int, float)) and (not math.isfinite(value) or (key != "reward_mean" and value < 0))
-    }
-    if bad:
-        listed = ", ".join(f"{key}={value!r}" for key, value in bad.items())
-        raise ValueError(
-            f"The reward model's config holds invalid reward statistics ({listed}; {', '.join(STATS_KEYS)} must be "
-            "finite, the std and count non-negative): its evaluation produced NaN/inf rewards. Fix or retrain the "
-            "reward model, or delete these keys from its config.json to start reward normalisation from scratch."
-        )
-    if not all(isinstance(value, (int, float)) for value in stored.values()):
-        return None
-    count, std = config.reward_stats_count, config.reward_std
-    moments = core.RunningMoments()
-    moments.load_state_dict({"count": count, "mean": config.reward_mean, "m2": std**2 * max(count - 1, 0)})
-    return moments
 
 
 def initial_reward_moments(sources: RewardSources, reward_norm: str) -> core.RunningMoments:

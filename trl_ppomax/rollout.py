@@ -6,6 +6,8 @@ and scores are read from that layout is in :mod:`trl_ppomax.modeling`.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, fields
 
 import torch
@@ -18,7 +20,9 @@ from transformers import (
 )
 from trl.trainer.utils import selective_log_softmax
 
-from .core import response_mask_from_stop, sequence_perplexity
+from .core import Reduce, response_mask_from_stop, sequence_perplexity
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,3 +144,50 @@ def logprobs_and_perplexity(
     logprobs = selective_log_softmax(logits, responses, temperature=temperature)
     at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
     return logprobs * mask, sequence_perplexity(at_one, mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Non-finite samples: the experience phase's guard
+# --------------------------------------------------------------------------------------------------------------------
+def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Tensor, int, str | None]:
+    """Mask out the samples whose score is NaN or ±inf: their response mask is zeroed and their score, log-probs and
+    values set to 0, so that they add nothing to the running reward moments, advantages, losses or metrics.
+
+    Returns ``(rollout, keep, dropped, problem)``: ``keep`` (B,) marks the samples kept on this process, ``dropped``
+    counts the samples dropped on every process, and ``problem`` says why the whole batch must be skipped — no finite
+    score left on any process, or a non-finite log-prob or value — else None. One reduction; ``dropped`` and
+    ``problem`` are the same on every process.
+    """
+    keep = torch.isfinite(rollout.scores)
+    checked = {"policy log-probs": rollout.logprobs, "reference log-probs": rollout.ref_logprobs}
+    checked["values"] = rollout.values
+    local = [(~keep).sum(), torch.tensor(keep.numel(), device=keep.device)]
+    local += [(~torch.isfinite(tensor)).sum() for tensor in checked.values()]
+    dropped, total, *bad = (int(n) for n in reduce(torch.stack(local).double()).tolist())
+    problem = ", ".join(f"non-finite {name} ({n})" for name, n in zip(checked, bad, strict=True) if n) or None
+    if problem is None and dropped == total:
+        problem = f"non-finite rewards (NaN or inf) for all {total} samples"
+    if problem is None and dropped:
+        logger.warning("Dropped %d of %d samples from the batch: their rewards were NaN or inf.", dropped, total)
+    if problem is None and not keep.all():
+        row = keep[:, None]
+        zero_rows = {name: torch.where(row, getattr(rollout, name), 0.0) for name in ("logprobs", "ref_logprobs")}
+        rollout = dataclasses.replace(
+            rollout,
+            **zero_rows,
+            values=torch.where(row, rollout.values, 0.0),
+            scores=torch.where(keep, rollout.scores, 0.0),
+            response_mask=rollout.response_mask * row.to(rollout.response_mask.dtype),
+        )
+    return rollout, keep, dropped, problem
+
+
+def kept_gather(keep: torch.Tensor, gather: Reduce) -> Reduce:
+    """``gather`` (concatenation over processes) restricted to the kept samples: maps values (B,) to the kept values of
+    every process, which may keep different numbers of samples (so those cannot be gathered directly)."""
+
+    def gather_kept(values: torch.Tensor) -> torch.Tensor:
+        both = gather(torch.stack([values.float(), keep.float()], dim=1))
+        return both[both[:, 1] > 0, 0]
+
+    return gather_kept

@@ -67,7 +67,7 @@ for _, advantages, mask in seen:  # whitening statistics over the union of both 
 result = {
     "world_size": args.world_size,
     "steps": trainer.state.global_step,
-    "moments": trainer.running_reward.state_dict(),
+    "moments": trainer.ppo_state.running_reward.state_dict(),
     "union_mean": union_scores.double().mean().item(),
     "union_std": union_scores.double().std().item(),
     "union_count": len(union_scores),

@@ -35,7 +35,7 @@ BUILD_MODULES = (
     "trl_ppomax.tiny",
     "trl_ppomax.reward_trainer",
     "trl_ppomax.reward_config",
-    "trl_ppomax.rewards",
+    "trl_ppomax.reward_stats",
     "trl_ppomax.modeling",
     "trl_ppomax.core",
 )
