@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core, data, hub
 from trl_ppomax import metrics as M
-from trl_ppomax.checkpoint import CheckpointError
+from trl_ppomax.checks import CheckpointError
 from trl_ppomax.cli import main
 from trl_ppomax.data import looks_local, tokenize_prompt
 from trl_ppomax.moss.recovery import TensorFolder, recover

@@ -10,7 +10,7 @@ from helpers import make_trainer
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
 from trl_ppomax import core
-from trl_ppomax.checkpoint import load_weights
+from trl_ppomax.modeling import load_weights
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.modeling import reference_policy
 from trl_ppomax.tiny import build_models
@@ -107,7 +107,7 @@ def test_accumulated_step_uses_the_mean_of_micro_batch_gradients(tmp_path, monke
     experience, _ = trainer.make_experience(trainer.rollout(batch["input_ids"], batch["attention_mask"]))
     captured = []
 
-    def capture_instead_of_stepping(_trainer, critic_only):
+    def capture_instead_of_stepping(*_args):
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         captured.append((trainer.accelerator.sync_gradients, grads))
         trainer.optimizer.zero_grad()

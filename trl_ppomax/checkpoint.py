@@ -1,4 +1,6 @@
-"""Checkpoint files: the policy/critic split of one state dict, and loading weights back.
+"""Saving, resuming and the best model of :class:`~trl_ppomax.PPOMaxTrainer`, on top of transformers' ``Trainer``
+(which saves the optimizer, scheduler, RNG and trainer states and rotates checkpoints): the policy/critic split of
+one state dict, the PPO state (:class:`~trl_ppomax.ppo_state.PPOState`) and the run's settings.
 
 Layout of ``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top, so that
 ``from_pretrained("checkpoint-N")`` loads it; ``critic/`` with the critic; ``optimizer.pt``/``scheduler.pt`` (or a
@@ -10,66 +12,47 @@ when its step-0 evaluation is the best so far and the best model must be loadabl
 What a run checks before its first rollout (:meth:`CheckpointMixin._start_run`), so that nothing is lost or mixed:
 ``output_dir`` is writable (at init); a trainer trains once; a fresh run does not reuse a folder holding another run's
 checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless ``resume_weights_only``),
-undamaged, and was written with the same run settings (unless ``resume_allow_changes``). No file written here holds a
-token: ``training_args.bin`` is written with every secret field cleared.
+undamaged, and was written with the same run settings (unless ``resume_allow_changes``); those refusals are in
+:mod:`~trl_ppomax.checks`. No file written here holds a token: ``training_args.bin`` is written with every secret field
+cleared (:func:`~trl_ppomax.hub.without_secrets`).
 """
 
 from __future__ import annotations
 
-import copy
 import fnmatch
-import json
 import logging
 import os
-import re
 import shutil
-import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-from torch import nn
-from transformers import PreTrainedModel, TrainerCallback, TrainerState
+from transformers import TrainerCallback, TrainerState
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import (
     PREFIX_CHECKPOINT_DIR,
     HubStrategy,
-    get_last_checkpoint,
-    load_sharded_checkpoint,
     rotate_checkpoints,
 )
 from transformers.utils import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
     PushInProgress,
 )
 from transformers.utils.hub import hf_api
 
+from . import checks
 from .files import (
+    CRITIC_DIR,
+    PPO_STATE_NAME,
     atomic_directory,
     checkpoint_folders,
     checkpoint_number,
-    last_checkpoint_before,
+    probe_writable,
     read_json,
     write_json,
 )
+from .hub import without_secrets
+from .modeling import load_weights, model_identity, sub_state_dict
 
 logger = logging.getLogger(__name__)
-
-PPO_STATE_NAME = "ppo_state.json"
-CRITIC_DIR = "critic"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
-#: ``ppo_state.json`` keys a resume needs.
-PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
-#: Field names (or parts of them) that hold secrets; never written to disk.
-SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
-NOT_SECRETS = frozenset({"stop_token"})
 
 
 #: Files of a checkpoint's top level that a push during training does not copy into ``output_dir``.
@@ -84,181 +67,6 @@ class _WaitForHubPush(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._finish_current_push()
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed as it is: missing, incomplete, damaged, or from a run with other
-    settings. The message names the file or the settings and what to do."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Folders
-# ----------------------------------------------------------------------------------------------------------------
-def probe_writable(folder: str | os.PathLike) -> None:
-    """Create ``folder`` and write and delete a small file in it; a ValueError naming the folder if that fails, so
-    that a run is not lost at its first or final save."""
-    folder = Path(folder)
-    probe = folder / f".trl-ppomax-write-test-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"trl-ppomax")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(
-            f"output_dir {str(folder)!r} is not writable ({type(err).__name__}: {err.strerror or err}); the run would "
-            "be lost at its first save. Set output_dir to a folder you can write to, or fix its permissions."
-        ) from err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------------------------
-def weight_files(folder: str | os.PathLike) -> list[Path]:
-    """The weight files of the model (or PEFT adapter) in ``folder``: one safetensors/bin file, or the shards a
-    ``*.index.json`` lists. A FileNotFoundError naming what is missing when there are none or a shard is absent."""
-    folder = Path(folder)
-    for name in (ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN, SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
-        if (folder / name).is_file():
-            return [folder / name]
-    for index in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
-        if (folder / index).is_file():
-            try:
-                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-                raise FileNotFoundError(f"{folder / index} is damaged ({err}); its shards cannot be found.") from err
-            missing = [shard for shard in shards if not (folder / shard).is_file()]
-            if missing:
-                raise FileNotFoundError(f"{folder} lacks the weight shards {missing[:5]} listed in {index}.")
-            return [folder / shard for shard in shards]
-    raise FileNotFoundError(
-        f"No weights in {folder}: none of {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, {WEIGHTS_NAME}, "
-        f"{ADAPTER_WEIGHTS}."
-    )
-
-
-def file_problem(path: str | os.PathLike) -> str | None:
-    """Why the file at ``path`` is unreadable (truncated, empty, not what its name says), or None if it looks whole.
-
-    Cheap checks, never a full load: a safetensors header must cover the file exactly; a ``.pt``/``.pth``/``.bin``
-    written by ``torch.save`` must be a zip archive with its central directory (what a truncation cuts off); a JSON
-    file must parse to an object."""
-    path = Path(path)
-    try:
-        if path.stat().st_size == 0:
-            return "the file is empty"
-        if path.suffix == ".safetensors":
-            with safe_open(path, "pt"):
-                pass
-        elif path.suffix in (".pt", ".pth", ".bin"):
-            if not zipfile.is_zipfile(path):
-                return "not a complete torch.save archive (truncated?)"
-        elif path.suffix == ".json" and not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
-            return "not a JSON object"
-    except Exception as err:  # any reason the file cannot be read is the answer
-        return " ".join(f"{type(err).__name__}: {err}".split())
-    return None
-
-
-def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Entries of ``state`` under ``prefix`` (e.g. ``"policy."``), with the prefix removed."""
-    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-
-
-def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
-    """Load the weights ``save_pretrained`` wrote in ``folder`` (one safetensors file, a sharded index, or a PEFT
-    adapter) into ``module``; tied weights may be absent, anything else missing or unexpected is an error."""
-    folder = Path(folder)
-    if (folder / ADAPTER_WEIGHTS).exists():
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
-        return
-    if isinstance(module, PreTrainedModel):
-        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out)
-        if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
-            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
-        dtype = next(module.parameters()).dtype
-        saved = type(module).from_pretrained(folder, dtype=dtype).state_dict()
-        missing, unexpected = module.load_state_dict(saved, strict=False)
-    elif (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
-        missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
-    else:
-        if not (folder / SAFE_WEIGHTS_NAME).exists():
-            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
-        missing, unexpected = module.load_state_dict(load_file(folder / SAFE_WEIGHTS_NAME), strict=False)
-    tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
-    missing = [key for key in missing if key not in tied]
-    if missing or unexpected:
-        raise ValueError(
-            f"The weights in {folder} do not match {type(module).__name__}: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}. Resume with the same model architecture the checkpoint was written with."
-        )
-
-
-def secret_fields(args) -> list[str]:
-    """The names of the fields of ``args`` that hold a secret (``hub_token``, any ``*_token``/``*_api_key``/
-    ``*_password``/``*_secret`` string field; not ``stop_token``) and are set."""
-    return [
-        name
-        for name, value in vars(args).items()
-        if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value
-    ]
-
-
-def without_secrets(args):
-    """A shallow copy of the training arguments with every :func:`secret_fields` field set to None: what is
-    written to ``training_args.bin``. ``args`` itself is not changed."""
-    clean = copy.copy(args)
-    for name in secret_fields(args):
-        object.__setattr__(clean, name, None)
-    return clean
-
-
-def _parameter_count(module: nn.Module) -> int:
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # ZeRO-3 partitions report ds_numel
-
-
-def model_identity(wrapper) -> dict:
-    """What identifies the models of a run: the policy's ``_name_or_path`` and the parameter counts of policy and
-    critic (counted before ``accelerator.prepare`` shards them)."""
-    config = getattr(wrapper.policy, "config", None)
-    return {
-        "policy": getattr(config, "_name_or_path", None) or None,
-        "policy_parameters": _parameter_count(wrapper.policy),
-        "critic_parameters": _parameter_count(wrapper.critic),
-    }
-
-
-@contextmanager
-def _reading(checkpoint: str, what: str, loading: bool = False) -> Iterator[None]:
-    """Turn a failure while reading ``what`` from ``checkpoint`` into a :class:`CheckpointError` naming it. With
-    ``loading`` (the files passed the damage checks; loading them into the models failed) the message also allows
-    for a checkpoint written for other models or settings."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as err:
-        reason = " ".join(str(err).split())[:300]
-        raise CheckpointError(_damaged_message(checkpoint, what, reason, loading)) from err
-
-
-def _damaged_message(checkpoint: str | os.PathLike, what: str, reason: str, loading: bool = False) -> str:
-    previous = last_checkpoint_before(Path(checkpoint).parent, checkpoint_number(checkpoint))
-    advice = (
-        f"resume from the previous checkpoint instead: resume_from_checkpoint={str(previous)!r}"
-        if previous
-        else "resume from an earlier copy, or start over in a new output_dir"
-    )
-    if loading:
-        return (
-            f"Could not load {what} from the checkpoint {checkpoint} ({reason}): it is damaged (not written "
-            f"completely, or changed since) or was written for other models or settings; {advice}."
-        )
-    return (
-        f"The checkpoint {checkpoint} is damaged: {what} could not be read ({reason}). It was not written completely "
-        f"(a crash or a full disk) or was changed since; {advice}."
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,104 +162,9 @@ class CheckpointMixin:
         return {**settings, **self._model_identity}
 
     def _checked_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
-        """The checkpoint to resume (a path, or True for the newest in ``output_dir``), once it has been checked:
-        its states readable, the run settings unchanged, no file missing, none damaged. A CheckpointError else."""
-        args = self.args
-        if resume_from_checkpoint is True:
-            path = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-        else:
-            path = os.fspath(resume_from_checkpoint)
-        if path is None or not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
-            raise CheckpointError(
-                f"No complete trl-ppomax checkpoint at {path or args.output_dir!r}: expected a checkpoint-N folder "
-                f"holding {PPO_STATE_NAME}. Pass the path of one, or resume_from_checkpoint=None to start over."
-            )
-        if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            raise CheckpointError(
-                f"The checkpoint {path} is incomplete: missing {TRAINER_STATE_NAME}. Resume from a complete checkpoint."
-            )
-        saved = self._read_state_files(path)
-        self._check_run_settings(path, saved.get("run"))
-        checked = self._required_files(path)
-        for file in checked:
-            problem = file_problem(file)
-            if problem:
-                raise CheckpointError(_damaged_message(path, os.path.relpath(file, path), problem))
-        return path
-
-    def _read_state_files(self, path: str) -> dict:
-        """``ppo_state.json`` (returned) and ``trainer_state.json``, checked to be readable and complete."""
-        with _reading(path, PPO_STATE_NAME):
-            saved = read_json(os.path.join(path, PPO_STATE_NAME))
-            if any(key not in saved for key in PPO_STATE_KEYS):
-                raise ValueError(f"it must be a JSON object with the keys {list(PPO_STATE_KEYS)}")
-        with _reading(path, TRAINER_STATE_NAME):
-            TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
-        return saved
-
-    def _check_run_settings(self, path: str, saved: dict | None) -> None:
-        if saved is None:
-            logger.warning(
-                "%s predates stored run settings: cannot check that it was written with the same batch sizes, "
-                "episodes, seed, dataset and models; resuming anyway.",
-                path,
-            )
-            return
-        current = self._run_settings()
-        changed = {name: (saved[name], current.get(name)) for name in saved if saved[name] != current.get(name)}
-        if not changed:
-            return
-        lines = "\n".join(f"  {name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in changed.items())
-        message = f"The settings that define the run differ from those of the checkpoint {path}:\n{lines}\n"
-        if self.args.resume_allow_changes:
-            logger.warning(
-                "%sresume_allow_changes=True: resuming anyway; episode counts, the data order and the schedule "
-                "follow the new settings.",
-                message,
-            )
-            return
-        raise CheckpointError(
-            f"{message}Resume with the checkpoint's settings, set resume_allow_changes=True to continue with the new "
-            "ones anyway (episode counts, the data order and the schedule then follow them), or start a fresh run in "
-            "another output_dir."
-        )
-
-    def _required_files(self, path: str) -> list[str]:
-        """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones.
-        With ``resume_weights_only`` only the weights (and the JSON states) are required."""
-        missing, files = [], []
-        for folder in (path, os.path.join(path, CRITIC_DIR)):
-            try:
-                files += [os.fspath(f) for f in weight_files(folder)]
-            except FileNotFoundError as err:
-                missing.append(f"{os.path.relpath(folder, path)} weights ({err})")
-        if not self.args.resume_weights_only:
-            needed = [SCHEDULER_NAME, *self._rng_files()]
-            if self.is_deepspeed_enabled:
-                if not any(Path(path).glob("global_step*")):
-                    missing.append("the DeepSpeed engine folder global_step*/ (weights and optimizer)")
-            elif self.is_fsdp_enabled:
-                if not any(Path(path).glob("optimizer*")):
-                    missing.append("optimizer*")
-            else:
-                needed.insert(0, OPTIMIZER_NAME)
-            for name in needed:
-                if os.path.isfile(os.path.join(path, name)):
-                    files.append(os.path.join(path, name))
-                else:
-                    missing.append(name)
-        if missing:
-            raise CheckpointError(
-                f"The checkpoint {path} is incomplete: missing {'; '.join(missing)}. Resuming without these would "
-                "silently restart Adam and the learning-rate schedule, or sample with other random numbers. Resume "
-                "from a complete checkpoint, or set resume_weights_only=True to load only the weights and the PPO "
-                "state (a fresh optimizer and schedule)."
-            )
-        return files
-
-    def _rng_files(self) -> list[str]:
-        world = self.args.world_size
-        return ["rng_state.pth"] if world <= 1 else [f"rng_state_{i}.pth" for i in range(world)]
+        """:func:`checks.checked_checkpoint` for this run's settings and engine."""
+        engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
+        return checks.checked_checkpoint(resume_from_checkpoint, self.args, self._run_settings(), engine)
 
     # -- saving -----------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -577,17 +290,17 @@ class CheckpointMixin:
         With ``resume_weights_only`` the optimizer, scheduler and RNG states are not restored."""
         path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
         weights_only = self.args.resume_weights_only
-        with _reading(path, "the weights", loading=True):
+        with checks.reading(path, "the weights", loading=True):
             self._load_weights_from(path)
         if not weights_only:
-            with _reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
+            with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
                 self._load_optimizer_and_scheduler(path)
         planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
             setattr(self.state, name, getattr(planned, name))
         saved = read_json(os.path.join(path, PPO_STATE_NAME))
-        with _reading(path, PPO_STATE_NAME):
+        with checks.reading(path, PPO_STATE_NAME):
             self.state.episode = saved["episode"]
             self.ppo_state.load_state_dict(saved)
         if weights_only:
@@ -599,7 +312,7 @@ class CheckpointMixin:
                 self.state.global_step,
             )
         else:
-            with _reading(path, "rng_state*.pth", loading=True):
+            with checks.reading(path, "rng_state*.pth", loading=True):
                 self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 

@@ -7,11 +7,20 @@ import fnmatch
 import json
 import os
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+#: Names inside a ``checkpoint-N`` folder (the rest are transformers').
+PPO_STATE_NAME = "ppo_state.json"
+CRITIC_DIR = "critic"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
 
 #: The files whose presence says "a complete model is here"; a merge writes them last and removes them first.
 MODEL_MARKERS = ("config.json", "adapter_config.json")
@@ -148,3 +157,65 @@ def last_checkpoint_before(folder: str | os.PathLike, step: int | None) -> Path 
     """The newest ``checkpoint-N`` folder in ``folder`` with ``N < step``, or None (always None without a step)."""
     older = [p for p in checkpoint_folders(folder) if step is not None and checkpoint_number(p) < step]
     return older[-1] if older else None
+
+
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Create ``folder`` and write and delete a small file in it; a ValueError naming the folder if that fails, so
+    that a run is not lost at its first or final save."""
+    folder = Path(folder)
+    probe = folder / f".trl-ppomax-write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"trl-ppomax")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"output_dir {str(folder)!r} is not writable ({type(err).__name__}: {err.strerror or err}); the run would "
+            "be lost at its first save. Set output_dir to a folder you can write to, or fix its permissions."
+        ) from err
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The weight files of the model (or PEFT adapter) in ``folder``: one safetensors/bin file, or the shards a
+    ``*.index.json`` lists. A FileNotFoundError naming what is missing when there are none or a shard is absent."""
+    folder = Path(folder)
+    for name in (ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN, SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
+        if (folder / name).is_file():
+            return [folder / name]
+    for index in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise FileNotFoundError(f"{folder / index} is damaged ({err}); its shards cannot be found.") from err
+            missing = [shard for shard in shards if not (folder / shard).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{folder} lacks the weight shards {missing[:5]} listed in {index}.")
+            return [folder / shard for shard in shards]
+    raise FileNotFoundError(
+        f"No weights in {folder}: none of {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME}, {WEIGHTS_NAME}, "
+        f"{ADAPTER_WEIGHTS}."
+    )
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why the file at ``path`` is unreadable (truncated, empty, not what its name says), or None if it looks whole.
+
+    Cheap checks, never a full load: a safetensors header must cover the file exactly; a ``.pt``/``.pth``/``.bin``
+    written by ``torch.save`` must be a zip archive with its central directory (what a truncation cuts off); a JSON
+    file must parse to an object."""
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            return "the file is empty"
+        if path.suffix == ".safetensors":
+            with safe_open(path, "pt"):
+                pass
+        elif path.suffix in (".pt", ".pth", ".bin"):
+            if not zipfile.is_zipfile(path):
+                return "not a complete torch.save archive (truncated?)"
+        elif path.suffix == ".json" and not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+            return "not a JSON object"
+    except Exception as err:  # any reason the file cannot be read is the answer
+        return " ".join(f"{type(err).__name__}: {err}".split())
+    return None

@@ -8,6 +8,7 @@ specific to MOSS-RLHF.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 import os
@@ -247,6 +248,30 @@ class ModelFolder:
         return repo_like(self.adapter.get("base_model_name_or_path")) or repo_like(self.config.get("_name_or_path"))
 
 
+#: Field names (or parts of them) that hold secrets; never written to disk.
+SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
+NOT_SECRETS = frozenset({"stop_token"})
+
+
+def secret_fields(args) -> list[str]:
+    """The names of the fields of ``args`` that hold a secret (``hub_token``, any ``*_token``/``*_api_key``/
+    ``*_password``/``*_secret`` string field; not ``stop_token``) and are set."""
+    return [
+        name
+        for name, value in vars(args).items()
+        if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value
+    ]
+
+
+def without_secrets(args):
+    """A shallow copy of the training arguments with every :func:`secret_fields` field set to None: what is
+    written to ``training_args.bin``. ``args`` itself is not changed."""
+    clean = copy.copy(args)
+    for name in secret_fields(args):
+        object.__setattr__(clean, name, None)
+    return clean
+
+
 def redact_token(text: str) -> str:
     """``text`` with the Hub token (``HF_TOKEN`` or the login cache) replaced, should it ever appear in it."""
     token = get_token()
@@ -431,7 +456,7 @@ def model_card(
 def check_weights(folder: str | os.PathLike) -> None:
     """A ValueError unless the model folder's config.json (or adapter_config.json) has its weights next to it, all
     of them whole: a save interrupted by a crash or a full disk must not reach the Hub."""
-    from .checkpoint import file_problem, weight_files
+    from .files import file_problem, weight_files
 
     root = _check_folder(folder)
     try:

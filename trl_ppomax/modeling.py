@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.trainer_utils import load_sharded_checkpoint
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from trl.trainer.utils import disable_dropout_in_model
+
+from .files import ADAPTER_WEIGHTS
 
 #: Attribute names of the scalar head of a sequence-classification model, in the order they are tried.
 SCORE_HEAD_NAMES = ("score", "classifier")
@@ -311,3 +319,57 @@ def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
     finally:
         for root in roots:
             root.reshard()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Weights from a saved folder, and what identifies a run's models
+# --------------------------------------------------------------------------------------------------------------------
+def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Entries of ``state`` under ``prefix`` (e.g. ``"policy."``), with the prefix removed."""
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
+    """Load the weights ``save_pretrained`` wrote in ``folder`` (one safetensors file, a sharded index, or a PEFT
+    adapter) into ``module``; tied weights may be absent, anything else missing or unexpected is an error."""
+    folder = Path(folder)
+    if (folder / ADAPTER_WEIGHTS).exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
+        return
+    if isinstance(module, PreTrainedModel):
+        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out)
+        if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
+        dtype = next(module.parameters()).dtype
+        saved = type(module).from_pretrained(folder, dtype=dtype).state_dict()
+        missing, unexpected = module.load_state_dict(saved, strict=False)
+    elif (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
+        missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
+    else:
+        if not (folder / SAFE_WEIGHTS_NAME).exists():
+            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
+        missing, unexpected = module.load_state_dict(load_file(folder / SAFE_WEIGHTS_NAME), strict=False)
+    tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
+    missing = [key for key in missing if key not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"The weights in {folder} do not match {type(module).__name__}: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}. Resume with the same model architecture the checkpoint was written with."
+        )
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # ZeRO-3 partitions report ds_numel
+
+
+def model_identity(wrapper) -> dict:
+    """What identifies the models of a run: the policy's ``_name_or_path`` and the parameter counts of policy and
+    critic (counted before ``accelerator.prepare`` shards them)."""
+    config = getattr(wrapper.policy, "config", None)
+    return {
+        "policy": getattr(config, "_name_or_path", None) or None,
+        "policy_parameters": _parameter_count(wrapper.policy),
+        "critic_parameters": _parameter_count(wrapper.critic),
+    }
