@@ -1,7 +1,8 @@
 """PPOMaxConfig: every field of trl 1.12's ``PPOConfig`` (same names, defaults and meaning) plus the PPO-max fields.
 
-Fields whose default depends on the ``preset`` are declared with ``None`` and resolved once in ``__post_init__`` from
-:data:`PRESETS`; a value the user sets explicitly always wins. Their help text is generated from the same table, and
+Fields whose default depends on the ``preset`` are declared with ``None`` (or :data:`FROM_PRESET` where ``None`` is a
+value, "off") and resolved once in ``__post_init__`` from :data:`PRESETS`, the one table of those defaults (rendered in
+each field's help, ``trl-ppomax presets`` and the README); a value the user sets explicitly always wins. Their help text is generated from the same table, and
 the class docstring from the help texts, so documentation cannot drift from behaviour.
 """
 
@@ -68,15 +69,15 @@ def _preset_help(name: str, text: str) -> str:
     return f"{text} Default: {defaults}."
 
 
-class _FromPreset(float):
-    """Default of a preset field for which ``None`` is a real value ("off"): replaced in ``__post_init__`` by the
-    preset's value. A float (NaN) so that argument parsers pass it through untouched."""
+class _FromPreset:
+    """The default of a preset field for which ``None`` is a value of its own ("off"): a named marker, replaced once in
+    ``__post_init__`` by the preset's value (:data:`PRESETS`). Not a string, so argument parsers pass it through."""
 
     def __repr__(self) -> str:
         return "<from preset>"
 
 
-FROM_PRESET = _FromPreset("nan")
+FROM_PRESET = _FromPreset()
 
 
 def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
@@ -501,7 +502,7 @@ class PPOMaxConfig(TrainingArguments):
             raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
         for name, value in PRESETS[self.preset].items():
             current = getattr(self, name)
-            if current is self.__dataclass_fields__[name].default or isinstance(current, _FromPreset):
+            if current is self.__dataclass_fields__[name].default or current is FROM_PRESET:
                 setattr(self, name, value)
 
     def _validate(self) -> None:
