@@ -25,6 +25,7 @@ args = PPOMaxConfig(
     report_to="none",
     gradient_checkpointing=False,
     critic_warmup_steps=1,
+    whiten_advantages=True,  # checked below: global whitening over both processes
     num_sample_generations=0,
     learning_rate=1e-3,
     save_strategy="no",
