@@ -10,9 +10,8 @@ from helpers import make_trainer
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
 from trl_ppomax import core
-from trl_ppomax.modeling import load_weights
 from trl_ppomax.data import rows_of_this_process
-from trl_ppomax.modeling import reference_policy
+from trl_ppomax.modeling import load_weights, reference_policy
 from trl_ppomax.tiny import build_models
 
 
