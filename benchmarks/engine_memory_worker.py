@@ -36,14 +36,12 @@ import json
 from pathlib import Path
 
 import torch
-from datasets import Dataset
 from torch import nn
 from transformers import TrainerCallback
 
 import trl_ppomax.ppo_trainer as ppo_trainer_module
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.testing import engine_name, let_fsdp_run_on_cpu
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax import PPOMaxTrainer
+from trl_ppomax.testing import engine_name, tiny_trainer
 
 
 def parse() -> argparse.Namespace:
@@ -311,43 +309,21 @@ def main() -> None:
     output = options.output_dir
     if options.persistence_threshold is not None:
         set_persistence_threshold(options.persistence_threshold)
-    tokenizer, policy, reward = build_models("llama", seed=0)
-    args = PPOMaxConfig(
-        output_dir=str(output),
+    probe = Probe()
+    trainer = tiny_trainer(
+        output,
+        callbacks=[AfterIteration(probe)],
+        fsdp_on_cpu=options.fsdp_on_cpu,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=1,
         num_mini_batches=2,
         num_ppo_epochs=2,
         total_episodes=16,  # two iterations of 2 processes × 2 prompts × 2 mini-batches
         local_rollout_forward_batch_size=4,
-        response_length=6,
-        stop_token="eos",
-        learning_rate=1e-3,
         critic_warmup_steps=0,  # both models step, so both have optimizer states
-        num_sample_generations=0,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
         ds3_gather_for_generation=not options.no_ds3_gather,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
     )
-    if options.fsdp_on_cpu:
-        let_fsdp_run_on_cpu()  # after PPOMaxConfig, which sets up the process state
-    probe = Probe()
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-        value_model=None,
-        callbacks=[AfterIteration(probe)],
-    )
+    args = trainer.args
     probe.trainer = trainer
     probe.install_step_probe()
     probe.install_generation_probe()

@@ -7,41 +7,21 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from datasets import Dataset
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax.testing import tiny_trainer
 
 output = Path(sys.argv[1])
 on_cpu = "--cpu" in sys.argv
-tokenizer, policy, reward = build_models("llama")
-args = PPOMaxConfig(
-    output_dir=str(output),
+trainer = tiny_trainer(
+    output,
     per_device_train_batch_size=4,
     gradient_accumulation_steps=2,
     total_episodes=32,
-    response_length=6,
-    stop_token="eos",
-    report_to="none",
-    gradient_checkpointing=False,
     critic_warmup_steps=1,
     whiten_advantages=True,  # checked below: global whitening over both processes
-    num_sample_generations=0,
-    learning_rate=1e-3,
-    save_strategy="no",
     use_cpu=on_cpu,
     bf16=not on_cpu,
     ds3_gather_for_generation="--no-ds3-gather" not in sys.argv,
-    disable_tqdm=True,
-)
-trainer = PPOMaxTrainer(
-    args=args,
-    processing_class=tokenizer,
-    model=policy,
-    ref_model=None,
-    reward_model=reward,
-    train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-    value_model=None,
 )
 seen: list[tuple] = []  # (scores, advantages, mask) of every iteration on this process
 make_experience = trainer.make_experience
@@ -66,7 +46,7 @@ for _, advantages, mask in seen:  # whitening statistics over the union of both 
     valid = all_advantages[all_mask.bool()]
     whitening.append([valid.mean().item(), valid.var().item()])
 result = {
-    "world_size": args.world_size,
+    "world_size": trainer.args.world_size,
     "steps": trainer.state.global_step,
     "moments": trainer.ppo_state.running_reward.state_dict(),
     "union_mean": union_scores.double().mean().item(),

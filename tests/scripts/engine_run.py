@@ -26,13 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.optim import adam_states
-from trl_ppomax.testing import engine_name, let_fsdp_run_on_cpu
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax.testing import engine_name, tiny_trainer
 
 #: The fixed input whose logits the test compares with the saved model's.
 FIXED_TEXT = "hello how are you today"
@@ -143,43 +140,21 @@ def fsdp_root_unsharded(model):
 def main() -> None:
     options = parse()
     output = options.output_dir
-    tokenizer, policy, reward = build_models("llama", seed=0)
-    args = PPOMaxConfig(
-        output_dir=str(output),
+    recorder = Recorder(options.stop_at, options.critic_warmup)
+    trainer = tiny_trainer(
+        output,
+        callbacks=[recorder],
+        fsdp_on_cpu=options.fsdp_on_cpu,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_mini_batches=1,
         num_ppo_epochs=2,
         total_episodes=64,  # 4 iterations of 2 processes × 4 prompts × 2 accumulation steps
-        response_length=6,
-        stop_token="eos",
-        learning_rate=1e-3,
         weight_decay=options.weight_decay,
         critic_warmup_steps=options.critic_warmup,
-        num_sample_generations=0,
-        gradient_checkpointing=False,
-        logging_steps=1,
         save_strategy="steps",
         save_steps=2,
         ds3_gather_for_generation=not options.no_ds3_gather,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-    )
-    if options.fsdp_on_cpu:
-        let_fsdp_run_on_cpu()
-    recorder = Recorder(options.stop_at, options.critic_warmup)
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-        value_model=None,
-        callbacks=[recorder],
     )
     recorder.trainer = trainer
     if options.nan_grad_at is not None:
