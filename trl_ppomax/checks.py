@@ -293,14 +293,14 @@ def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_m
     )
 
 
-def check_engine(trainer) -> None:
+def check_engine(fsdp_enabled: bool, distributed_type) -> None:
     """Warn when the launcher asked for FSDP but the trainer runs without it: accelerate (1.x) enables FSDP only on
     GPU-type process groups, so on CPU processes the FSDP settings are silently dropped and the run is plain DDP."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not trainer.is_fsdp_enabled:
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp_enabled:
         logger.warning(
             "FSDP was requested (ACCELERATE_USE_FSDP=true) but is not active: accelerate enables it only on GPU "
             "process groups (this one is %s), so this run replicates every model on every process (DDP).",
-            trainer.accelerator.distributed_type,
+            distributed_type,
         )
 
 

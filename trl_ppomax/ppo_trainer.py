@@ -130,7 +130,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
-        self.vllm = VLLMEngine(self) if args.use_vllm else None  # rollouts by vLLM (vllm_engine.py)
+        self.vllm = None  # rollouts by vLLM (vllm_engine.py)
+        if args.use_vllm:
+            policy = self.accelerator.unwrap_model(self.model_wrapped).policy
+            self.vllm = VLLMEngine(args, self.accelerator, policy, processing_class, self.stop_token_id)
 
     @property
     def total_episodes(self) -> int:
@@ -150,7 +153,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if enabled:
             self.model.gradient_checkpointing_enable(kwargs)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        checks.check_engine(self)
+        checks.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         if isinstance(self.ref_model, nn.Module):

@@ -53,26 +53,28 @@ class VLLMEngine:
     log-probs of the sampled tokens. The weights are pushed before the first rollout and after every iteration whose
     update changed the policy (``mark_stale``), never during critic warm-up."""
 
-    def __init__(self, trainer) -> None:
-        if trainer.args.vllm_mode == "server" and trainer.accelerator.device.type != "cuda":
+    def __init__(self, args, accelerator, policy, tokenizer, stop_id: int | None) -> None:
+        """``policy``: the unwrapped policy whose weights the engine serves; ``stop_id``: the token that ends a
+        response (None: none)."""
+        device = accelerator.device.type
+        if args.vllm_mode == "server" and device != "cuda":
             raise ValueError(
                 "vllm_mode='server' pushes the policy's weights to the server over NCCL, which needs CUDA; this process "
-                f"runs on {trainer.accelerator.device.type}. Use vllm_mode='colocate' (a vLLM engine in this process)."
+                f"runs on {device}. Use vllm_mode='colocate' (a vLLM engine in this process)."
             )
         _require_vllm()
         from trl.generation.vllm_generation import VLLMGeneration
 
-        args, self.trainer = trainer.args, trainer
-        self.stop_id, self.pad_id = trainer.stop_token_id, trainer.processing_class.pad_token_id
-        policy = trainer.accelerator.unwrap_model(trainer.model_wrapped).policy
+        self.args, self.on_cpu = args, device == "cpu"
+        self.stop_id, self.pad_id = stop_id, tokenizer.pad_token_id
         extra = {"detokenize": False, "ignore_eos": True}  # stop at the configured stop token only, as generate() does
         if self.stop_id is not None:
             extra["stop_token_ids"] = [self.stop_id]
-        with loadable(policy, trainer.processing_class, args.output_dir), same_dtype(policy):
+        with loadable(policy, tokenizer, args.output_dir), same_dtype(policy):
             self.generation = VLLMGeneration(
                 model=policy,
-                accelerator=trainer.accelerator,
-                processing_class=trainer.processing_class,
+                accelerator=accelerator,
+                processing_class=tokenizer,
                 mode=args.vllm_mode,
                 server_base_url=args.vllm_server_base_url,
                 server_host=args.vllm_server_host,
@@ -105,7 +107,7 @@ class VLLMEngine:
         vLLM's in-place ``reload_weights``, which re-runs the packing."""
         start = time.perf_counter()
         generation = self.generation
-        if generation.mode == "colocate" and self.trainer.accelerator.device.type == "cpu":
+        if generation.mode == "colocate" and self.on_cpu:
             runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
             runner.reload_weights(weights_iterator=generation._iter_named_params())
             generation.llm.reset_prefix_cache()
@@ -157,7 +159,7 @@ class VLLMEngine:
         sampling temperature, renormalised over the top-p nucleus: :func:`core.nucleus_logprobs`) over vLLM's, logging
         the gap; None when the correction is off. (vLLM's repetition penalty, on prompt and response tokens, is not
         modelled: with ``repetition_penalty != 1`` the gap includes it.)"""
-        args = self.trainer.args
+        args = self.args
         target = core.nucleus_logprobs(policy_logits, responses, args.temperature, args.top_p)
         gap = (target - sampler_logprobs).abs()[mask.bool()]
         weights = core.truncated_importance_weights(
