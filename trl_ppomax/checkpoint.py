@@ -79,6 +79,10 @@ class CheckpointMixin:
     moments, the skip counters, the ptx data position and the settings that define the run. Resuming restores it
     with the weights, the optimizer and scheduler and the RNG states, so a resumed run continues exactly as if it had
     never stopped; :meth:`_start_run` refuses, before the first rollout, whatever would make it otherwise.
+
+    The contract with the trainer it is mixed into (besides ``transformers.Trainer``'s own attributes): the trainer
+    owns ``ppo_state`` (a :class:`~trl_ppomax.ppo_state.PPOState`, saved and restored here as it is) and a prompt
+    ``train_dataset`` (its size is a run setting); nothing else of the trainer's is read or written here.
     """
 
     #: Settings of ``args`` that define a run: a resume with other values would change the data order, the episode

@@ -20,8 +20,13 @@ from .rewards import decode_texts
 
 
 class EvaluationMixin:
-    """``evaluate()`` and ``generate_completions()``; needs the trainer's ``rollout``, ``_shape_scores`` and
-    ``_response_metrics``."""
+    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
+    phase on held-out prompts.
+
+    The contract with the trainer (besides ``transformers.Trainer``'s own attributes): it calls the trainer's
+    ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.rollout.Rollout`, ``_shape_scores(rollout)``
+    → (scores, kl), ``_response_metrics(rollout, scores, kl)`` → per-response metrics and ``_reduce_sum``; it reads
+    nothing else of the trainer's and changes nothing but the log and the callbacks' control."""
 
     @torch.no_grad()
     def evaluate(
