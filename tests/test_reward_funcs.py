@@ -120,8 +120,10 @@ def test_reward_model_with_its_own_tokenizer(tmp_path):
 def test_own_tokenizer_models_need_a_value_model():
     other = build_llama_style_tokenizer()
     foreign = AutoModelForSequenceClassification.from_config(llama_config(other, num_labels=1, pad_token_id=0))
-    with pytest.raises(ValueError, match="pass a value_model"):
+    with pytest.raises(ValueError, match=r"own tokenizer.*Pass a value_model"):
         rewards.RewardSources([foreign], processing_classes=[other]).critic_source()
+    with pytest.raises(ValueError, match=r"the reward is a function\. Pass a value_model"):
+        rewards.RewardSources([len]).critic_source()
 
 
 def test_old_positional_form_still_works(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from helpers import TINY, changed, make_trainer, snapshot
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, core
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, checks, core
 from trl_ppomax.plan import plan as run_plan
 from trl_ppomax.tiny import build_models, prompt_texts
 
@@ -470,3 +470,16 @@ def test_rollout_metrics_are_logged_for_training_and_evaluation(tmp_path):
     trainer.train()
     assert trainer.state.log_history[-1]["custom/words"] > 0
     assert trainer.evaluate(Dataset.from_dict({"prompt": prompt_texts(4)}))["eval_custom/words"] > 0
+
+
+def test_model_arguments_that_do_not_fit_together_are_refused():
+    from peft import LoraConfig, get_peft_model
+
+    _, policy, reward = build_models()
+    lora = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    models = dict(model=policy, ref_model=None, reward_model=reward, value_model=None)
+    checks.check_model_arguments(models, lora)  # a plain policy with a LoRA config: fine
+    with pytest.raises(ValueError, match="reference is the model with its adapter disabled"):
+        checks.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
+    with pytest.raises(ValueError, match="already a PEFT model"):
+        checks.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)

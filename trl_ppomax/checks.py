@@ -58,7 +58,9 @@ _MISSING = {
 }
 
 
-def check_inputs(args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset) -> tuple:
+def check_inputs(
+    args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None
+) -> tuple:
     """Check the constructor's arguments and load the models given as paths.
 
     ``models`` maps ``model``, ``ref_model``, ``reward_model`` and ``value_model`` to what was passed. Returns
@@ -82,7 +84,28 @@ def check_inputs(args, processing_class, models: dict, train_dataset, eval_datas
     data.check_tokenizer(processing_class)
     _check_stop_token(args, processing_class)
     loaded = {name: load_model(name, value) for name, value in models.items()}  # last: loading may take minutes
+    check_model_arguments(loaded, peft_config)
     return processing_class, loaded["model"], loaded["ref_model"], loaded["reward_model"], loaded["value_model"]
+
+
+def check_model_arguments(models: dict, peft_config=None) -> None:
+    """The models passed to the constructor fit together: no model passed twice (the critic would train the reward
+    model, or the reference would move with the policy), one PEFT wrapping, no reference beside a PEFT policy."""
+    model, ref_model, value_model = models["model"], models["ref_model"], models["value_model"]
+    if value_model is not None and value_model is models["reward_model"]:
+        raise ValueError(
+            "value_model is the same object as reward_model, so training the critic would change the reward; "
+            "pass a separate copy, or value_model=None to initialise the critic from the reward model."
+        )
+    if ref_model is not None and ref_model is model:
+        raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
+    peft = modeling.is_peft(model)
+    if peft and peft_config is not None:
+        raise ValueError("model is already a PEFT model; do not pass peft_config as well.")
+    if (peft or peft_config is not None) and ref_model is not None:
+        raise ValueError(
+            "With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None."
+        )
 
 
 def _is_path(value) -> bool:

@@ -185,14 +185,8 @@ def policy_and_reference(
     if peft_config is not None:
         from peft import get_peft_model
 
-        if is_peft(model):
-            raise ValueError("model is already a PEFT model; do not pass peft_config as well.")
         model = get_peft_model(model, peft_config)
     if is_peft(model):
-        if ref_model is not None:
-            raise ValueError(
-                "With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None."
-            )
         return model, None
     if ref_model is None:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -200,14 +194,10 @@ def policy_and_reference(
 
 
 def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
-    """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3)."""
+    """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3;
+    :meth:`~trl_ppomax.rewards.RewardSources.critic_source` chose one that reads the policy's tokens)."""
     if value_model is not None:
         return value_model
-    if not isinstance(reward_model, nn.Module):
-        raise ValueError(
-            "reward_model is a function, so the critic cannot be initialised from it: pass a value_model "
-            "(an AutoModelForSequenceClassification with num_labels=1)."
-        )
     return copy.deepcopy(reward_model).requires_grad_(True)
 
 
@@ -224,14 +214,8 @@ def check_single_label(model) -> None:
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
     """``(policy, reference, critic)`` from the trainer's arguments: PEFT wrapping and adapter choice, the reference
     (a frozen copy, or None for PEFT), the critic (``value_model`` or a copy of the reward model), dropout off in
-    every model (PPO's ratio must be 1 before the first step), one output for the scorers."""
-    if value_model is not None and value_model is reward_model:
-        raise ValueError(
-            "value_model is the same object as reward_model, so training the critic would change the reward; "
-            "pass a separate copy, or value_model=None to initialise the critic from the reward model."
-        )
-    if ref_model is not None and ref_model is model:
-        raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
+    every model (PPO's ratio must be 1 before the first step), one output for the scorers. The arguments were
+    checked by :func:`~trl_ppomax.checks.check_model_arguments`."""
     policy, reference = policy_and_reference(model, ref_model, peft_config)
     if is_peft(policy) and args.model_adapter_name:
         policy.set_adapter(args.model_adapter_name)

@@ -95,7 +95,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         models = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Checks that fail before anything expensive, naming the argument and the fix; paths are loaded (checks.py)
         processing_class, model, ref_model, reward_model, value_model = checks.check_inputs(
-            args, processing_class, models, train_dataset, eval_dataset, ptx_dataset
+            args, processing_class, models, train_dataset, eval_dataset, ptx_dataset, peft_config
         )
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         # missing_eos_penalty punishes the absence of the stop token, or of eos when none is configured

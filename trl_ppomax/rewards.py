@@ -250,14 +250,20 @@ class RewardSources:
 
     def critic_source(self, value_model=None):
         """What the critic is initialised from when ``value_model`` is None: the first reward model that reads the
-        policy's tokens (or the first source, for the error :func:`modeling.critic_from` raises)."""
+        policy's tokens; a ValueError naming the fix when there is none (only functions, or only reward models with
+        their own tokenizer). With a ``value_model``: the first reward model (or source)."""
         for index, module in self.modules:
             if self.processing_classes[index] is None:
                 return module
-        if self.modules and value_model is None:
+        if value_model is None:
+            reason = (
+                "every reward model has its own tokenizer, and the critic reads the policy's tokens"
+                if self.modules
+                else "the reward is a function"
+            )
             raise ValueError(
-                "Every reward model has its own tokenizer, so the critic (which reads the policy's tokens) cannot be "
-                "initialised from one: pass a value_model."
+                f"The critic cannot be initialised from the reward model: {reason}. Pass a value_model (an "
+                "AutoModelForSequenceClassification with num_labels=1)."
             )
         return self.modules[0][1] if self.modules else self.sources[0]
 
