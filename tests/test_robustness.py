@@ -219,8 +219,11 @@ def test_evaluation_leaves_the_training_random_stream_unchanged(tmp_path):
     )
     evaluated.train()
     assert [e["step"] for e in evaluated.state.log_history if "eval_objective/scores" in e] == [0, 1, 2]
-    for (name, a), b in zip(plain.model.named_parameters(), evaluated.model.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    sampled = make_trainer(tmp_path / "c", eval_do_sample=True, num_sample_generations=2)  # sample tables in training
+    sampled.train()
+    for other in (evaluated, sampled):
+        for (name, a), b in zip(plain.model.named_parameters(), other.model.parameters(), strict=True):
+            assert torch.equal(a, b), name
 
 
 def test_a_resumed_run_does_not_evaluate_step_0_again(tmp_path):

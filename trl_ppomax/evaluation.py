@@ -59,9 +59,8 @@ class EvaluationMixin:
             dataset = self.eval_dataset
         if not isinstance(dataset, Dataset):
             raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
-        device = self.accelerator.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            totals = self._evaluation_sums(dataset)  # sampling here leaves the training random stream as it was
+        with self._own_random_stream():
+            totals = self._evaluation_sums(dataset)
         names = list(totals)
         sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
         count = sums[names.index("count")]
@@ -101,7 +100,8 @@ class EvaluationMixin:
         """Generate for a few evaluation (or training) prompts, print a table (and log it as ``completions`` to
         wandb/trackio when ``report_to`` names them) and return the rows."""
         dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
-        rollout = self._rollout_rows(dataset, list(range(min(num_prompts, len(dataset)))), sampling)
+        with self._own_random_stream():
+            rollout = self._rollout_rows(dataset, list(range(min(num_prompts, len(dataset)))), sampling)
         tokenizer = self.processing_class
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
@@ -116,6 +116,12 @@ class EvaluationMixin:
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
             log_table(self.args, "completions", rows, self.state.global_step)  # to wandb / trackio, when reported to
         return rows
+
+    def _own_random_stream(self):
+        """torch's random state forked and restored: sampling here never changes what training samples next, so the
+        trained weights do not depend on how often one evaluates or prints samples."""
+        device = self.accelerator.device
+        return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
         """README.md in ``output_dir``: the policy's base model, tags, PPO-max settings, final evaluation numbers,
