@@ -6,9 +6,13 @@ training. The numeric settings are checked earlier still, when the config is bui
 
 - :func:`check_inputs`: the arguments themselves (types, missing ones, the ptx dataset, the tokenizer, the stop token);
   models given as a path or Hub id are loaded, as TRL's trainers accept them.
+- :func:`check_model_arguments`: the models fit together (none passed twice, one PEFT wrapping, no reference beside a
+  PEFT policy).
 - :func:`prepare_and_check`: once the policy, reference and critic are built: vocabulary sizes, the stop token id,
   the score heads, the prompt datasets (prepared, and their ids checked against the policy's vocabulary), and
   ``metric_for_best_model``.
+- :func:`checked_checkpoint`: a checkpoint to resume is complete, undamaged and from a run with the same settings
+  (:class:`CheckpointError` naming the file or the settings and the fix), before ``train()``'s first rollout.
 """
 
 from __future__ import annotations
