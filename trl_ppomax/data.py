@@ -467,15 +467,24 @@ def release_files(name: str, split: str = "train") -> list[str]:
     """The MOSS-RLHF release's data files that ``name`` holds for ``split``: ``name`` itself when it is such a file
     (a JSON list of samples, each a list of turns); in a folder, every such file whose name ends with
     ``{split}.json`` (``validation`` reads ``*valid.json``), sorted, as the release reads ``*{mode}.json``
-    (``ppo_datahelper.py``). Empty when ``name`` is neither."""
+    (``ppo_datahelper.py``). Empty when ``name`` is neither. Only the files' first characters are read here
+    (:func:`_looks_like_release_list`); :func:`read_release_files` parses and checks them once."""
     if os.path.isfile(name):
-        return [name] if name.endswith(".json") and _read_release_list(name) is not None else []
+        return [name] if name.endswith(".json") and _looks_like_release_list(name) else []
     if not os.path.isdir(name):
         return []
     suffix = f"{RELEASE_SPLIT_FILES.get(split, split)}.json"
     files = sorted(os.path.join(name, f) for f in os.listdir(name) if f.endswith(suffix))
     files = [f for f in files if os.path.isfile(f)]
-    return files if files and all(_read_release_list(f) is not None for f in files) else []
+    return files if files and all(_looks_like_release_list(f) for f in files) else []
+
+
+def _looks_like_release_list(path: str) -> bool:
+    """Whether a JSON file opens as a list of lists (``[[``, or ``[]``): the release's samples, each a list of turns,
+    rather than the list of records (``[{``) that the ``json`` dataset builder reads."""
+    with open(path, encoding="utf-8-sig") as file:
+        head = "".join(file.read(4096).split())
+    return head.startswith(("[[", "[]"))
 
 
 def _read_release_list(path: str) -> list[list[str | None]] | None:
