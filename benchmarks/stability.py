@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 from transformers import TrainerCallback
 
+from trl_ppomax.files import atomic_file, write_json
 from trl_ppomax.metrics import EPISODE
 from trl_ppomax.plotting import training_dynamics_figure
 from trl_ppomax.toyworld.build import WorldSettings, prepare_world
@@ -210,23 +211,9 @@ def mean_sft(per_run: list[dict]) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 # Figures and files
 # --------------------------------------------------------------------------------------------------------------------
-def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temporary)`` next to ``path``, then rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def write_json(path: Path, results: dict) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
-
-
 def save_figure(fig, path: Path) -> None:
-    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    with atomic_file(path) as temporary:
+        fig.savefig(temporary, format="png", dpi=100)
 
 
 def as_log_history(curves: dict[str, list[float]]) -> list[dict[str, float]]:

@@ -106,21 +106,27 @@ def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> N
     shutil.rmtree(source, ignore_errors=True)
 
 
-def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """Write ``text`` to a temporary file beside ``path``, fsync it and rename it over ``path``: readers see the old
-    file or the new one, never half of it."""
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; renamed over ``path`` when the block ends without an error
+    (removed otherwise): readers see the old file or the new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with temporary.open("w", encoding=encoding, newline="") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
+        yield temporary
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    return path
+
+
+def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` through :func:`atomic_file`, fsynced before the rename."""
+    with atomic_file(path) as temporary, temporary.open("w", encoding=encoding, newline="") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, data: dict) -> Path:
