@@ -195,6 +195,10 @@ CASES = [
     ("critic_adam_epsilon=0", config(critic_adam_epsilon=0.0), ValueError, r"critic_adam_epsilon must be .*> 0"),
     ("max_skipped_iterations=0", config(max_skipped_iterations=0), ValueError, r"max_skipped_iterations must be"),
     ("stop_token_id<0", config(stop_token=None, stop_token_id=-1), ValueError, r"stop_token_id must be .*≥ 0"),
+    ("ptx_coef=nan", config(ptx_coef=math.nan), ValueError, r"ptx_coef must be a finite number ≥ 0; got nan"),
+    ("entropy_coef=inf", config(entropy_coef=math.inf), ValueError, r"entropy_coef must be a finite number ≥ 0"),
+    ("response_length=0", config(response_length=0), ValueError, r"response_length must be .*≥ 1; got 0"),
+    ("stop_token='</s>'", config(stop_token="</s>"), ValueError, r"stop_token must be one of \('eos', None\)"),
     # 2. the stop token, at trainer construction
     (
         "stop_token=eos-without-eos",

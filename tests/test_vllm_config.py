@@ -14,7 +14,7 @@ from trl_ppomax import PPOMaxConfig
 def test_presets_set_the_importance_sampling_correction(tmp_path):
     assert PPOMaxConfig(output_dir=str(tmp_path)).vllm_importance_sampling_correction is True
     assert PPOMaxConfig(output_dir=str(tmp_path), preset="vanilla").vllm_importance_sampling_correction is False
-    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max must be ≥ 1"):
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max must be a finite number ≥ 1"):
         PPOMaxConfig(output_dir=str(tmp_path), vllm_importance_sampling_clip_max=0.5)
     with pytest.raises(ValueError, match="vllm_mode must be one of"):
         PPOMaxConfig(output_dir=str(tmp_path), vllm_mode="remote")

@@ -44,18 +44,13 @@ def _version(name: str) -> str:
         return "not installed"
 
 
-def _accelerate_config_file() -> str | None:
-    """accelerate's default config file (``accelerate config`` writes it), as ``accelerate launch`` looks it up."""
+def _accelerate_config_lines() -> list[str]:
+    """accelerate's default config file (``accelerate config`` writes it, where ``accelerate launch`` looks it up)
+    and its settings."""
     cache = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     folder = os.path.join(os.path.expanduser(cache), "accelerate")
-    for name in ("default_config.yaml", "default_config.json"):
-        if os.path.isfile(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    return None
-
-
-def _accelerate_config_lines() -> list[str]:
-    path = _accelerate_config_file()
+    paths = [os.path.join(folder, name) for name in ("default_config.yaml", "default_config.json")]
+    path = next((path for path in paths if os.path.isfile(path)), None)
     if path is None:
         return ["not found (run `accelerate config` to write one)"]
     try:
@@ -97,6 +92,12 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
+def _fail(command: str, error) -> int:
+    """Print ``trl-ppomax COMMAND: error: ERROR`` on one line of stderr; returns the exit status, 2."""
+    print(f"trl-ppomax {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
+
+
 def show_env(_: argparse.Namespace) -> int:
     """Print the platform, package versions, GPUs and accelerate config to paste into a bug report."""
     print("Copy-paste the following information when reporting an issue:\n")
@@ -104,14 +105,9 @@ def show_env(_: argparse.Namespace) -> int:
     print(f"- Python version: {platform.python_version()} ({sys.executable})")
     for name in PACKAGES:
         print(f"- {name} version: {_version(name)}")
-    gpus = _gpu_lines()
-    print(f"- Accelerators: {gpus[0]}")
-    for line in gpus[1:]:
-        print(line)
-    config = _accelerate_config_lines()
-    print(f"- Accelerate default config: {config[0]}")
-    for line in config[1:]:
-        print(line)
+    gpus, config = _gpu_lines(), _accelerate_config_lines()
+    print(f"- Accelerators: {gpus[0]}", *gpus[1:], sep="\n")
+    print(f"- Accelerate default config: {config[0]}", *config[1:], sep="\n")
     return 0
 
 
@@ -133,8 +129,7 @@ def save_tiny(args: argparse.Namespace) -> int:
     try:
         paths = save_tiny_models(args.output_dir, arch=args.arch, seed=args.seed, overwrite=args.overwrite)
     except ValueError as err:
-        print(f"trl-ppomax tiny: error: {err}", file=sys.stderr)
-        return 2
+        return _fail("tiny", err)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
@@ -168,11 +163,8 @@ def push_model(args: argparse.Namespace) -> int:
             include_internals=args.include_checkpoint_files,
         )
     except Exception as err:  # invalid folder / repo id, or any Hub or network error: one line, exit 2
-        message = " ".join(str(err).split())
-        if not isinstance(err, (ValueError, OSError)):
-            message = f"{type(err).__name__}: {message}"
-        print(hub.redact_token(f"trl-ppomax push: error: {message}"), file=sys.stderr)
-        return 2
+        message = str(err) if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {err}"
+        return _fail("push", hub.redact_token(message))
     root = Path(args.folder).expanduser()
     if result.excluded:
         print(
@@ -201,10 +193,7 @@ def recover_moss(args: argparse.Namespace) -> int:
     from .moss.recovery import recover, resolve_source
 
     if args.expected_sum is not None and args.skip_integrity_check:
-        print(
-            "trl-ppomax moss recover: error: use --expected-sum or --skip-integrity-check, not both", file=sys.stderr
-        )
-        return 2
+        return _fail("moss recover", "use --expected-sum or --skip-integrity-check, not both")
     try:
         output = recover(
             resolve_source(args.raw),
@@ -218,8 +207,7 @@ def recover_moss(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
         )
     except (ValueError, OSError, KeyError) as err:
-        print(f"trl-ppomax moss recover: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return _fail("moss recover", err)
     print(f"Recovered {args.lang} {args.model_type} model: {output}")
     return 0
 
@@ -245,14 +233,13 @@ def plot_run(args: argparse.Namespace) -> int:
         output = args.output or run_dir / "training_dynamics.png"
         path = plot_training_dynamics(history, output, title=args.title or name, extra=extra or None, name=name)
     except (ValueError, OSError) as err:
-        print(f"trl-ppomax plot: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return _fail("plot", err)
     print(path)
     return 0
 
 
 def run_toy_world(args: argparse.Namespace) -> int:
-    """Run the toy world: SFT → reward model → PPO-max on a CPU, with the gold reward (same as the recipe's default)."""
+    """Run the toy world: SFT → reward model → PPO-max on a CPU, with the gold reward (as the recipe's default)."""
     from .toyworld.demo import run_demo
 
     run_demo(args.output_dir, iterations=args.iterations, seed=args.seed)
@@ -289,7 +276,17 @@ TRAINING_COMMANDS = {
     ),
 }
 
-TRAINING_EPILOG = """\
+TRAINING_HELP = """\
+usage: trl-ppomax {name} [--config CONFIG] [--accelerate_config NAME] [FIELD VALUE ...]
+
+{about}
+
+  --config CONFIG         a YAML file, or a shipped config by name: {configs}
+  --accelerate_config NAME
+                          re-launch through `accelerate launch --config_file` with a shipped accelerate
+                          config: {accelerate_configs}, or a file
+                          (default: none, run in this process)
+
 All other flags are the fields of the script's arguments, its training config and trl's ModelConfig, parsed by
 trl's TrlParser as in `trl grpo`; set them in the YAML file or on the command line (`--learning_rate 1e-5`).
 Run `trl-ppomax {name} --config {example} --help` for every field with its default and help.
@@ -298,19 +295,16 @@ Run `trl-ppomax {name} --config {example} --help` for every field with its defau
 
 def _split_accelerate_config(argv: list[str]) -> tuple[str | None, list[str]]:
     """Take ``--accelerate_config NAME`` (or ``=NAME``) out of ``argv``."""
-    rest, value, i = [], None, 0
-    while i < len(argv):
-        item = argv[i]
+    rest, value, items = [], None, iter(argv)
+    for item in items:
         if item in ("--accelerate_config", "--accelerate-config"):
-            if i + 1 >= len(argv):
+            value = next(items, None)
+            if value is None:
                 raise ValueError(f"{item} needs a value")
-            value, i = argv[i + 1], i + 2
-            continue
-        if item.startswith(("--accelerate_config=", "--accelerate-config=")):
+        elif item.startswith(("--accelerate_config=", "--accelerate-config=")):
             value = item.partition("=")[2]
         else:
             rest.append(item)
-        i += 1
     return value, rest
 
 
@@ -321,24 +315,19 @@ def run_training(name: str, argv: list[str]) -> int:
 
     module, function, about = TRAINING_COMMANDS[name]
     if argv and argv[0] in ("-h", "--help") and "--config" not in argv:
-        print(f"usage: trl-ppomax {name} [--config CONFIG] [--accelerate_config NAME] [FIELD VALUE ...]\n")
-        print(about + "\n")
-        print("  --config CONFIG         a YAML file, or a shipped config by name: " + ", ".join(shipped_configs()))
-        print("  --accelerate_config NAME")
-        print(
-            "                          re-launch through `accelerate launch --config_file` with a shipped accelerate"
-        )
-        print("                          config: " + ", ".join(shipped_accelerate_configs()) + ", or a file")
-        print("                          (default: none, run in this process)\n")
-        print(TRAINING_EPILOG.format(name=name, example="tiny_cpu" if name == "ppo" else "reward_tiny_cpu"))
+        lists = {
+            "configs": ", ".join(shipped_configs()),
+            "accelerate_configs": ", ".join(shipped_accelerate_configs()),
+        }
+        example = "tiny_cpu" if name == "ppo" else "reward_tiny_cpu"
+        print(TRAINING_HELP.format(name=name, about=about, example=example, **lists))
         return 0
     try:
         accelerate_config, argv = _split_accelerate_config(argv)
         argv = resolve_config_argv(argv)
         config_file = resolve_accelerate_config(accelerate_config) if accelerate_config else None
     except (ValueError, FileNotFoundError) as err:
-        print(f"trl-ppomax {name}: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(name, err)
     if config_file is not None:
         import importlib.util
 
@@ -362,21 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, about) in TRAINING_COMMANDS.items():  # dispatched by main() before argparse
         commands.add_parser(name, help=about, description=about, add_help=False)
-    commands.add_parser("env", help=show_env.__doc__, description=show_env.__doc__).set_defaults(run=show_env)
-    commands.add_parser("presets", help=show_presets.__doc__, description=show_presets.__doc__).set_defaults(
-        run=show_presets
-    )
-    demo = commands.add_parser("demo", help=run_toy_world.__doc__, description=run_toy_world.__doc__)
+    _command(commands, "env", show_env)
+    _command(commands, "presets", show_presets)
+    demo = _command(commands, "demo", run_toy_world)
     demo.add_argument("--output-dir", default="output/toyworld", help="where the figure and summary go")
     demo.add_argument("--iterations", type=int, default=100, help="PPO-max iterations (32 prompts each)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
-    demo.set_defaults(run=run_toy_world)
-    tiny = commands.add_parser("tiny", help=save_tiny.__doc__, description=save_tiny.__doc__)
+    tiny = _command(commands, "tiny", save_tiny)
     tiny.add_argument("output_dir", metavar="OUTPUT_DIR", help="folder to create (must be absent or empty)")
     tiny.add_argument("--arch", choices=["llama", "gpt_neox"], default="llama", help="model architecture")
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
     tiny.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR even if it is not empty")
-    tiny.set_defaults(run=save_tiny)
     _add_push(commands)
     _add_moss(commands)
     _add_plot(commands)
@@ -384,13 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(commands, name: str, run, note: str = "") -> argparse.ArgumentParser:
+    """The sub-command ``name``, run by ``run``, whose docstring (plus ``note``) is its help and description."""
+    parser = commands.add_parser(name, help=run.__doc__, description=run.__doc__ + note)
+    parser.set_defaults(run=run)
+    return parser
+
+
 def _add_push(commands) -> None:
-    push = commands.add_parser(
-        "push",
-        help=push_model.__doc__,
-        description=push_model.__doc__
-        + " The token comes from the HF_TOKEN environment variable or `hf auth login`, never the command line.",
-    )
+    note = " The token comes from the HF_TOKEN environment variable or `hf auth login`, never the command line."
+    push = _command(commands, "push", push_model, note)
     push.add_argument("folder", metavar="DIR", help="model folder with config.json (or adapter_config.json)")
     push.add_argument("--repo-id", required=True, metavar="NAME", help="Hub model repo, e.g. user/my-model")
     push.add_argument("--private", action="store_true", help="create the repo private (if it does not exist yet)")
@@ -406,14 +394,13 @@ def _add_push(commands) -> None:
         help="also upload checkpoint internals (optimizer/scheduler/RNG states, training_args.bin, trainer and PPO "
         "states, critic/, DeepSpeed folders), left out by default",
     )
-    push.set_defaults(run=push_model)
 
 
 def _add_moss(commands) -> None:
     moss = commands.add_parser("moss", help="the paper's released models (MOSS-RLHF)").add_subparsers(
         dest="moss_command", required=True
     )
-    recover = moss.add_parser("recover", help=recover_moss.__doc__, description=recover_moss.__doc__)
+    recover = _command(moss, "recover", recover_moss)
     recover.add_argument("--raw", required=True, help="LLaMA-7B in Hugging Face format: a folder or a Hub id")
     recover.add_argument("--diff", required=True, help="the release's diff: a folder or a Hub id")
     recover.add_argument("--output", required=True, help="folder to write (must be absent or empty)")
@@ -425,11 +412,10 @@ def _add_moss(commands) -> None:
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of the written weights"
     )
     recover.add_argument("--max-shard-size", default="2GB", help="size of the output shards, e.g. 500MB or 5GB")
-    recover.set_defaults(run=recover_moss)
 
 
 def _add_plot(commands) -> None:
-    plot = commands.add_parser("plot", help=plot_run.__doc__, description=plot_run.__doc__)
+    plot = _command(commands, "plot", plot_run)
     plot.add_argument(
         "run_dir", metavar="RUN_DIR", help="output folder with trainer_state.json (or checkpoint-N folders)"
     )
@@ -443,19 +429,13 @@ def _add_plot(commands) -> None:
         help="other runs to overlay on the same panels, named in the legend",
     )
     plot.add_argument("--title", help="figure title (default: the name of RUN_DIR)")
-    plot.set_defaults(run=plot_run)
 
 
 def _add_evaluate(commands) -> None:
     from .judging import command
 
     about = "Did RLHF help? The policy against a baseline: win / tie / lose by judges, or multiple-choice accuracy."
-    evaluate = commands.add_parser(
-        "evaluate",
-        help=about,
-        description=command.__doc__,
-        epilog=command.EPILOG,
-    )
+    evaluate = commands.add_parser("evaluate", help=about, description=command.__doc__, epilog=command.EPILOG)
     command.add_arguments(evaluate)
     evaluate.set_defaults(run=command.run)
 

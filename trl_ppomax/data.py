@@ -86,23 +86,11 @@ class ShuffledBatches:
         return self.collate([self.dataset[i] for i in rows])
 
 
-def _context_limit(max_length: int | None, context: int | None, response_length: int) -> int | None:
-    if max_length is not None:
-        return max_length
-    return None if context is None else context - response_length
-
-
 def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids a model family was trained on for one prompt.
-
-    - a conversation: the chat template's text with the template's own special tokens (``add_special_tokens=False``,
-      as ``apply_chat_template(tokenize=True)`` and TRL's SFT do): a template that writes ``{{ bos_token }}`` gets
-      exactly one BOS;
-    - plain text: the tokenizer's own special-token rule (``tokenizer(text)``), e.g. LLaMA's BOS in front, as the
-      MOSS-RLHF release encodes its prompt strings.
-
-    A leading BOS that the text already held and the tokenizer added again is dropped (never two BOS).
-    """
+    """The ids a model family was trained on for one prompt: for a conversation, the chat template's text with only
+    the template's own special tokens (``add_special_tokens=False``, as TRL's SFT); for plain text, the tokenizer's
+    own rule (``tokenizer(text)``, e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: a leading
+    BOS that the text already held and the tokenizer added again is dropped."""
     if is_conversational({"prompt": prompt}):
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -130,12 +118,6 @@ def _split_system(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     return system, [m for m in messages if m.get("role") != "system"]
 
 
-def _shortest_form(messages: list[dict]) -> list[dict]:
-    """The system messages and the last turn: what the release keeps when nothing shorter fits."""
-    system, turns = _split_system(messages)
-    return system + turns[-1:]
-
-
 def prepare_prompt_dataset(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -148,16 +130,13 @@ def prepare_prompt_dataset(
     """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
     (text or conversation, see :func:`tokenize_prompt`), the MOSS-RLHF release's way (``ppo_datahelper.py``):
 
-    - a conversation with an empty turn (content None, empty or blank) is dropped, with a warning that counts them
-      (the release keeps only samples whose turns are all non-empty);
+    - a conversation with an empty turn (content None, empty or blank) is dropped, with a warning that counts them;
     - a conversation longer than ``max_prompt_length`` drops its oldest whole turns (:func:`drop_oldest_turns`);
-    - a prompt still longer (its last turn alone, a text prompt, or ids) is never cut: with ``truncate`` it is kept
-      whole up to ``max_kept_length`` tokens (default ``max_prompt_length``) and skipped beyond, with a warning that
-      counts both (the release keeps it up to its total context and skips it beyond); without ``truncate`` it raises.
+    - a prompt still longer is never cut: with ``truncate`` it is kept whole up to ``max_kept_length`` tokens
+      (default ``max_prompt_length``) and skipped beyond, with a warning that counts both; else it raises.
 
     Empty text prompts and ids, and ``prompt`` and ``input_ids`` columns that disagree, are refused (``name`` says
-    which dataset in the message). The other columns (and ``prompt``) are kept: reward functions get them as
-    keywords, as TRL's GRPO does."""
+    which dataset). The other columns are kept: reward functions get them as keywords, as TRL's GRPO does."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
@@ -184,13 +163,14 @@ def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_pro
     """An ``input_ids`` column; conversations longer than ``max_prompt_length`` lose their oldest whole turns, down
     to the last turn alone (the release's loop: drop while too long and more than one turn remains)."""
 
+    def fits(kept: list[dict]) -> bool:
+        return len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
+
     def tokenize(example: dict) -> dict:
         prompt = example["prompt"]
         if max_prompt_length and is_conversational({"prompt": prompt}):
-            fitting = drop_oldest_turns(
-                prompt, lambda kept: len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
-            )
-            prompt = fitting or _shortest_form(prompt)
+            system, turns = _split_system(prompt)
+            prompt = drop_oldest_turns(prompt, fits) or system + turns[-1:]
         return {"input_ids": tokenize_prompt(prompt, tokenizer)}
 
     dropped = [c for c in ("attention_mask", "loss_mask") if c in dataset.column_names]
@@ -201,19 +181,16 @@ def _is_blank(content) -> bool:
     return content is None or (isinstance(content, str) and not content.strip())
 
 
-def _has_empty_turn(prompt) -> bool:
-    """A conversation with a user or assistant turn whose content is None, empty or blank."""
-    if not is_conversational({"prompt": prompt}):
-        return False
-    return any(_is_blank(m.get("content")) for m in _split_system(prompt)[1])
-
-
 def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Dataset:
     """``dataset`` without the conversations that have an empty turn (the release's ``all(sample)``), counted in a
     warning; raises when none is left."""
-    kept = dataset.filter(
-        lambda example: not _has_empty_turn(example["prompt"]), num_proc=num_proc, desc="Dropping empty turns"
-    )
+
+    def complete(example: dict) -> bool:  # no user or assistant turn whose content is None, empty or blank
+        prompt = example["prompt"]
+        turns = _split_system(prompt)[1] if is_conversational({"prompt": prompt}) else []
+        return not any(_is_blank(m.get("content")) for m in turns)
+
+    kept = dataset.filter(complete, num_proc=num_proc, desc="Dropping empty turns")
     dropped = len(dataset) - len(kept)
     if dropped == 0:
         return dataset
@@ -224,18 +201,9 @@ def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Data
     return kept
 
 
-def _is_empty_prompt(prompt) -> bool:
-    """None, blank text, no ids, or no messages (a conversation with an empty turn is dropped instead, see
-    :func:`_drop_empty_turns`)."""
-    if prompt is None:
-        return True
-    if isinstance(prompt, str):
-        return not prompt.strip()
-    return len(prompt) == 0
-
-
 def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
-    empty = [i for i, prompt in enumerate(prompts) if _is_empty_prompt(prompt)]
+    """Refuse None, blank text, no ids or no messages (a conversation with an empty turn is dropped instead)."""
+    empty = [i for i, prompt in enumerate(prompts) if _is_blank(prompt) or len(prompt) == 0]
     if not empty:
         return
     what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
@@ -289,14 +257,8 @@ def _limit_prompt_length(dataset: Dataset, max_length: int, max_kept: int, trunc
             "response: none is left. Shorten the prompts or lower response_length."
         )
     skipped = len(lengths) - len(fitting)
-    logger.warning(
-        "%s: %d kept whole (at most %d tokens: a prompt is never cut inside a turn), %d skipped (longer), as the "
-        "MOSS-RLHF release does.",
-        message,
-        len(too_long) - skipped,
-        max_kept,
-        skipped,
-    )
+    kept = f"{len(too_long) - skipped} kept whole (at most {max_kept} tokens: a prompt is never cut inside a turn)"
+    logger.warning("%s: %s, %d skipped (longer), as the MOSS-RLHF release does.", message, kept, skipped)
     return dataset.select(fitting) if skipped else dataset
 
 
@@ -365,19 +327,16 @@ def prompt_length_limit(max_prompt_length: int | None, model, response_length: i
     """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``;
     raises (:func:`check_prompt_budget`) when a prompt and its response cannot fit in that context."""
     context = model_context(model)
-    if context is not None:
-        check_prompt_budget(context, max_prompt_length, response_length)
-    return _context_limit(max_prompt_length, context, response_length)
+    if context is None:
+        return max_prompt_length
+    check_prompt_budget(context, max_prompt_length, response_length)
+    return context - response_length if max_prompt_length is None else max_prompt_length
 
 
 def longest_prompt_length(model, response_length: int) -> int | None:
     """The longest prompt kept whole when even its last turn exceeds the prompt budget: the policy's context minus
-    ``response_length``, so that the prompt and a full response fit the positions the model has; None (the budget
-    itself) when the context is unknown.
-
-    The release's total context is ``maxlen_prompt`` (2048, prompt and response together): it keeps such a prompt up
-    to 2048 tokens and then samples up to ``maxlen_res`` (512) more, past LLaMA's 2048 positions. Here the response
-    must fit too, so with the release's settings (1536 + 512 = 2048) such a prompt is skipped."""
+    ``response_length`` (a full response must fit too), or None when the context is unknown. The release keeps such
+    a prompt up to its total context (2048) and samples 512 more tokens past LLaMA's positions; here it is skipped."""
     context = model_context(model)
     return None if context is None else context - response_length
 
@@ -394,12 +353,8 @@ def check_prompt_budget(context: int, max_prompt_length: int | None, response_le
             "or use a model with a longer context."
         )
     if max_prompt_length is not None and max_prompt_length + response_length > context:
-        left = context - response_length
-        shorter_responses = (
-            f", or lower response_length to {context - max_prompt_length} or less"
-            if max_prompt_length < context
-            else ""
-        )
+        left, shorter = context - response_length, f", or lower response_length to {context - max_prompt_length}"
+        shorter_responses = f"{shorter} or less" if max_prompt_length < context else ""
         raise ValueError(
             f"max_prompt_length={max_prompt_length} + response_length={response_length} = "
             f"{max_prompt_length + response_length} tokens exceed {where}. Lower max_prompt_length to {left} or less "
@@ -407,12 +362,8 @@ def check_prompt_budget(context: int, max_prompt_length: int | None, response_le
         )
 
 
-# --------------------------------------------------------------------------------------------------------------------
 # Prompt sources for the recipes
-# --------------------------------------------------------------------------------------------------------------------
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
-
 DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
 
 
@@ -464,11 +415,9 @@ RELEASE_SPLIT_FILES = {"validation": "valid"}
 
 
 def release_files(name: str, split: str = "train") -> list[str]:
-    """The MOSS-RLHF release's data files that ``name`` holds for ``split``: ``name`` itself when it is such a file
-    (a JSON list of samples, each a list of turns); in a folder, every such file whose name ends with
-    ``{split}.json`` (``validation`` reads ``*valid.json``), sorted, as the release reads ``*{mode}.json``
-    (``ppo_datahelper.py``). Empty when ``name`` is neither. Only the files' first characters are read here
-    (:func:`_looks_like_release_list`); :func:`read_release_files` parses and checks them once."""
+    """The MOSS-RLHF release's data files (JSON lists of samples, each a list of turns) that ``name`` holds for
+    ``split``: ``name`` itself when it is one; in a folder, every such file named ``*{split}.json`` (``validation``
+    reads ``*valid.json``), sorted, as the release's ``ppo_datahelper.py``. Empty when ``name`` is neither."""
     if os.path.isfile(name):
         return [name] if name.endswith(".json") and _looks_like_release_list(name) else []
     if not os.path.isdir(name):
@@ -490,27 +439,22 @@ def _looks_like_release_list(path: str) -> bool:
 def _read_release_list(path: str) -> list[list[str | None]] | None:
     """The samples of a release data file, or None when ``path`` holds something else."""
     with open(path, encoding="utf-8-sig") as file:
-        text = file.read()
-    if not text.lstrip().startswith("["):
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    is_turns = all(isinstance(s, list) and all(t is None or isinstance(t, str) for t in s) for s in data)
-    return data if is_turns else None
+        try:
+            data = json.load(file)
+        except json.JSONDecodeError:
+            return None
+    turns = isinstance(data, list) and all(isinstance(s, list) for s in data)
+    return data if turns and all(t is None or isinstance(t, str) for s in data for t in s) else None
 
 
 def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "prompts") -> Dataset:
     """The samples of the release's data files (JSON lists of samples, each a list of turns), in file order.
 
-    - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's**, roles assigned from the end
-      (:func:`roles_from_the_end`, the release's ``i + (len + 1) % 2``), so an even-length sample starts with an
-      assistant turn. A sample with no turn or an empty one (None, empty or blank) is dropped, as the release's
-      ``all(sample)`` does.
-    - ``kind="ptx"``: a ``messages`` column, roles from the start, the human's first (:func:`roles_from_the_start`,
-      the release's ptx dialogues); a sample with fewer than two turns or an empty one is dropped, as the release
-      does.
+    - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's** (:func:`roles_from_the_end`, the
+      release's ``i + (len + 1) % 2``); a sample with no turn or an empty one (None, empty or blank) is dropped, as
+      the release's ``all(sample)`` does.
+    - ``kind="ptx"``: a ``messages`` column, the human's turn first (:func:`roles_from_the_start`); a sample with
+      fewer than two turns or an empty one is dropped, as the release does.
 
     Dropped samples are counted in a warning per file; raises when none is left."""
     samples, shortest = [], 2 if kind == "ptx" else 1
@@ -520,13 +464,11 @@ def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "
             raise ValueError(f"{path} is not a MOSS-RLHF data file: a JSON list of samples, each a list of turns.")
         kept = [s for s in data if len(s) >= shortest and not any(_is_blank(t) for t in s)]
         if len(kept) < len(data):
-            logger.warning(
-                "%s: dropped %d of %d samples with %s turns or an empty one, as the MOSS-RLHF release does.",
-                path,
-                len(data) - len(kept),
-                len(data),
-                "fewer than two" if kind == "ptx" else "no",
+            few = "fewer than two" if kind == "ptx" else "no"
+            message = (
+                f"{path}: dropped {len(data) - len(kept)} of {len(data)} samples with {few} turns or an empty one"
             )
+            logger.warning("%s, as the MOSS-RLHF release does.", message)
         samples.extend(kept)
     if not samples:
         raise ValueError(
@@ -611,11 +553,9 @@ def batch_streams(
 ) -> tuple[ShuffledBatches, ShuffledBatches | None]:
     """This process's rollout batches (``local_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
     batches (``per_device_train_batch_size`` texts, right-padded), each a resumable shuffled stream."""
+    seed = args.data_seed if args.data_seed is not None else args.seed
     batches = partial(
-        ShuffledBatches,
-        num_processes=accelerator.num_processes,
-        process_index=accelerator.process_index,
-        seed=args.data_seed if args.data_seed is not None else args.seed,
+        ShuffledBatches, num_processes=accelerator.num_processes, process_index=accelerator.process_index, seed=seed
     )
     prompts = batches(train_dataset, args.local_batch_size, collate=collate)
     if ptx_dataset is None or args.ptx_coef <= 0:

@@ -33,16 +33,13 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
     """Yield a temporary folder to write into; publish it as ``final`` once the block (on every process, when an
     ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
 
-    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end: a crash while
-    writing leaves only ``.tmp-<name>``, which is never mistaken for the real folder and is removed by the next write
-    of the same folder; an exception removes it at once. An existing ``final`` is replaced only after the new folder
-    is complete.
+    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end (an existing
+    ``final`` is replaced only then): a crash leaves only ``.tmp-<name>``, removed by the next write of the folder;
+    an exception removes it at once.
 
-    With ``merge=True`` (a model folder saved into a folder that may hold other things, such as ``output_dir`` with
-    its ``checkpoint-N`` folders and logs) the temporary folder is ``final/.tmp-save`` and, once complete, its entries
-    are moved into ``final`` one by one (:func:`merge_model_folder`): nothing else in ``final`` is touched, and
-    ``config.json``/``adapter_config.json`` are removed first and moved in last, so ``final`` never has a config
-    without the complete weights next to it (a crash mid-way leaves no config, which loading and ``push`` refuse).
+    With ``merge=True`` (a model saved into a folder holding other things, such as ``output_dir``) the temporary
+    folder is ``final/.tmp-save``, whose entries are then moved into ``final`` by :func:`merge_model_folder`: the
+    config files go last, so ``final`` never has a config without the complete weights next to it.
     """
     final = Path(final)
     temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
@@ -59,17 +56,21 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     barrier()
-    if is_main:
-        if merge:
-            merge_model_folder(temporary, final)
-        else:
-            retired = final.with_name(f".old-{final.name}")
-            shutil.rmtree(retired, ignore_errors=True)
-            if final.exists():
-                os.replace(final, retired)  # kept until the new folder is in place
-            os.replace(temporary, final)
-            shutil.rmtree(retired, ignore_errors=True)
+    if is_main and merge:
+        merge_model_folder(temporary, final)
+    elif is_main:
+        _replace_folder(temporary, final)
     barrier()
+
+
+def _replace_folder(source: Path, target: Path) -> None:
+    """Move ``source`` to ``target``; an existing ``target`` is set aside as ``.old-<name>`` until then."""
+    retired = target.with_name(f".old-{target.name}")
+    shutil.rmtree(retired, ignore_errors=True)
+    if target.exists():
+        os.replace(target, retired)
+    os.replace(source, target)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> None:
@@ -83,22 +84,10 @@ def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> N
     for entry in sorted(source.iterdir()):
         if entry.name in MODEL_MARKERS:
             continue
-        target = final / entry.name
-        if entry.is_dir():
-            retired = final / f".old-{entry.name}"
-            shutil.rmtree(retired, ignore_errors=True)
-            if target.exists():
-                os.replace(target, retired)
-            os.replace(entry, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(entry, target)
+        (_replace_folder if entry.is_dir() else os.replace)(entry, final / entry.name)
     for stale in final.iterdir():
-        if (
-            stale.is_file()
-            and stale.name not in written
-            and any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
-        ):
+        weights = any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
+        if weights and stale.is_file() and stale.name not in written:
             stale.unlink()
     for name in MODEL_MARKERS:
         if (source / name).exists():

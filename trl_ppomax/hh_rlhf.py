@@ -114,6 +114,7 @@ def hh_rlhf_to_preference(example: Mapping[str, Any]) -> dict[str, list[dict[str
     chosen, rejected = parsed["chosen"], parsed["rejected"]
     prompt, rejected_prompt = chosen[:-1], rejected[:-1]
     if prompt != rejected_prompt:
+        detail = f"chosen has {len(prompt)} prompt turns, rejected has {len(rejected_prompt)}"
         for index, (a, b) in enumerate(zip(prompt, rejected_prompt, strict=False)):
             if a != b:
                 detail = (
@@ -121,8 +122,6 @@ def hh_rlhf_to_preference(example: Mapping[str, Any]) -> dict[str, list[dict[str
                     f"rejected has {_snippet(b['content'])}"
                 )
                 break
-        else:
-            detail = f"chosen has {len(prompt)} prompt turns, rejected has {len(rejected_prompt)}"
         raise ValueError(f"'chosen' and 'rejected' do not share the same prompt: {detail}.")
     return {"prompt": prompt, "chosen": chosen[-1:], "rejected": rejected[-1:]}
 

@@ -1,9 +1,9 @@
 """Model cards, Hub metadata and pushing a model folder (``trl-ppomax push``).
 
-:func:`create_model_card` is the card ``PPOMaxTrainer.push_to_hub`` writes. :func:`model_card` is the generic card of
-a model folder trained with trl-ppomax, drawn by :func:`render_card` (which :mod:`trl_ppomax.moss.card` also uses for
-converted MOSS-RLHF models); :func:`push_folder` uploads a folder and its card in one commit. Nothing here is
-specific to MOSS-RLHF.
+Every card is drawn by :func:`render_card`: :func:`create_model_card` is the card ``PPOMaxTrainer`` (and
+``PPOMaxRewardTrainer``) write, :func:`model_card` the generic card of a model folder trained with trl-ppomax, and
+:mod:`trl_ppomax.moss.card` the card of converted MOSS-RLHF models; :func:`push_folder` uploads a folder and its card
+in one commit. Nothing here is specific to MOSS-RLHF.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from trl.trainer.utils import generate_model_card
 
 from .files import read_json
 
@@ -39,7 +38,8 @@ CITATION = """\
 TAGS = ["trl", "trl-ppomax", "ppo", "ppo-max", "rlhf"]
 
 
-#: The PPO-max settings a trainer's model card lists (the preset and the tricks of the paper's §5).
+#: The settings a trainer's model card lists: the PPO-max preset and the tricks of the paper's §5, and the reward
+#: model's imitation-loss coefficient (β_rm, eq. 2).
 CARD_SETTINGS = (
     "preset",
     "reward_norm",
@@ -58,14 +58,14 @@ CARD_SETTINGS = (
     "learning_rate",
     "total_episodes",
     "num_ppo_epochs",
+    "lm_loss_coef",
 )
 
 
 def tracker_urls() -> dict[str, str]:
     """The URLs of the active tracker runs (wandb run, trackio Space), read only from modules already imported."""
     urls = {}
-    wandb = sys.modules.get("wandb")
-    url = getattr(getattr(wandb, "run", None), "url", None)
+    url = getattr(getattr(sys.modules.get("wandb"), "run", None), "url", None)
     if isinstance(url, str):
         urls["Weights & Biases"] = url
     if "trackio" in sys.modules:
@@ -80,26 +80,20 @@ def tracker_urls() -> dict[str, str]:
     return urls
 
 
-def final_eval_metrics(log_history) -> dict[str, float]:
-    """The ``eval_*`` numbers of the last entry of ``log_history`` (``state.log_history``) that has any."""
-    for entry in reversed(list(log_history or [])):
-        found = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
-        if found:
-            return found
-    return {}
-
-
 def training_sections(args, log_history=None, urls: dict[str, str] | None = None) -> str:
-    """Markdown for a trainer's card: the PPO-max settings, the final evaluation numbers and the tracker URLs."""
+    """Markdown for a trainer's card: the PPO-max settings, the final evaluation numbers (the ``eval_*`` numbers of
+    the last entry of ``log_history`` that has any) and the tracker URLs."""
     parts = []
     rows = [(name, getattr(args, name)) for name in CARD_SETTINGS if hasattr(args, name)]
     if rows:
         table = "\n".join(f"| `{name}` | `{value!r}` |" for name, value in rows)
         parts.append(f"## PPO-max settings\n\n| setting | value |\n|---|---|\n{table}")
-    evals = final_eval_metrics(log_history)
-    if evals:
-        table = "\n".join(f"| `{name}` | {value:.4g} |" for name, value in evals.items())
-        parts.append(f"## Final evaluation\n\n| metric | value |\n|---|---|\n{table}")
+    for entry in reversed(list(log_history or [])):
+        evals = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        if evals:
+            table = "\n".join(f"| `{name}` | {value:.4g} |" for name, value in evals.items())
+            parts.append(f"## Final evaluation\n\n| metric | value |\n|---|---|\n{table}")
+            break
     urls = tracker_urls() if urls is None else urls
     if urls:
         parts.append("## Training logs\n\n" + "\n".join(f"- {name}: <{url}>" for name, url in urls.items()))
@@ -115,30 +109,28 @@ def create_model_card(
     tags,
     default_tags,
     log_history=None,
+    model_type: str = "policy",
 ) -> ModelCard:
-    """A model card for a PPO-max policy: its base model (a Hub id, never a local path), tags ``trl-ppomax``/
-    ``ppo-max``, the PPO-max settings, the final ``eval_*`` numbers of ``log_history``, the tracker URLs and the
-    paper's citation."""
-    config = getattr(model, "config", None)
-    base_model = repo_like(getattr(config, "_name_or_path", None))
-    extra = [tags] if isinstance(tags, str) else list(tags or [])
-    all_tags = list(dict.fromkeys([*default_tags, *TAGS, *extra]))
-    urls = tracker_urls()
-    card = generate_model_card(
+    """A trainer's model card, drawn by :func:`render_card` for ``model_type`` ("policy" for ``PPOMaxTrainer``,
+    "reward" for ``PPOMaxRewardTrainer``): its base model (a Hub id, never a local path), dataset, tags (:data:`TAGS`,
+    ``default_tags``, ``tags``), then :func:`training_sections` of ``args`` and ``log_history``."""
+    base_model = repo_like(getattr(getattr(model, "config", None), "_name_or_path", None))
+    name = model_name or (args.output_dir.rstrip("/").split("/")[-1] if args.output_dir else "model")
+    intro = trained_intro(model_type, base_model)
+    if repo_like(dataset_name):
+        intro += f" Training data: [`{dataset_name}`](https://huggingface.co/datasets/{dataset_name})."
+    elif dataset_name:
+        intro += f" Training data: `{dataset_name}`."
+    return render_card(
+        hub_model_id or name,
+        model_type=model_type,
+        intro=intro,
+        sections=(training_sections(args, log_history), NO_LICENCE_SECTION),
         base_model=base_model,
-        model_name=model_name or (args.output_dir.rstrip("/").split("/")[-1] if args.output_dir else "model"),
-        hub_model_id=hub_model_id or "",
-        dataset_name=dataset_name,
-        tags=all_tags,
-        wandb_url=urls.get("Weights & Biases"),
-        trackio_url=urls.get("Trackio"),
-        trainer_name="PPO-max (trl-ppomax)",
-        trainer_citation=CITATION,
-        paper_title=PAPER_TITLE,
-        paper_id=PAPER_ID,
+        extra_tags=[*default_tags, *([tags] if isinstance(tags, str) else tags or [])],
+        name=name,
+        metadata={"model_name": name, "datasets": dataset_name},
     )
-    sections = training_sections(args, log_history, urls)
-    return ModelCard(redact_token(f"{card.content.rstrip()}\n\n{sections}\n")) if sections else card
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -164,7 +156,6 @@ NO_LICENCE_SECTION = (
     "## Licence\n\nNo licence is set in this card: the weights follow the licence of the base model and "
     "of the training data; set `license:` in the metadata above. trl-ppomax itself is Apache-2.0."
 )
-_SKIP_DIRS = {"__pycache__"}
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 #: Checkpoint internals (file names, at any depth) that :func:`push_folder` leaves out unless asked: optimizer,
 #: scheduler and RNG states, the pickled training arguments, trainer/PPO states, DeepSpeed's helpers.
@@ -253,22 +244,14 @@ SECRET_NAME = re.compile(r"(^|_)(token|api_key|password|secret)$")
 NOT_SECRETS = frozenset({"stop_token"})
 
 
-def secret_fields(args) -> list[str]:
-    """The names of the fields of ``args`` that hold a secret (``hub_token``, any ``*_token``/``*_api_key``/
-    ``*_password``/``*_secret`` string field; not ``stop_token``) and are set."""
-    return [
-        name
-        for name, value in vars(args).items()
-        if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value
-    ]
-
-
 def without_secrets(args):
-    """A shallow copy of the training arguments with every :func:`secret_fields` field set to None: what is
+    """A shallow copy of the training arguments with every set field that holds a secret (``hub_token``, any
+    ``*_token``/``*_api_key``/``*_password``/``*_secret`` string field; not ``stop_token``) set to None: what is
     written to ``training_args.bin``. ``args`` itself is not changed."""
     clean = copy.copy(args)
-    for name in secret_fields(args):
-        object.__setattr__(clean, name, None)
+    for name, value in vars(args).items():
+        if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value:
+            object.__setattr__(clean, name, None)
     return clean
 
 
@@ -287,20 +270,14 @@ def check_model_type(model_type: str | None) -> str | None:
 
 def _usage_section(model_type: str | None, repo_id: str, peft: bool) -> str:
     load = 'from_pretrained(REPO, dtype=torch.bfloat16, device_map="auto")'
-    if peft:
-        note = (
-            "This repository holds a PEFT adapter: `transformers` loads it on top of its base model when "
-            "`peft` is installed.\n\n"
-        )
-    else:
-        note = ""
+    note = (
+        "This repository holds a PEFT adapter: `transformers` loads it on top of its base model when `peft` is "
+        "installed.\n\n"
+        if peft
+        else ""
+    )
     if model_type == "reward":
-        return _reward_usage(note, repo_id, load)
-    return _generation_usage(note, repo_id, load, model_type)
-
-
-def _reward_usage(note: str, repo_id: str, load: str) -> str:
-    return f"""## Usage
+        return f"""## Usage
 
 {note}Score a conversation (higher is better); the score is read at the last token, so pad batches on the left:
 
@@ -337,9 +314,6 @@ trainer = PPOMaxTrainer(
 trainer.train()
 ```
 """
-
-
-def _generation_usage(note: str, repo_id: str, load: str, model_type: str | None) -> str:
     trainer_note = (
         "\nUse it as the `model` of `PPOMaxTrainer` (trl-ppomax) to train a PPO-max policy; the reference model "
         "defaults to a frozen copy of it.\n"
@@ -367,10 +341,6 @@ print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_to
 {trainer_note}"""
 
 
-def _citation_section() -> str:
-    return f"## Citation\n\n{PAPER_TITLE} ([arXiv {PAPER_ID}]({PAPER_URL})):\n\n```bibtex\n{CITATION}\n```\n"
-
-
 def trained_intro(model_type: str | None, base_model: str | None) -> str:
     """The first paragraph of the card of a model trained with trl-ppomax."""
     what = MODEL_KINDS.get(model_type or "", "model")
@@ -393,34 +363,37 @@ def render_card(
     license: str | None = None,
     peft: bool = False,
     extra_tags: Sequence[str] = (),
+    name: str | None = None,
+    metadata: dict | None = None,
 ) -> ModelCard:
-    """A model card (README.md) for ``repo_id``: metadata, then ``# name``, ``intro``, ``prompt_section``, the usage
-    for ``model_type``, ``sections`` (by default: no licence set) and the paper's citation.
+    """A model card (README.md) for ``repo_id``: metadata (plus ``metadata``), then ``# name`` (default: the repo's
+    name), ``intro``, ``prompt_section``, the usage for ``model_type``, the non-empty ``sections`` (by default: no
+    licence set) and the paper's citation.
 
-    The tags are :data:`TAGS`, ``extra_tags``, then "reward-model" or "text-generation" by model type. Any Hub
-    token in the text is redacted.
+    The tags are :data:`TAGS`, ``extra_tags``, then "reward-model" or "text-generation" by model type, without
+    repeats. Any Hub token in the text is redacted.
 
     Raises:
         ValueError: ``model_type`` is not one of :data:`MODEL_KINDS`.
     """
     check_model_type(model_type)
     tags = [*TAGS, *extra_tags]
-    if model_type == "reward":
-        tags.append("reward-model")
-    elif model_type is not None:
-        tags.append("text-generation")
+    if model_type is not None:
+        tags.append("reward-model" if model_type == "reward" else "text-generation")
     data = ModelCardData(
         base_model=base_model,
         language=[lang] if lang else None,
         library_name="peft" if peft else "transformers",
         license=license,
         pipeline_tag=PIPELINE_TAGS.get(model_type or ""),
-        tags=tags,
+        tags=list(dict.fromkeys(tags)),
+        **(metadata or {}),
     )
-    name = repo_id.rstrip("/").split("/")[-1]
-    parts = [intro, prompt_section, _usage_section(model_type, repo_id, peft), *sections]
-    body = f"# {name}\n\n" + "\n\n".join(s.strip("\n") for s in parts) + "\n\n" + _citation_section()
-    return ModelCard(redact_token(f"---\n{data.to_yaml()}\n---\n\n{body}"))
+    name = name or repo_id.rstrip("/").split("/")[-1]
+    citation = f"## Citation\n\n{PAPER_TITLE} ([arXiv {PAPER_ID}]({PAPER_URL})):\n\n```bibtex\n{CITATION}\n```"
+    parts = [intro, prompt_section, _usage_section(model_type, repo_id, peft), *sections, citation]
+    body = "\n\n".join(s.strip("\n") for s in parts if s)
+    return ModelCard(redact_token(f"---\n{data.to_yaml()}\n---\n\n# {name}\n\n{body}\n"))
 
 
 def model_card(
@@ -459,25 +432,14 @@ def check_weights(folder: str | os.PathLike) -> None:
     from .files import file_problem, weight_files
 
     root = _check_folder(folder)
+    unfinished = "the save did not finish (a crash or a full disk?). Save the model again, then push."
     try:
         files = weight_files(root)
     except FileNotFoundError as err:
-        raise ValueError(
-            f"{root} has a config but no complete weights ({err}): the save did not finish (a crash or a full disk?). "
-            "Save the model again, then push."
-        ) from err
+        raise ValueError(f"{root} has a config but no complete weights ({err}): {unfinished}") from err
     for path in files:
-        problem = file_problem(path)
-        if problem:
-            raise ValueError(
-                f"{path} is damaged ({problem}): the save did not finish (a crash or a full disk?). Save the model "
-                "again, then push."
-            )
-
-
-def _is_checkpoint_internal(name: str, is_dir: bool) -> bool:
-    patterns = CHECKPOINT_DIRS if is_dir else CHECKPOINT_FILES
-    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+        if problem := file_problem(path):
+            raise ValueError(f"{path} is damaged ({problem}): {unfinished}")
 
 
 def upload_plan(folder: str | os.PathLike, include_internals: bool = False) -> tuple[list[str], list[str]]:
@@ -486,38 +448,29 @@ def upload_plan(folder: str | os.PathLike, include_internals: bool = False) -> t
 
     Skipped silently: hidden files and folders (``.git``, ``.tmp-*`` …), ``__pycache__``, ``*.pyc`` and the folder's
     own top-level README.md (the generated card replaces it). Left out and reported: ``checkpoint-*`` folders (push
-    one by its own path) and, unless ``include_internals``, checkpoint internals (:data:`CHECKPOINT_FILES`,
-    :data:`CHECKPOINT_DIRS`: optimizer/scheduler/RNG states, ``training_args.bin``, trainer and PPO states, the
-    critic, DeepSpeed folders).
+    one by its own path) and, unless ``include_internals``, :data:`CHECKPOINT_FILES` and :data:`CHECKPOINT_DIRS`.
 
     Raises:
         ValueError: the folder is missing, holds no config, or its weights are missing or damaged
             (:func:`check_weights`).
     """
+
+    def internal(name: str, patterns: Sequence[str]) -> bool:
+        return not include_internals and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
     root = _check_folder(folder)
     check_weights(root)
     files, excluded = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath).relative_to(root)
-        kept = []
-        for d in sorted(dirnames):
-            if d.startswith(".") or d in _SKIP_DIRS:
-                continue
-            if d.startswith("checkpoint-") or (not include_internals and _is_checkpoint_internal(d, is_dir=True)):
-                excluded.append(f"{(here / d).as_posix()}/")
-            else:
-                kept.append(d)
-        dirnames[:] = kept
+        dirs = [d for d in sorted(dirnames) if not d.startswith(".") and d != "__pycache__"]
+        dirnames[:] = [d for d in dirs if not d.startswith("checkpoint-") and not internal(d, CHECKPOINT_DIRS)]
+        excluded += [f"{(here / d).as_posix()}/" for d in dirs if d not in dirnames]
         for filename in filenames:
-            if filename.startswith(".") or filename.endswith(".pyc"):
-                continue
             rel = (here / filename).as_posix()
-            if rel == "README.md":
+            if filename.startswith(".") or filename.endswith(".pyc") or rel == "README.md":
                 continue
-            if not include_internals and _is_checkpoint_internal(filename, is_dir=False):
-                excluded.append(rel)
-            else:
-                files.append(rel)
+            (excluded if internal(filename, CHECKPOINT_FILES) else files).append(rel)
     return sorted(files), sorted(excluded)
 
 
@@ -529,7 +482,8 @@ def upload_files(folder: str | os.PathLike, include_internals: bool = False) -> 
 
 @dataclass
 class PushResult:
-    """What :func:`push` did: the uploaded paths (README.md last), the repo URL and the commit (None in a dry run)."""
+    """What :func:`push_folder` did: the uploaded paths (README.md last), the repo URL and the commit (None in a dry
+    run)."""
 
     files: list[str]
     card: ModelCard
@@ -554,17 +508,14 @@ def push_folder(
 ) -> PushResult:
     """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
 
-    Uploads :func:`upload_files` plus README.md (``card``, by default the generic :func:`model_card`; ``trl-ppomax
-    push`` passes :func:`trl_ppomax.moss.card.moss_model_card`, which picks the card by folder). Creates the repo
-    (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
-    huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. With ``dry_run`` nothing is sent.
-    ``api`` defaults to ``HfApi()``. Checkpoint internals (optimizer/scheduler/RNG states, ``training_args.bin``,
-    trainer and PPO states, ``critic/``, DeepSpeed folders) are left out, with a warning, unless
-    ``include_internals``; a folder whose weights are missing or damaged is refused.
+    Uploads :func:`upload_plan`'s files (checkpoint internals are left out, with a warning, unless
+    ``include_internals``) plus README.md (``card``, by default the generic :func:`model_card`; ``trl-ppomax push``
+    passes :func:`trl_ppomax.moss.card.moss_model_card`). Creates the repo (``private`` only applies then) and, for a
+    ``revision`` other than "main", the branch. The token comes from huggingface_hub (``HF_TOKEN`` or ``hf auth
+    login``), never from an argument. With ``dry_run`` nothing is sent. ``api`` defaults to ``HfApi()``.
 
     Returns:
-        A :class:`PushResult`: the uploaded (or, in a dry run, to-be-uploaded) relative paths, README.md last, the
-        card, and the repo and commit URLs.
+        A :class:`PushResult` (in a dry run, of what would be uploaded).
 
     Raises:
         ValueError: an invalid ``repo_id``, or the folder is missing, holds no config.json /

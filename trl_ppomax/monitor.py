@@ -56,28 +56,18 @@ class CollapseMonitor(TrainerCallback, ExportableState):
     (all)            ``stop_training``         ``False``  stop the run when a signal fires
     ===============  ========================  =========  ==================================================
 
-    When a signal fires, the monitor
+    When a signal fires, the monitor logs a warning (the signal, its value, the threshold, what to do), appends
+    ``{"step", "signal", "value", "threshold", "since_step", "message"}`` to :attr:`events` (``since_step``: the first
+    log of the streak), sets :attr:`last_healthy_checkpoint` on the first event (the newest ``checkpoint-N`` in
+    ``args.output_dir`` with ``N < since_step``, or None) and, with ``stop_training``, stops the run.
 
-    - logs a warning naming the signal, its value, the threshold and what to do (raise ``kl_coef``, enable reward
-      normalisation/clipping with ``preset='ppo_max'``, lower the learning rate);
-    - appends ``{"step", "signal", "value", "threshold", "since_step", "message"}`` to :attr:`events` (``since_step``:
-      the first log of the streak that fired);
-    - on the first event, sets :attr:`last_healthy_checkpoint`: the newest ``checkpoint-N`` folder in
-      ``args.output_dir`` with ``N`` below the ``since_step`` of that event (``None`` if there is none);
-    - with ``stop_training=True``, sets ``control.should_training_stop`` and names that checkpoint in the warning.
+    A signal stays active, without a new event, while it keeps holding. After the warm-up every training log gains
+    ``collapse/any`` (1.0 while any signal is active, else 0.0) and ``collapse/<signal> = 1.0`` per active signal, in
+    the ``logs`` dict (seen by the callbacks after the monitor) and in ``state.log_history``; :meth:`attach` puts the
+    monitor before the ``report_to`` integrations so that they report these keys too.
 
-    A signal stays active, without a new event, while it keeps holding; it fires again (a new event) only after a log
-    where it did not hold. After the warm-up every training log gains ``collapse/any`` (1.0 while any signal is
-    active, else 0.0) and ``collapse/<signal> = 1.0`` for each active signal. They are added to the ``logs`` dict
-    itself, which transformers' ``CallbackHandler`` passes unchanged from callback to callback, so callbacks *after*
-    the monitor (reporting integrations included) see them, and to the matching ``state.log_history`` entry. The
-    integrations that ``report_to`` adds come before callbacks passed to the trainer or added with
-    ``trainer.add_callback``; use :meth:`attach` to put the monitor first so that they also report these keys.
-
-    State: :meth:`state_dict` / :meth:`load_state_dict` hold the reference values, streaks, KL history and events;
-    :meth:`state` implements transformers' ``ExportableState``. The monitor also keeps its state in
-    ``state.stateful_callbacks`` at every log, so it is written into each checkpoint's ``trainer_state.json``; a
-    resumed run (``state.global_step > 0`` at ``on_train_begin``) restores it from there, keeping its own thresholds.
+    State (:meth:`state_dict`, ``ExportableState``'s :meth:`state`) is kept in ``state.stateful_callbacks`` at every
+    log, so checkpoints carry it and a resumed run restores it, keeping its own thresholds.
 
     Example::
 
@@ -127,17 +117,11 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             )
         if min_tail_growth < 0:
             raise ValueError(f"min_tail_growth must be >= 0, got {min_tail_growth!r}.")
-        self.max_kl = float(max_kl)
-        self.max_kl_rise = float(max_kl_rise)
-        self.window = int(window)
+        self.max_kl, self.max_kl_rise, self.window = float(max_kl), float(max_kl_rise), int(window)
         self.min_perplexity_ratio = float(min_perplexity_ratio)
-        self.max_length_ratio = float(max_length_ratio)
-        self.min_length_ratio = float(min_length_ratio)
-        self.max_tail_ratio = float(max_tail_ratio)
-        self.min_tail_growth = float(min_tail_growth)
-        self.patience = int(patience)
-        self.warmup_logs = int(warmup_logs)
-        self.stop_training = bool(stop_training)
+        self.max_length_ratio, self.min_length_ratio = float(max_length_ratio), float(min_length_ratio)
+        self.max_tail_ratio, self.min_tail_growth = float(max_tail_ratio), float(min_tail_growth)
+        self.patience, self.warmup_logs, self.stop_training = int(patience), int(warmup_logs), bool(stop_training)
         # ---- state (see state_dict) ----
         self.reference: dict[str, float | None] | None = None  # set once the warm-up is over
         self.events: list[dict[str, Any]] = []
@@ -149,9 +133,6 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         self._onsets: dict[str, int | None] = dict.fromkeys(SIGNALS)
         self._active: list[str] = []
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Public API
-    # ------------------------------------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
         """True while no signal has fired."""
@@ -166,17 +147,10 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         callbacks.insert(0, self)
         return self
 
-    _STATE_KEYS = (
-        "reference",
-        "events",
-        "last_healthy_checkpoint",
-        "_logs_seen",
-        "_warmup",
-        "_kl_history",
-        "_streaks",
-        "_onsets",
-        "_active",
-    )
+    _ARGS = ("max_kl", "max_kl_rise", "window", "min_perplexity_ratio", "max_length_ratio", "min_length_ratio")
+    _ARGS += ("max_tail_ratio", "min_tail_growth", "patience", "warmup_logs", "stop_training")
+    _STATE_KEYS = ("reference", "events", "last_healthy_checkpoint", "_logs_seen", "_warmup", "_kl_history")
+    _STATE_KEYS += ("_streaks", "_onsets", "_active")
 
     def state_dict(self) -> dict[str, Any]:
         """Reference values, counters, KL history and events (JSON-serialisable copies)."""
@@ -192,26 +166,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
 
     def state(self) -> dict[str, Any]:
         """transformers' ``ExportableState``: constructor arguments and state attributes."""
-        return {
-            "args": {
-                "max_kl": self.max_kl,
-                "max_kl_rise": self.max_kl_rise,
-                "window": self.window,
-                "min_perplexity_ratio": self.min_perplexity_ratio,
-                "max_length_ratio": self.max_length_ratio,
-                "min_length_ratio": self.min_length_ratio,
-                "max_tail_ratio": self.max_tail_ratio,
-                "min_tail_growth": self.min_tail_growth,
-                "patience": self.patience,
-                "warmup_logs": self.warmup_logs,
-                "stop_training": self.stop_training,
-            },
-            "attributes": self.state_dict(),
-        }
+        return {"args": {name: getattr(self, name) for name in self._ARGS}, "attributes": self.state_dict()}
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Callback events
-    # ------------------------------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         stored = state.stateful_callbacks.get(type(self).__name__) if state.stateful_callbacks else None
         if state.global_step > 0 and self._logs_seen == 0 and isinstance(stored, dict) and "attributes" in stored:
@@ -230,9 +186,11 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         kl = _finite(logs.get(metrics.KL))
         if kl is not None:
             self._kl_history = [*self._kl_history, kl][-(self.window + 1) :]
-        values = self._reference_values(logs)
+        p95, mean = _finite(logs.get(metrics.SCORES_P95)), _finite(logs.get(metrics.SCORES))
+        perplexity, length = _finite(logs.get(metrics.POLICY_PERPLEXITY)), _finite(logs.get(metrics.RESPONSE_LENGTH))
+        tail = None if p95 is None or mean is None else p95 - mean
         if self.reference is None:
-            for name, value in values.items():
+            for name, value in zip(REFERENCE_METRICS, (perplexity, length, tail), strict=True):
                 if value is not None:
                     total = self._warmup.setdefault(name, [0.0, 0])
                     total[0] += value
@@ -246,12 +204,9 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             return
 
         step = state.global_step
-        for signal, check in (
-            (KL, self._check_kl(kl)),
-            (PERPLEXITY, self._check_perplexity(values[metrics.POLICY_PERPLEXITY])),
-            (LENGTH, self._check_length(values[metrics.RESPONSE_LENGTH])),
-            (REWARD_TAIL, self._check_tail(values[REWARD_TAIL])),
-        ):
+        checks = {KL: self._check_kl(kl), PERPLEXITY: self._check_perplexity(perplexity)}
+        checks.update({LENGTH: self._check_length(length), REWARD_TAIL: self._check_tail(tail)})
+        for signal, check in checks.items():
             if check is None:
                 self._streaks[signal], self._onsets[signal] = 0, None
                 if signal in self._active:
@@ -272,96 +227,55 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             history[-1].update(added)  # Trainer.log appended a copy of logs before calling the callbacks
         self._export(state)
 
-    # ------------------------------------------------------------------------------------------------------------
     # Signals: each check returns None (does not hold) or (value, threshold, description)
-    # ------------------------------------------------------------------------------------------------------------
-    def _reference_values(self, logs: dict[str, float]) -> dict[str, float | None]:
-        p95, mean = _finite(logs.get(metrics.SCORES_P95)), _finite(logs.get(metrics.SCORES))
-        return {
-            metrics.POLICY_PERPLEXITY: _finite(logs.get(metrics.POLICY_PERPLEXITY)),
-            metrics.RESPONSE_LENGTH: _finite(logs.get(metrics.RESPONSE_LENGTH)),
-            REWARD_TAIL: None if p95 is None or mean is None else p95 - mean,
-        }
-
     def _check_kl(self, kl: float | None) -> tuple[float, float, str] | None:
         if kl is None:
             return None
         if kl > self.max_kl:
             return kl, self.max_kl, f"{metrics.KL} = {kl:.4g} nats > max_kl = {self.max_kl:g}"
-        if len(self._kl_history) > self.window:
-            rise = self._kl_history[-1] - self._kl_history[0]
-            if rise > self.max_kl_rise:
-                return (
-                    rise,
-                    self.max_kl_rise,
-                    f"{metrics.KL} rose by {rise:.4g} nats over the last {self.window} logs "
-                    f"(to {kl:.4g}) > max_kl_rise = {self.max_kl_rise:g}",
-                )
-        return None
+        rise = self._kl_history[-1] - self._kl_history[0] if len(self._kl_history) > self.window else None
+        if rise is None or rise <= self.max_kl_rise:
+            return None
+        description = f"{metrics.KL} rose by {rise:.4g} nats over the last {self.window} logs (to {kl:.4g})"
+        return rise, self.max_kl_rise, f"{description} > max_kl_rise = {self.max_kl_rise:g}"
+
+    def _formula(self, ratio: str, reference: float) -> str:
+        return f"{ratio} {getattr(self, ratio):g} × reference {reference:.4g}"
 
     def _check_perplexity(self, perplexity: float | None) -> tuple[float, float, str] | None:
         reference = self.reference.get(metrics.POLICY_PERPLEXITY)
-        if perplexity is None or reference is None:
+        if perplexity is None or reference is None or perplexity >= self.min_perplexity_ratio * reference:
             return None
-        threshold = self.min_perplexity_ratio * reference
-        if perplexity < threshold:
-            return (
-                perplexity,
-                threshold,
-                f"{metrics.POLICY_PERPLEXITY} = {perplexity:.4g} < {threshold:.4g} "
-                f"(min_perplexity_ratio {self.min_perplexity_ratio:g} × reference {reference:.4g})",
-            )
-        return None
+        threshold, formula = self.min_perplexity_ratio * reference, self._formula("min_perplexity_ratio", reference)
+        return perplexity, threshold, f"{metrics.POLICY_PERPLEXITY} = {perplexity:.4g} < {threshold:.4g} ({formula})"
 
     def _check_length(self, length: float | None) -> tuple[float, float, str] | None:
         reference = self.reference.get(metrics.RESPONSE_LENGTH)
         if length is None or reference is None or reference <= 0:
             return None
-        high, low = self.max_length_ratio * reference, self.min_length_ratio * reference
-        if length > high:
-            return (
-                length,
-                high,
-                f"{metrics.RESPONSE_LENGTH} = {length:.4g} > {high:.4g} "
-                f"(max_length_ratio {self.max_length_ratio:g} × reference {reference:.4g}): responses got longer",
-            )
-        if length < low:
-            return (
-                length,
-                low,
-                f"{metrics.RESPONSE_LENGTH} = {length:.4g} < {low:.4g} "
-                f"(min_length_ratio {self.min_length_ratio:g} × reference {reference:.4g}): responses got shorter",
-            )
-        return None
+        if length > (threshold := self.max_length_ratio * reference):
+            ratio, sign, change = "max_length_ratio", ">", "longer"
+        elif length < (threshold := self.min_length_ratio * reference):
+            ratio, sign, change = "min_length_ratio", "<", "shorter"
+        else:
+            return None
+        description = f"{metrics.RESPONSE_LENGTH} = {length:.4g} {sign} {threshold:.4g}"
+        return length, threshold, f"{description} ({self._formula(ratio, reference)}): responses got {change}"
 
     def _check_tail(self, tail: float | None) -> tuple[float, float, str] | None:
         reference = self.reference.get(REWARD_TAIL)
         if tail is None or reference is None:
             return None
         threshold = max(self.max_tail_ratio * max(reference, 1e-6), reference + self.min_tail_growth)
-        if tail > threshold:
-            return (
-                tail,
-                threshold,
-                f"{metrics.SCORES_P95} − {metrics.SCORES} = {tail:.4g} > {threshold:.4g} "
-                f"(max_tail_ratio {self.max_tail_ratio:g} × reference {reference:.4g}, and at least "
-                f"min_tail_growth {self.min_tail_growth:g} above it): a long tail of high rewards",
-            )
-        return None
+        if tail <= threshold:
+            return None
+        formula = (
+            f"{self._formula('max_tail_ratio', reference)}, and at least min_tail_growth {self.min_tail_growth:g}"
+        )
+        description = f"{metrics.SCORES_P95} − {metrics.SCORES} = {tail:.4g} > {threshold:.4g} ({formula} above it)"
+        return tail, threshold, f"{description}: a long tail of high rewards"
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Helpers
-    # ------------------------------------------------------------------------------------------------------------
-    def _fire(
-        self,
-        signal: str,
-        value: float,
-        threshold: float,
-        description: str,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-    ) -> None:
+    def _fire(self, signal: str, value: float, threshold: float, description: str, args, state, control) -> None:
         since = self._onsets[signal]
         if not self.events:
             found = last_checkpoint_before(args.output_dir, since) if getattr(args, "output_dir", None) else None
@@ -380,16 +294,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
             )
         elif where:
             message += f" ({where}.)"
-        self.events.append(
-            {
-                "step": state.global_step,
-                "signal": signal,
-                "value": value,
-                "threshold": threshold,
-                "since_step": since,
-                "message": message,
-            }
-        )
+        event = dict(step=state.global_step, signal=signal, value=value, threshold=threshold, since_step=since)
+        self.events.append({**event, "message": message})
         if state.is_world_process_zero:
             logger.warning(message)
 

@@ -52,31 +52,23 @@ class Panel:
         return tuple(key for key, _ in self.train + self.eval)
 
 
+def _evaluated(title: str, *train: tuple[str, str]) -> Panel:
+    """A panel whose first training metric is also drawn as evaluation markers (``eval_…``, labelled ``eval …``)."""
+    key, label = train[0]
+    return Panel(title, train, ((eval_name(key), f"eval {label}"),))
+
+
 PANELS: dict[str, Panel] = {
-    "reward": Panel(
-        "Reward",
-        ((metrics.SCORES, "score (raw)"), (metrics.SCORES_NORMALIZED, "score (normalised)")),
-        ((eval_name(metrics.SCORES), "eval score (raw)"),),
-    ),
-    "gold_reward": Panel(
-        "Gold reward",
-        ((metrics.GOLD_REWARD, "gold reward"),),
-        ((eval_name(metrics.GOLD_REWARD), "eval gold reward"),),
-    ),
+    "reward": _evaluated("Reward", (metrics.SCORES, "score (raw)"), (metrics.SCORES_NORMALIZED, "score (normalised)")),
+    "gold_reward": _evaluated("Gold reward", (metrics.GOLD_REWARD, "gold reward")),
     "win_rate": Panel(
         "Win rate vs SFT", (), ((metrics.WIN_RATE_VS_SFT, "win rate"), (metrics.LOSE_RATE_VS_SFT, "lose rate"))
     ),
-    "kl": Panel("KL to reference", ((metrics.KL, "KL"),), ((eval_name(metrics.KL), "eval KL"),)),
-    "perplexity": Panel(
-        "Perplexity",
-        ((metrics.POLICY_PERPLEXITY, "policy"), (metrics.REF_PERPLEXITY, "reference")),
-        ((eval_name(metrics.POLICY_PERPLEXITY), "eval policy"),),
+    "kl": _evaluated("KL to reference", (metrics.KL, "KL")),
+    "perplexity": _evaluated(
+        "Perplexity", (metrics.POLICY_PERPLEXITY, "policy"), (metrics.REF_PERPLEXITY, "reference")
     ),
-    "response_length": Panel(
-        "Response length",
-        ((metrics.RESPONSE_LENGTH, "length"),),
-        ((eval_name(metrics.RESPONSE_LENGTH), "eval length"),),
-    ),
+    "response_length": _evaluated("Response length", (metrics.RESPONSE_LENGTH, "length")),
     "policy_loss": Panel("Policy loss", ((metrics.POLICY_LOSS, "policy loss"),)),
     "value_loss": Panel("Value loss", ((metrics.VALUE_LOSS, "value loss"),)),
 }
@@ -119,14 +111,10 @@ def _x_values(log_history: Sequence[Mapping[str, Any]], x_key: str) -> list[floa
     episode_key, step_key = X_KEYS
     if x_key == step_key:
         return [_number(e.get(step_key)) for e in log_history]
-    pairs = {}
-    for entry in log_history:
-        step, episode = _number(entry.get(step_key)), _number(entry.get(episode_key))
-        if step is not None and episode is not None:
-            pairs[step] = episode
+    logged = [(_number(entry.get(step_key)), _number(entry.get(episode_key))) for entry in log_history]
+    pairs = {step: episode for step, episode in logged if step is not None and episode is not None}
     xs = []
-    for entry in log_history:
-        episode, step = _number(entry.get(episode_key)), _number(entry.get(step_key))
+    for step, episode in logged:
         if episode is None and step is not None and pairs:
             if step in pairs:
                 episode = pairs[step]
@@ -196,33 +184,19 @@ def _draw_panel(ax, panel: Panel, runs, xs, colors, name: str, baselines: Mappin
 
     compare = len(runs) > 1
     for run, history in runs.items():
-        color = colors[run]
         prefix = f"{run}: " if compare else ""
-        for i, (key, label) in enumerate(panel.train):
+        for i, (key, label) in enumerate(panel.train + panel.eval):
             x, y = _series(history, xs[run], key)
-            if x:
-                ax.plot(
-                    x,
-                    y,
-                    linestyle=_LINESTYLES[i % len(_LINESTYLES)],
-                    color=color if compare else f"C{i}",
-                    linewidth=1.4,
-                    label=prefix + label,
+            if not x:
+                continue
+            if i < len(panel.train):  # training values: lines
+                style = dict(linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=1.4)
+            else:  # evaluation values: markers
+                marker = "os^D"[(i - len(panel.train)) % 4]
+                style = dict(
+                    linestyle="none", marker=marker, markersize=5, markeredgecolor="black", markeredgewidth=0.5
                 )
-        for i, (key, label) in enumerate(panel.eval):
-            x, y = _series(history, xs[run], key)
-            if x:
-                ax.plot(
-                    x,
-                    y,
-                    linestyle="none",
-                    marker="os^D"[i % 4],
-                    markersize=5,
-                    markeredgecolor="black",
-                    markeredgewidth=0.5,
-                    color=color if compare else f"C{len(panel.train) + i}",
-                    label=prefix + label,
-                )
+            ax.plot(x, y, color=colors[run] if compare else f"C{i}", label=prefix + label, **style)
         for x in _collapses(history, xs[run]):
             ax.axvline(x, color="red", linewidth=1.0, alpha=0.6, linestyle="-" if run == name else "--")
     for i, (label, values) in enumerate(baselines.items()):
@@ -289,9 +263,7 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
     return [entry for entry in history if isinstance(entry, dict)]
 
 
-# --------------------------------------------------------------------------------------------------------------------
 # Trackers: what the terminal shows (sample tables, figures) also goes to wandb / trackio when they are reported to.
-# --------------------------------------------------------------------------------------------------------------------
 TRACKERS = ("wandb", "trackio")
 
 

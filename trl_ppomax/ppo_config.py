@@ -86,70 +86,58 @@ def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
     return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": _preset_help(name, text)})
 
 
-# Numeric fields checked at construction: (field, allowed values as the message says them, test, what the field means
-# or what to set). "or None" in the allowed values lets None through; NaN and ±inf never pass.
-_RANGE_RULES: tuple[tuple[str, str, Callable[[float], bool], str], ...] = (
-    ("learning_rate", "≥ 0", lambda v: v >= 0, "A negative rate is gradient ascent; typical values: 1e-7 to 1e-5."),
-    (
-        "critic_learning_rate",
-        "≥ 0, or None",
-        lambda v: v >= 0,
-        "None uses learning_rate; a negative rate trains the critic away from the returns.",
-    ),
-    (
-        "kl_coef",
-        "≥ 0",
-        lambda v: v >= 0,
-        "A negative coefficient rewards drifting away from the reference policy; 0 disables the KL penalty.",
-    ),
-    ("cliprange", "≥ 0, or None", lambda v: v >= 0, "None disables policy clipping; the usual ε is 0.2."),
-    ("cliprange_value", "≥ 0, or None", lambda v: v >= 0, "None disables value clipping; the usual ε_v is 0.2."),
-    ("gamma", "in [0, 1]", lambda v: 0 <= v <= 1, "The discount factor of GAE; RLHF uses 1.0."),
-    ("lam", "in [0, 1]", lambda v: 0 <= v <= 1, "The λ of GAE; the usual value is 0.95."),
-    (
-        "vf_coef",
-        "≥ 0",
-        lambda v: v >= 0,
-        "A negative weight trains the critic away from the returns; the usual weight is 0.1.",
-    ),
-    (
-        "total_episodes",
-        "> 0, or None",
-        lambda v: v > 0,
-        "The number of prompts to train on; None trains num_train_epochs × the dataset size.",
-    ),
-    ("num_train_epochs", "> 0", lambda v: v > 0, "Passes over the prompts when total_episodes is None."),
-    (
-        "missing_eos_penalty",
-        "≥ 0, or None",
-        lambda v: v >= 0,
-        "Subtracted from the score of a response without the stop token; None disables it.",
-    ),
-    ("temperature", "> 0", lambda v: v > 0, "The sampling temperature; 1.0 samples the model as it is."),
-    ("top_p", "in (0, 1]", lambda v: 0 < v <= 1, "The nucleus-sampling threshold; 1.0 disables it."),
-    (
-        "critic_adam_epsilon",
-        "> 0, or None",
-        lambda v: v > 0,
-        "None uses adam_epsilon; the release used 1e-8 for the critic.",
-    ),
-    (
-        "max_skipped_iterations",
-        "≥ 1",
-        lambda v: v >= 1,
-        "Consecutive iterations skipped for non-finite numbers before the run stops with an error.",
-    ),
-    ("stop_token_id", "≥ 0, or None", lambda v: v >= 0, "A token id of the tokenizer; None uses stop_token."),
+#: The tests behind the allowed values a range rule names.
+_RANGES: dict[str, Callable[[float], bool]] = {
+    "≥ 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "≥ 1": lambda v: v >= 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+}
+# Numeric fields checked at construction: (field, allowed values as :data:`_RANGES` names them, what the field means or
+# what to set). ", or None" after the allowed values lets None through; NaN and ±inf never pass.
+_RANGE_RULES: tuple[tuple[str, str, str], ...] = (
+    ("learning_rate", "≥ 0", "A negative rate is gradient ascent; typical values: 1e-7 to 1e-5."),
+    ("critic_learning_rate", "≥ 0, or None", "None uses learning_rate; a negative rate trains away from the returns."),
+    ("kl_coef", "≥ 0", "A negative coefficient rewards drifting from the reference policy; 0 disables the penalty."),
+    ("cliprange", "≥ 0, or None", "None disables policy clipping; the usual ε is 0.2."),
+    ("cliprange_value", "≥ 0, or None", "None disables value clipping; the usual ε_v is 0.2."),
+    ("gamma", "in [0, 1]", "The discount factor of GAE; RLHF uses 1.0."),
+    ("lam", "in [0, 1]", "The λ of GAE; the paper uses 0.9, trl 1.12 0.95."),
+    ("vf_coef", "≥ 0", "A negative weight trains the critic away from the returns; the usual weight is 0.1."),
+    ("total_episodes", "> 0, or None", "The number of prompts to train on; None: num_train_epochs × dataset size."),
+    ("num_train_epochs", "> 0", "Passes over the prompts when total_episodes is None."),
+    ("missing_eos_penalty", "≥ 0, or None", "Subtracted from the score of a response without the stop token."),
+    ("temperature", "> 0", "The sampling temperature; 1.0 samples the model as it is."),
+    ("logprob_temperature", "> 0, or None", "None uses the sampling temperature; 1.0 the model's raw logits."),
+    ("top_p", "in (0, 1]", "The nucleus-sampling threshold; 1.0 disables it."),
+    ("critic_adam_epsilon", "> 0, or None", "None uses adam_epsilon; the release used 1e-8 for the critic."),
+    ("max_skipped_iterations", "≥ 1", "Consecutive skipped iterations before the run stops with an error."),
+    ("stop_token_id", "≥ 0, or None", "A token id of the tokenizer; None uses stop_token."),
+    ("response_length", "≥ 1", "The most tokens a response may have."),
+    ("per_device_train_batch_size", "≥ 1", "Rows per process in each optimizer micro-batch."),
+    ("gradient_accumulation_steps", "≥ 1", "Micro-batches per optimizer step."),
+    ("local_rollout_forward_batch_size", "≥ 1", "Rows per process in each no-grad forward and generation call."),
+    ("max_prompt_length", "≥ 1, or None", "None: the policy's context minus response_length."),
+    ("num_ppo_epochs", "≥ 1", "Passes over each rollout batch."),
+    ("num_mini_batches", "≥ 1", "Minibatches each rollout batch is split into."),
+    ("reward_clip", "> 0, or None", "δ of the score clip [−δ, δ]; None disables it."),
+    ("max_grad_norm", "≥ 0", "0 disables gradient clipping."),
+    ("advantage_clip", "> 0, or None", "c of the advantage clip [−c, c]; None disables it."),
+    ("critic_warmup_steps", "≥ 0", "Critic-only iterations at the start; 0 disables critic pre-training."),
+    ("ptx_coef", "≥ 0", "λ_ptx of the PPO-ptx loss; 0 disables it."),
+    ("entropy_coef", "≥ 0", "0 disables the entropy regulariser."),
+    ("vllm_importance_sampling_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
 )
 
 
-def _check_range(name: str, value: Any, allowed: str, test: Callable[[float], bool], hint: str) -> None:
+def _check_range(name: str, value: Any, allowed: str, hint: str) -> None:
     """Raise a ``ValueError`` naming ``name``, the ``allowed`` values and the ``hint`` unless ``value`` is a finite
-    number that passes ``test`` (or None, where ``allowed`` says so)."""
+    number in range (or None, where ``allowed`` says so)."""
     if value is None and allowed.endswith("or None"):
         return
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if number and math.isfinite(value) and test(value):
+    if number and math.isfinite(value) and _RANGES[allowed.removesuffix(", or None")](value):
         return
     raise ValueError(f"{name} must be a finite number {allowed}; got {value!r}. {hint}")
 
@@ -507,49 +495,13 @@ class PPOMaxConfig(TrainingArguments):
 
     def _validate(self) -> None:
         """Reject, at construction, every setting that would crash late or train silently wrong; each message names
-        the field, the allowed range and what to set instead."""
-
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(message)
-
-        for name, allowed, test, hint in _RANGE_RULES:
-            _check_range(name, getattr(self, name), allowed, test, hint)
-        require(self.response_length >= 1, f"response_length must be ≥ 1, got {self.response_length}.")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "local_rollout_forward_batch_size"):
-            require(getattr(self, name) >= 1, f"{name} must be ≥ 1, got {getattr(self, name)}.")
-        require(
-            self.max_prompt_length is None or self.max_prompt_length >= 1,
-            f"max_prompt_length must be ≥ 1, got {self.max_prompt_length}.",
-        )
-        require(
-            not (self.stop_token is not None and self.stop_token_id is not None),
-            "Set either stop_token='eos' or stop_token_id, not both.",
-        )
-        require(
-            self.logprob_temperature is None or self.logprob_temperature > 0,
-            f"logprob_temperature must be > 0, or None for the sampling temperature; got {self.logprob_temperature}.",
-        )
-        require(self.num_ppo_epochs >= 1, f"num_ppo_epochs must be ≥ 1, got {self.num_ppo_epochs}.")
-        require(self.num_mini_batches >= 1, f"num_mini_batches must be ≥ 1, got {self.num_mini_batches}.")
-        require(
-            self.reward_clip is None or self.reward_clip > 0,
-            f"reward_clip must be > 0, or None to disable it; got {self.reward_clip}.",
-        )
-        require(self.max_grad_norm >= 0, f"max_grad_norm must be ≥ 0 (0 disables it), got {self.max_grad_norm}.")
-        require(
-            self.advantage_clip is None or self.advantage_clip > 0,
-            f"advantage_clip must be > 0, got {self.advantage_clip}.",
-        )
-        require(self.critic_warmup_steps >= 0, f"critic_warmup_steps must be ≥ 0, got {self.critic_warmup_steps}.")
-        require(self.ptx_coef >= 0, f"ptx_coef must be ≥ 0, got {self.ptx_coef}.")
-        require(self.entropy_coef >= 0, f"entropy_coef must be ≥ 0, got {self.entropy_coef}.")
-        require(
-            self.vllm_importance_sampling_clip_max >= 1,
-            f"vllm_importance_sampling_clip_max must be ≥ 1 (a cap below 1 shrinks every token's weight), got "
-            f"{self.vllm_importance_sampling_clip_max}.",
-        )
+        the field, the allowed values and what to set instead."""
+        for name, allowed, hint in _RANGE_RULES:
+            _check_range(name, getattr(self, name), allowed, hint)
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         for name, allowed in (
+            ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),
             ("kl_estimator", KLEstimator),
             ("importance_sampling", ImportanceSampling),
@@ -558,7 +510,8 @@ class PPOMaxConfig(TrainingArguments):
             ("vllm_mode", VLLMMode),
         ):
             choices = get_args(allowed)
-            require(getattr(self, name) in choices, f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
 
     def _derive_sizes(self) -> None:
         self.local_batch_size = (

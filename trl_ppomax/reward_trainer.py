@@ -209,9 +209,19 @@ class PPOMaxRewardTrainer(RewardTrainer):
         state_dict = {k: v for k, v in state_dict.items() if not _is_lm_head_key(k)}
         super()._save(output_dir, state_dict=state_dict)
 
-    def create_model_card(self, *args, **kwargs):
-        kwargs.setdefault("tags", list(self._tag_names))
-        return super().create_model_card(*args, **kwargs)
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
+        """README.md in ``output_dir``: the reward model's card (:func:`trl_ppomax.hub.create_model_card`, model type
+        "reward"): base model, tags, settings, final evaluation numbers, tracker URLs and the paper's citation."""
+        from .hub import create_model_card
+
+        if not self.is_world_process_zero():
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        history = self.state.log_history
+        card = create_model_card(
+            model, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history, "reward"
+        )
+        card.save(os.path.join(self.args.output_dir, "README.md"))
 
 
 class ChosenResponseCollator:

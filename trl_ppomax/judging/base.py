@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 from collections.abc import Iterable
@@ -56,7 +57,7 @@ def margin_verdict(policy_score: float, baseline_score: float, tie_threshold: fl
     """``win`` if ``policy − baseline > tie_threshold``, ``lose`` if ``< −tie_threshold``, else ``tie``; a non-finite
     score gives ``invalid``."""
     margin = policy_score - baseline_score
-    if margin != margin or margin in (float("inf"), float("-inf")):
+    if not math.isfinite(margin):
         return "invalid"
     if margin > tie_threshold:
         return "win"

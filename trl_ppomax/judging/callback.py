@@ -17,7 +17,7 @@ from ..core import ends_with_stop
 from ..data import rows_of_this_process
 from ..files import read_json, write_json
 from ..rewards import decode_texts
-from .base import margin_verdict
+from .base import VERDICTS, margin_verdict
 from .scored import ScoreJudge
 
 logger = logging.getLogger(__name__)
@@ -84,14 +84,10 @@ class WinRateCallback(TrainerCallback):
         counts = torch.zeros(4)
         for policy, sft, weight in zip(scores, self.baseline, weights, strict=True):
             verdict = margin_verdict(policy, sft, self.tie_threshold)
-            counts[("win", "tie", "lose", "invalid").index(verdict)] += weight
+            counts[VERDICTS.index(verdict)] += weight
         counts = self.trainer._reduce_sum(counts.to(self.trainer.accelerator.device)).cpu()
-        valid = counts[:3].sum().clamp(min=1e-12)
-        return {
-            M.WIN_RATE_VS_SFT: (counts[0] / valid).item(),
-            M.TIE_RATE_VS_SFT: (counts[1] / valid).item(),
-            M.LOSE_RATE_VS_SFT: (counts[2] / valid).item(),
-        }
+        shares = (counts[:3] / counts[:3].sum().clamp(min=1e-12)).tolist()
+        return dict(zip((M.WIN_RATE_VS_SFT, M.TIE_RATE_VS_SFT, M.LOSE_RATE_VS_SFT), shares, strict=True))
 
     @torch.no_grad()
     def scores(self, seed: int) -> list[float]:
@@ -111,12 +107,10 @@ class WinRateCallback(TrainerCallback):
         if self.judge == "rm":
             return rollout.scores.float().tolist()
         tokenizer = self.trainer.processing_class
-        columns = self.dataset.column_names
-        prompts = (
-            [self.dataset[i]["prompt"] for i in rows]
-            if "prompt" in columns
-            else decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
-        )
+        if "prompt" in self.dataset.column_names:
+            prompts = [self.dataset[i]["prompt"] for i in rows]
+        else:
+            prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         answers = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
         finished = ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer._stop_id).bool().tolist()
         return self.judge.score(prompts, answers, finished)

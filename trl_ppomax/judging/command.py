@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -103,12 +104,10 @@ def _run_pairwise(args: argparse.Namespace) -> int:
 
     if not args.baseline or not args.prompts or not args.judges:
         raise ValueError("--task pairwise needs --baseline, --prompts and --judges")
-    parts = []
-    for item in args.prompts:
-        category, _, source = split_category(item)
-        parts.append(
-            load_prompts(source, args.split, args.category_column, category or None, args.num_prompts, args.seed)
-        )
+    parts = [
+        load_prompts(source, args.split, args.category_column, category or None, args.num_prompts, args.seed)
+        for category, _, source in map(split_category, args.prompts)
+    ]
     generation = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -139,7 +138,12 @@ def build_judges(args: argparse.Namespace) -> list:
             from ..toyworld import gold_rewards  # commands sit above the demo
             from .scored import FunctionJudge
 
-            function = _import_function(args.gold_function) if args.gold_function else gold_rewards
+            function = gold_rewards
+            if args.gold_function:
+                module, sep, attribute = args.gold_function.partition(":")
+                if not sep:
+                    raise ValueError(f"--gold-function takes MODULE:FUNCTION, got {args.gold_function!r}")
+                function = getattr(importlib.import_module(module), attribute)
             judges.append(FunctionJudge(function, tie_threshold=args.tie_threshold))
         elif name == "llm":
             if not args.judge_model:
@@ -177,15 +181,6 @@ def export_human_sheet(output: str) -> None:
         f"\nhuman: {sheet} written for annotators (the key, {key}, stays with you). Fill its 'preferred' column "
         "(1, 2 or tie) and run the same command with --human-sheet FILLED.csv to count the verdicts."
     )
-
-
-def _import_function(spec: str):
-    import importlib
-
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"--gold-function takes MODULE:FUNCTION, got {spec!r}")
-    return getattr(importlib.import_module(module), name)
 
 
 def _run_mcq(args: argparse.Namespace) -> int:

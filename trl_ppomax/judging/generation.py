@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 from accelerate.utils import release_memory
-from datasets import Dataset
+from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 from ..data import PromptCollator, load_any_dataset, prepare_prompt_dataset, prompt_length_limit, to_prompt_dataset
@@ -48,7 +48,12 @@ def load_prompts(
     the release's prompt files, HH-RLHF; ``"<hub id>#<data dir>"`` picks a subset, e.g.
     ``Anthropic/hh-rlhf#harmless-base``). The category is ``category_column``'s value, else ``category``, else
     ``"all"``. ``num_prompts`` keeps a fixed random subset (by ``seed``)."""
-    dataset = source if isinstance(source, Dataset) else _load_source(source, split)
+    dataset = source
+    if not isinstance(source, Dataset):
+        name, _, data_dir = source.partition("#")
+        dataset = (
+            load_dataset(name, data_dir=data_dir, split=split) if data_dir else load_any_dataset(name, split=split)
+        )
     if category_column is not None and category_column not in dataset.column_names:
         raise ValueError(f"--category-column {category_column!r} is not a column of {source}: {dataset.column_names}.")
     labels = (
@@ -61,15 +66,6 @@ def load_prompts(
     if num_prompts is not None and num_prompts < len(prompts):
         prompts = prompts.shuffle(seed=seed).select(range(num_prompts))
     return prompts
-
-
-def _load_source(source: str, split: str) -> Dataset:
-    name, _, data_dir = source.partition("#")
-    if not data_dir:
-        return load_any_dataset(name, split=split)
-    from datasets import load_dataset
-
-    return load_dataset(name, data_dir=data_dir, split=split)
 
 
 def load_causal_lm(name: str | os.PathLike, device=None, dtype: torch.dtype | None = None):
@@ -90,7 +86,10 @@ def generate_answers(
     """``{"text", "finished"}`` per prompt (``finished``: it ended with the stop token), from ``cache`` or generated
     in fixed batches of ``settings.batch_size`` (a batch is generated whole if any of its prompts is missing, with
     the seed ``settings.seed + first row``, so a resumed run samples what an uninterrupted one would)."""
-    stop_id, pad_id = tokenizer.eos_token_id, _pad_id(tokenizer)
+    stop_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_id
+    if pad_id is None:
+        raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
     limit = prompt_length_limit(None, model, settings.max_new_tokens)
     ids = prepare_prompt_dataset(
         Dataset.from_dict({"prompt": prompts}), tokenizer, max_prompt_length=limit, name="The evaluation prompts"
@@ -102,7 +101,7 @@ def generate_answers(
             "an answer: remove or shorten them in the prompt set, or lower max_new_tokens."
         )
     collate, width = PromptCollator(pad_id), settings.batch_size
-    sampling = SimpleNamespace(response_length=settings.max_new_tokens, **_sampling_fields(settings))
+    sampling = SimpleNamespace(response_length=settings.max_new_tokens, **settings.as_dict())
     starts = [s for s in range(0, len(prompts), width) if any(f"{side}|{k}" not in cache for k in keys[s : s + width])]
     for start in tqdm(starts, desc=f"Generating ({side})", unit="batch"):
         batch = collate([{"input_ids": row} for row in ids[start : start + width]])
@@ -116,18 +115,6 @@ def generate_answers(
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             cache.put(f"{side}|{keys[start + offset]}", {"text": text, "finished": finished})
     return [cache.get(f"{side}|{key}") for key in keys]
-
-
-def _sampling_fields(settings: GenerationSettings) -> dict:
-    return dict(temperature=settings.temperature, top_p=settings.top_p, repetition_penalty=settings.repetition_penalty)
-
-
-def _pad_id(tokenizer) -> int:
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    if tokenizer.eos_token_id is None:
-        raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
-    return tokenizer.eos_token_id
 
 
 def make_pairs(

@@ -8,6 +8,7 @@ rebuilt by exporting again into another folder."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -47,9 +48,6 @@ Open the sheet as UTF-8 text, without evaluating formulas, and save it back as C
 """
 
 
-# --- export ---------------------------------------------------------------------------------------------------------
-
-
 def export_sheet(
     pairs: Iterable[Pair], folder: str | os.PathLike, seed: int = 0, *, overwrite: bool = False
 ) -> tuple[Path, Path]:
@@ -63,20 +61,23 @@ def export_sheet(
     duplicates = sorted(pair_key for pair_key, count in Counter(pair.key for pair in pairs).items() if count > 1)
     if duplicates:
         raise ValueError(f"duplicate pair keys: {duplicates}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = Path(folder)  # created by the first write
     sheet_path, key_path = folder / SHEET_NAME, folder / KEY_NAME
     rows, key = _layout(pairs, seed)
     if not overwrite:
         _guard(sheet_path, key_path, key)
     write_json(key_path, key)
-    write_text_atomically(sheet_path, _csv_text(rows), encoding="utf-8-sig")
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerows([COLUMNS, *rows])
+    write_text_atomically(sheet_path, buffer.getvalue(), encoding="utf-8-sig")
     write_text_atomically(folder / README_NAME, README)
     return sheet_path, key_path
 
 
-def _layout(pairs: list[Pair], seed: int) -> tuple[list[dict[str, str]], dict]:
-    """The sheet's rows and the key for ``pairs`` (sorted by key) under ``seed``."""
+def _layout(pairs: list[Pair], seed: int) -> tuple[list[tuple[str, ...]], dict]:
+    """The sheet's rows (cells in the order of :data:`COLUMNS`) and the key for ``pairs`` (sorted by key) under
+    ``seed``."""
     rng = random.Random(seed)
     order = list(pairs)
     rng.shuffle(order)
@@ -86,17 +87,7 @@ def _layout(pairs: list[Pair], seed: int) -> tuple[list[dict[str, str]], dict]:
         row_id = f"h{number:0{width}d}"
         policy_column = SIDES[rng.random() < 0.5]
         first, second = (pair.policy, pair.baseline) if policy_column == "response_1" else (pair.baseline, pair.policy)
-        rows.append(
-            {
-                "id": row_id,
-                "category": pair.category,
-                "prompt": prompt_text(pair.prompt),
-                "response_1": first,
-                "response_2": second,
-                "preferred": "",
-                "comment": "",
-            }
-        )
+        rows.append((row_id, pair.category, prompt_text(pair.prompt), first, second, "", ""))
         entries[pair.key] = {"id": row_id, "policy_column": policy_column, "answers_sha256": answers_digest(pair)}
     key = {
         "format": KEY_FORMAT,
@@ -125,33 +116,15 @@ def _guard(sheet_path: Path, key_path: Path, key: dict) -> None:
                 f"{key_path} already exists for other pairs or another seed; replacing it would make a sheet filled "
                 "against it worthless. Export into another folder, or pass overwrite=True."
             )
-    if sheet_path.exists():
-        judged = _count_judged(sheet_path)
-        if judged:
-            raise FileExistsError(
-                f"{sheet_path} already has {judged} judged rows; exporting again would erase them. Import it, move "
-                "it aside, or pass overwrite=True."
-            )
-
-
-def _count_judged(sheet_path: Path) -> int:
-    """Rows with a non-blank ``preferred``; 0 if the file is not a sheet."""
-    try:
+    judged = 0
+    with contextlib.suppress(FileNotFoundError, ValueError):  # no sheet, or not a sheet: nothing judged
         records, columns = _read_records(sheet_path)
-    except ValueError:
-        return 0
-    return sum(bool(_cell(record, columns["preferred"])) for _, record in records)
-
-
-def _csv_text(rows: list[dict[str, str]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
-
-
-# --- import ---------------------------------------------------------------------------------------------------------
+        judged = sum(bool(_cell(record, columns["preferred"])) for _, record in records)
+    if judged:
+        raise FileExistsError(
+            f"{sheet_path} already has {judged} judged rows; exporting again would erase them. Import it, move it "
+            "aside, or pass overwrite=True."
+        )
 
 
 def load_key(key: str | os.PathLike) -> dict[str, dict[str, str]]:
@@ -198,7 +171,7 @@ def import_sheet(sheet: str | os.PathLike, key: str | os.PathLike) -> dict[str, 
             bad_values.append(f"row {row} (id {row_id}): {raw!r}")
         elif choice:
             pair_key, policy_column = by_id[row_id]
-            verdicts[pair_key] = _verdict(choice, policy_column)
+            verdicts[pair_key] = "tie" if choice == "tie" else "win" if choice == policy_column else "lose"
     problems = []
     if bad_values:
         problems.append(f"{len(bad_values)} rows have a 'preferred' other than {ACCEPTED}: " + "; ".join(bad_values))
@@ -212,7 +185,8 @@ def import_sheet(sheet: str | os.PathLike, key: str | os.PathLike) -> dict[str, 
 
 
 def _parse_choice(raw: str) -> str | None:
-    """``"1"``, ``"2"`` or ``"tie"``; ``""`` for blank; ``None`` for anything else."""
+    """The preferred column (``"response_1"``, ``"response_2"``) or ``"tie"``; ``""`` for blank; ``None`` for anything
+    else."""
     value = raw.strip().lower()
     if value in ("", "tie"):
         return value
@@ -220,13 +194,7 @@ def _parse_choice(raw: str) -> str | None:
         number = float(value)
     except ValueError:
         return None
-    return {1.0: "1", 2.0: "2"}.get(number)
-
-
-def _verdict(choice: str, policy_column: str) -> Verdict:
-    if choice == "tie":
-        return "tie"
-    return "win" if SIDES[int(choice) - 1] == policy_column else "lose"
+    return {1.0: SIDES[0], 2.0: SIDES[1]}.get(number)
 
 
 def _read_records(path: Path) -> tuple[list[tuple[int, list[str]]], dict[str, int]]:
@@ -235,10 +203,8 @@ def _read_records(path: Path) -> tuple[list[tuple[int, list[str]]], dict[str, in
     text = _decode(path.read_bytes())
     first_line = text.split("\n", 1)[0]
     for delimiter in (",", ";", "\t"):
-        header = [
-            name.strip().strip("\ufeff").strip().lower()
-            for name in next(csv.reader([first_line], delimiter=delimiter), [])
-        ]
+        names = next(csv.reader([first_line], delimiter=delimiter))  # one row, [] for an empty line
+        header = [name.strip().strip("\ufeff").strip().lower() for name in names]
         if "id" in header and "preferred" in header:
             break
     else:
@@ -266,9 +232,6 @@ def _cell(record: list[str], index: int) -> str:
     return record[index].strip() if index < len(record) else ""
 
 
-# --- judge ----------------------------------------------------------------------------------------------------------
-
-
 class HumanJudge:
     """Verdicts read from a filled blind sheet (:func:`import_sheet`) and its key.
 
@@ -288,30 +251,8 @@ class HumanJudge:
     def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]:
         pairs = list(pairs)
         entries = load_key(self.key)
-        self._check_pairs(pairs, entries)
-        judged = import_sheet(self.sheet, self.key)
-        blank = [entries[pair.key]["id"] for pair in pairs if pair.key not in judged]
-        if blank and not self.allow_partial:
-            shown = ", ".join(sorted(blank)[:20]) + (", …" if len(blank) > 20 else "")
-            raise ValueError(
-                f"{len(blank)} of {len(pairs)} pairs are not judged yet in {self.sheet} (blank 'preferred' or row "
-                f"missing; ids {shown}). Fill them in, or pass allow_partial=True to count them as invalid."
-            )
-        verdicts: list[Verdict] = []
-        for pair in pairs:
-            verdict = judged.get(pair.key, "invalid")
-            if verdict != "invalid" and cache.get(pair.key) != verdict:
-                cache.put(pair.key, verdict)
-            verdicts.append(verdict)
-        return verdicts
-
-    def _check_pairs(self, pairs: list[Pair], entries: dict[str, dict[str, str]]) -> None:
         missing = [pair.key for pair in pairs if pair.key not in entries]
-        changed = [
-            pair.key
-            for pair in pairs
-            if pair.key in entries and entries[pair.key]["answers_sha256"] != answers_digest(pair)
-        ]
+        changed = [p.key for p in pairs if p.key in entries and entries[p.key]["answers_sha256"] != answers_digest(p)]
         problems = []
         if missing:
             problems.append(f"{len(missing)} pairs are not in {self.key} (exported for other pairs?): {missing[:20]}")
@@ -322,3 +263,15 @@ class HumanJudge:
             )
         if problems:
             raise ValueError("\n".join(problems))
+        judged = import_sheet(self.sheet, self.key)
+        blank = [entries[pair.key]["id"] for pair in pairs if pair.key not in judged]
+        if blank and not self.allow_partial:
+            shown = ", ".join(sorted(blank)[:20]) + (", …" if len(blank) > 20 else "")
+            raise ValueError(
+                f"{len(blank)} of {len(pairs)} pairs are not judged yet in {self.sheet} (blank 'preferred' or row "
+                f"missing; ids {shown}). Fill them in, or pass allow_partial=True to count them as invalid."
+            )
+        for pair in pairs:
+            if pair.key in judged and cache.get(pair.key) != judged[pair.key]:
+                cache.put(pair.key, judged[pair.key])
+        return [judged.get(pair.key, "invalid") for pair in pairs]

@@ -14,6 +14,7 @@ the policy's and the baseline's answers pairwise, as in LLM-as-a-judge (Zheng et
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -22,7 +23,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,15 +164,9 @@ class LLMJudge:
         self.url = f"{self.base_url}/chat/completions"
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.template = PromptTemplate.load(prompt if prompt is not None else DEFAULT_TEMPLATE)
-        self.max_retries = max_retries
-        self.timeout = timeout
-        self.parse_retries = parse_retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-        self.concurrency = concurrency
-        self.temperature = temperature
-        self.max_tokens = max_tokens
-        self._sleep = sleep
+        self.max_retries, self.timeout, self.parse_retries = max_retries, timeout, parse_retries
+        self.backoff, self.max_backoff, self.concurrency = backoff, max_backoff, concurrency
+        self.temperature, self.max_tokens, self._sleep = temperature, max_tokens, sleep
 
     def __repr__(self) -> str:
         key = "'***'" if self._api_key else None
@@ -187,8 +182,6 @@ class LLMJudge:
             "max_tokens": self.max_tokens,
         }
 
-    # -- judging ---------------------------------------------------------------------------------------------------
-
     def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]:
         """One verdict per pair, in order: both orders asked (unless cached), joined by ``combine_swapped``."""
         pairs = list(pairs)
@@ -196,16 +189,26 @@ class LLMJudge:
         todo = [pair for pair in unique if not all(cache_key(pair, order) in cache for order in ORDERS)]
         stop = threading.Event()
         bar = tqdm(total=len(unique), initial=len(unique) - len(todo), desc="Judging (llm)", unit="pair", disable=None)
+        client = _RetryHookClient(  # its retries wait through _before_retry
+            base_url=self.base_url,
+            api_key=self._api_key or "no-key",  # its header is dropped per request (_NO_AUTHORIZATION)
+            max_retries=self.max_retries,
+            timeout=self.timeout,
+            before_retry=functools.partial(self._before_retry, stop),
+        )
         try:
-            with self._client(stop) as client, bar:
+            with client, bar:
                 self._judge_all(todo, cache, client, stop, bar)
         except _RetriesExhausted as error:
-            raise JudgeUnavailableError(self._unavailable_message(str(error), unique, cache)) from None
-        return [self._pair_verdict(pair, cache) for pair in pairs]
+            cached = sum(cache_key(pair, order) in cache for pair in unique for order in ORDERS)
+            raise JudgeUnavailableError(
+                f"The judge server at {self.url} kept failing ({error}) after {self.max_retries} retries. "
+                f"{cached} of {len(unique) * len(ORDERS)} judgements ({len(unique)} pairs × {len(ORDERS)} orders) are "
+                f"cached in {cache.path}; run the same command again to resume from them."
+            ) from None
+        return [combine_swapped(*(cache.get(cache_key(pair, order))["verdict"] for order in ORDERS)) for pair in pairs]
 
-    def _judge_all(
-        self, pairs: list[Pair], cache: JsonlCache, client: openai.OpenAI, stop: threading.Event, bar
-    ) -> None:
+    def _judge_all(self, pairs: list[Pair], cache: JsonlCache, client, stop: threading.Event, bar) -> None:
         """Judge ``pairs`` on ``concurrency`` threads; the first failure sets ``stop`` and is raised."""
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             futures = [pool.submit(self._judge_pair, pair, cache, client, stop) for pair in pairs]
@@ -220,42 +223,21 @@ class LLMJudge:
                 raise  # after the pool has let running requests finish (and cache what they got)
 
     def _judge_pair(self, pair: Pair, cache: JsonlCache, client: openai.OpenAI, stop: threading.Event) -> None:
+        """Ask each order not cached yet, up to ``1 + parse_retries`` times, and cache what it decided."""
         for order in ORDERS:
-            if cache_key(pair, order) not in cache:
-                cache.put(cache_key(pair, order), self._judge_order(pair, order, client, stop))
-
-    def _judge_order(self, pair: Pair, order: str, client: openai.OpenAI, stop: threading.Event) -> dict:
-        """``{"verdict", "label", "reply", "asks"}`` for one order, asking up to ``1 + parse_retries`` times."""
-        messages = self._messages(pair, order)
-        for ask in range(1, self.parse_retries + 2):
-            reply = self._complete(client, messages, stop)
-            label = parse_label(reply)
-            if label is not None:
-                break
-            logger.info("Judge reply for %s has no [[A]]/[[B]]/[[C]] (ask %d)", cache_key(pair, order), ask)
-        verdict = LABEL_VERDICTS[order][label] if label is not None else "invalid"
-        return {"verdict": verdict, "label": label, "reply": self._redact(reply), "asks": ask}
-
-    def _messages(self, pair: Pair, order: str) -> list[dict[str, str]]:
-        first, second = (pair.policy, pair.baseline) if order == "policy_first" else (pair.baseline, pair.policy)
-        return self.template.messages(prompt_text(pair.prompt), first, second)
-
-    @staticmethod
-    def _pair_verdict(pair: Pair, cache: JsonlCache) -> Verdict:
-        first, second = (cache.get(cache_key(pair, order))["verdict"] for order in ORDERS)
-        return combine_swapped(first, second)
-
-    # -- the server ------------------------------------------------------------------------------------------------
-
-    def _client(self, stop: threading.Event) -> _RetryHookClient:
-        """An openai client for one ``judge()`` call; its retries wait through :meth:`_before_retry`."""
-        return _RetryHookClient(
-            base_url=self.base_url,
-            api_key=self._api_key or "no-key",  # its header is dropped per request (_NO_AUTHORIZATION)
-            max_retries=self.max_retries,
-            timeout=self.timeout,
-            before_retry=functools.partial(self._before_retry, stop),
-        )
+            if cache_key(pair, order) in cache:
+                continue
+            first, second = (pair.policy, pair.baseline) if order == "policy_first" else (pair.baseline, pair.policy)
+            messages = self.template.messages(prompt_text(pair.prompt), first, second)
+            for ask in range(1, self.parse_retries + 2):
+                reply = self._complete(client, messages, stop)
+                label = parse_label(reply)
+                if label is not None:
+                    break
+                logger.info("Judge reply for %s has no [[A]]/[[B]]/[[C]] (ask %d)", cache_key(pair, order), ask)
+            verdict = LABEL_VERDICTS[order][label] if label is not None else "invalid"
+            record = {"verdict": verdict, "label": label, "reply": self._redact(reply), "asks": ask}
+            cache.put(cache_key(pair, order), record)
 
     def _complete(self, client: openai.OpenAI, messages: list[dict[str, str]], stop: threading.Event) -> str:
         """The reply text of one chat completion (openai retries transient failures); ``_RetriesExhausted`` when they
@@ -274,19 +256,26 @@ class LLMJudge:
             raise self._status_error(error.response) from None
         except openai.APIConnectionError as error:  # APITimeoutError included
             raise _RetriesExhausted(self._redact(f"{type(error).__name__}: {error.__cause__ or error}")) from None
-        return self._reply_text(raw)
+        try:
+            return raw.parse().choices[0].message.content or ""
+        except (ValueError, AttributeError, IndexError, TypeError):
+            raise JudgeRequestError(
+                f"{self.url} did not answer with a chat completion (is base_url right? it usually ends in /v1): "
+                f"{self._server_message(raw.http_response)}"
+            ) from None
 
     def _before_retry(self, stop: threading.Event, retry: int, response: Any) -> None:
         """Log why, then wait ``min(Retry-After or backoff · 2**retry, max_backoff)``; ``_Stopped`` when another
         request already failed for good."""
         if stop.is_set():
             raise _Stopped
-        if response is None:
-            retry_after, reason = None, "timeout or connection error"
-        else:
-            retry_after = _retry_after_seconds(response.headers)
+        delay, reason = self.backoff * 2**retry, "timeout or connection error"
+        if response is not None:
             reason = f"HTTP {response.status_code}: {self._server_message(response)}"
-        delay = min(retry_after if retry_after is not None else self.backoff * 2**retry, self.max_backoff)
+            with contextlib.suppress(KeyError, ValueError):  # no Retry-After, or an HTTP date: ignored
+                seconds = float(response.headers["Retry-After"])
+                delay = max(seconds, 0.0) if math.isfinite(seconds) else delay
+        delay = min(delay, self.max_backoff)
         logger.warning(
             "Judge request to %s failed (%s); retry %d/%d in %.2f s",
             self.url,
@@ -297,21 +286,10 @@ class LLMJudge:
         )
         self._sleep(delay)
 
-    def _reply_text(self, raw: Any) -> str:
-        """The message text of a raw openai response; :class:`JudgeRequestError` when it is no chat completion."""
-        try:
-            content = raw.parse().choices[0].message.content
-        except (ValueError, AttributeError, IndexError, TypeError):
-            raise JudgeRequestError(
-                f"{self.url} did not answer with a chat completion (is base_url right? it usually ends in /v1): "
-                f"{self._server_message(raw.http_response)}"
-            ) from None
-        return content or ""
-
     def _status_error(self, response: Any) -> Exception:
         """The error for an HTTP error openai gave up on: retried until exhausted, a bad key, or a refusal."""
         status, message = response.status_code, self._server_message(response)
-        if _is_transient(status):
+        if status in (408, 409, 429) or status >= 500:  # what openai retries
             return _RetriesExhausted(f"HTTP {status}: {message}")
         if status in (401, 403):
             return JudgeAuthError(
@@ -333,25 +311,3 @@ class LLMJudge:
 
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
-
-    def _unavailable_message(self, reason: str, pairs: list[Pair], cache: JsonlCache) -> str:
-        cached = sum(cache_key(pair, order) in cache for pair in pairs for order in ORDERS)
-        return (
-            f"The judge server at {self.url} kept failing ({reason}) after {self.max_retries} retries. "
-            f"{cached} of {len(pairs) * len(ORDERS)} judgements ({len(pairs)} pairs × {len(ORDERS)} orders) are "
-            f"cached in {cache.path}; run the same command again to resume from them."
-        )
-
-
-def _is_transient(status: int) -> bool:
-    """The statuses openai retries: 408 (request timeout), 409 (lock timeout), 429 (rate limit) and 5xx."""
-    return status in (408, 409, 429) or status >= 500
-
-
-def _retry_after_seconds(headers: Mapping[str, str]) -> float | None:
-    """A numeric ``Retry-After`` header in seconds (an HTTP date is ignored)."""
-    try:
-        seconds = float(headers["Retry-After"])
-    except (KeyError, ValueError):
-        return None
-    return max(seconds, 0.0) if math.isfinite(seconds) else None

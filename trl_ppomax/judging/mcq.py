@@ -1,9 +1,7 @@
 """Alignment tax on knowledge questions: multiple-choice accuracy per subject of two models (the SFT model and the PPO
 policy, as in Fig. 12 of "Secrets of RLHF in Large Language Models Part I: PPO" on C-Eval), scored by the
-log-likelihood of the answers.
-
-For full benchmark suites (all of MMLU or C-Eval with their official prompts and splits) ``lighteval`` is the better
-tool; this scorer is a quick before/after check of several models on the same data.
+log-likelihood of the answers: a quick before/after check of several models on the same data (``lighteval`` is the
+better tool for full benchmark suites with their official prompts and splits).
 
 Data layouts (column names configurable):
 
@@ -50,7 +48,9 @@ from typing import Literal
 
 import torch
 from accelerate.utils import release_memory
+from tqdm.auto import tqdm
 
+from ..data import PromptCollator
 from ..files import write_json, write_text_atomically
 from .base import ALL
 from .generation import load_causal_lm
@@ -65,8 +65,6 @@ LETTERS = string.ascii_uppercase
 ANSWER_LABEL = "Answer:"
 #: MMLU's instruction header (Hendrycks et al.); ``{subject}`` is the subject with underscores as spaces.
 MMLU_INSTRUCTION = "The following are multiple choice questions (with answers) about {subject}."
-#: C-Eval's instruction header (Huang et al.).
-CEVAL_INSTRUCTION = "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。"
 #: The local ``evaluate`` metric module (correct / n), loaded by path.
 METRIC_PATH = Path(__file__).parent / "metrics" / "mcq_accuracy"
 REPORT_FILE = "mcq_report.json"
@@ -83,16 +81,11 @@ class Question:
     subject: str = ALL
 
 
-# ---------------------------------------------------------------------------------------------------------- data
-
-
 def _column_names(dataset) -> list[str]:
     if isinstance(dataset, Mapping):
         raise ValueError(f"Pass one split (e.g. dataset['test']), not a dict of splits: found keys {list(dataset)}.")
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        names = list(dataset[0]) if len(dataset) else []
-    return list(names)
+    names = getattr(dataset, "column_names", None)  # a list of dicts has none: its first row's keys
+    return list(names if names is not None else dataset[0] if len(dataset) else [])
 
 
 def _choice_source(columns: list[str], choices_column: str | Sequence[str] | None) -> str | list[str]:
@@ -164,21 +157,13 @@ def read_questions(
         if isinstance(raw, str) or not 2 <= len(raw) <= len(LETTERS):
             raise ValueError(f"Row {i}: choices {raw!r} are not a list of 2-{len(LETTERS)} options.")
         choices = tuple(str(c) for c in raw)
+        answer = _answer_index(row[answer_column], len(choices), i)
         subject = row[subject_column] if has_subject else None
-        questions.append(
-            Question(
-                question=str(row[question_column]),
-                choices=choices,
-                answer=_answer_index(row[answer_column], len(choices), i),
-                subject=str(subject) if subject not in (None, "") else ALL,
-            )
-        )
+        subject = str(subject) if subject not in (None, "") else ALL
+        questions.append(Question(str(row[question_column]), choices, answer, subject))
     if not questions:
         raise ValueError("The dataset has no questions.")
     return questions
-
-
-# ------------------------------------------------------------------------------------------------------- prompts
 
 
 def continuation(question: Question, index: int, scoring: Scoring = "letter") -> str:
@@ -217,9 +202,6 @@ def build_prompt(
     return "\n\n".join(blocks)
 
 
-# ------------------------------------------------------------------------------------------------------- scoring
-
-
 def _encoder(tokenizer):
     """texts → token ids as the model should read them: the tokenizer's leading special token (LLaMA's bos), if it
     adds one, but no trailing ones (an eos would end up inside the continuation)."""
@@ -232,38 +214,6 @@ def _encoder(tokenizer):
         return [prefix + list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     return encode
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def _model_device(model) -> torch.device:
-    device = getattr(model, "device", None)
-    return device if isinstance(device, torch.device) else next(model.parameters()).device
-
-
-def _last_logprobs(model, inputs: list[list[int]], last: list[int], pad_id: int) -> list[torch.Tensor]:
-    """One forward pass over ``inputs`` (right-padded, explicit attention mask and positions): for each input, the
-    float32 log-softmax of the logits at its ``last[i]`` final positions, ``[last[i], vocab]``."""
-    lengths = [len(ids) for ids in inputs]
-    input_ids = torch.full((len(inputs), max(lengths)), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(inputs):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        mask[row, : len(ids)] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    device = _model_device(model)
-    logits = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        use_cache=False,
-    ).logits
-    return [
-        logits[row, n - k : n].float().log_softmax(-1) for row, (n, k) in enumerate(zip(lengths, last, strict=True))
-    ]
 
 
 @torch.no_grad()
@@ -286,8 +236,6 @@ def loglikelihoods(
     pass. Inputs are batched ``batch_size`` at a time, longest first, right-padded with an explicit attention mask
     and positions: the scores do not depend on the batch size or the tokenizer's padding side.
     """
-    from tqdm.auto import tqdm
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     flat = [pair for question in requests for pair in question]
@@ -300,16 +248,20 @@ def loglikelihoods(
     pending = Counter(q for rs in by_input.values() for q in {owners[r] for r in rs})  # inputs left per question
 
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    collate, device = PromptCollator(pad_id, padding_side="right"), next(model.parameters()).device
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
     scores: list[tuple[float, int]] = [(0.0, 0)] * len(flat)
     bar = tqdm(total=len(requests), desc="Scoring questions", unit="question", disable=not progress)
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
-        last = [max(len(targets[r][1]) for r in by_input[i]) for i in batch]
-        for i, logprobs in zip(batch, _last_logprobs(model, [inputs[i] for i in batch], last, pad_id), strict=True):
-            for r in by_input[i]:
-                tokens = torch.tensor(targets[r][1], device=logprobs.device)
-                scores[r] = (logprobs[-len(tokens) :].gather(-1, tokens[:, None]).sum().item(), len(tokens))
+        padded = collate([{"input_ids": inputs[i]} for i in batch])
+        padded["position_ids"] = (padded["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = model(**{k: v.to(device) for k, v in padded.items()}, use_cache=False).logits
+        for row, i in enumerate(batch):
+            for r in by_input[i]:  # the continuation's tokens are the last ones the input predicts
+                tokens = torch.tensor(targets[r][1], device=logits.device)
+                logprobs = logits[row, len(inputs[i]) - len(tokens) : len(inputs[i])].float().log_softmax(-1)
+                scores[r] = (logprobs.gather(-1, tokens[:, None]).sum().item(), len(tokens))
             for q in {owners[r] for r in by_input[i]}:
                 pending[q] -= 1
                 bar.update(int(pending[q] == 0))
@@ -329,7 +281,8 @@ def _plan_inputs(
     targets = []
     truncated = set()
     for (context, cont), context_ids, full_ids in zip(flat, contexts, fulls, strict=True):
-        start = _common_prefix(context_ids, full_ids)
+        n = min(len(context_ids), len(full_ids))
+        start = next((i for i in range(n) if context_ids[i] != full_ids[i]), n)  # their common prefix
         if start == 0 or start == len(full_ids):
             raise ValueError(
                 f"Cannot score continuation {cont!r} after context ...{context[-80:]!r}: it adds no tokens "
@@ -352,16 +305,11 @@ def _plan_inputs(
     return [list(ids) for ids in index], targets
 
 
-# ------------------------------------------------------------------------------------------------------ accuracy
-
-
 @cache
 def accuracy_metric():
     """The local ``mcq_accuracy`` metric (``evaluate.load`` of :data:`METRIC_PATH`, in memory; works offline)."""
-    try:
-        import evaluate
-    except ImportError as error:
-        raise ImportError("The multiple-choice scorer needs `evaluate`: pip install evaluate") from error
+    import evaluate
+
     return evaluate.load(str(METRIC_PATH), keep_in_memory=True)
 
 
@@ -381,37 +329,10 @@ def accuracy_report(predictions: Sequence[int], references: Sequence[int], subje
     }
 
 
-# ---------------------------------------------------------------------------------------------------- evaluation
-
-
-def _check_scoring(scoring: str) -> None:
-    if scoring not in SCORINGS:
-        raise ValueError(f"Unknown scoring {scoring!r}: use one of {', '.join(SCORINGS)}.")
-
-
-def _few_shot_pool(few_shot: int, few_shot_dataset, columns: dict) -> list[Question]:
-    if few_shot < 0:
-        raise ValueError(f"few_shot must be >= 0, got {few_shot}.")
-    if few_shot == 0:
-        return []
-    if few_shot_dataset is None:
-        raise ValueError("few_shot > 0 needs a few_shot_dataset (e.g. the dev split), distinct from the questions.")
-    return read_questions(few_shot_dataset, **columns)
-
-
 def _score_questions(
-    model,
-    tokenizer,
-    questions: list[Question],
-    pool: list[Question],
-    *,
-    few_shot: int,
-    scoring: Scoring,
-    instruction: str | None,
-    batch_size: int,
-    max_length: int | None,
-    progress: bool,
-) -> tuple[dict, list[dict]]:
+    model, tokenizer, questions, pool, *, few_shot, scoring, instruction, **options
+) -> tuple[dict, list]:
+    """:func:`score_multiple_choice` on read questions; ``options`` are :func:`loglikelihoods`' keywords."""
     shots = [select_shots(q, pool, few_shot) for q in questions]
     short = sorted({q.subject for q, s in zip(questions, shots, strict=True) if len(s) < few_shot})
     if short:
@@ -426,9 +347,7 @@ def _score_questions(
     was_training = model.training
     model.eval()
     try:
-        results = loglikelihoods(
-            model, tokenizer, requests, batch_size=batch_size, max_length=max_length, progress=progress
-        )
+        results = loglikelihoods(model, tokenizer, requests, **options)
     finally:
         model.train(was_training)
     scores = [[total / n if scoring == "text" else total for total, n in result] for result in results]
@@ -476,47 +395,25 @@ def score_multiple_choice(
         prediction and one score per choice (log-probability of the letter, or mean per-token log-likelihood of the
         text).
     """
-    questions, pool, settings = _prepared(
-        dataset,
-        few_shot=few_shot,
-        few_shot_dataset=few_shot_dataset,
-        scoring=scoring,
-        batch_size=batch_size,
-        max_questions=max_questions,
-        instruction=instruction,
-        question_column=question_column,
-        choices_column=choices_column,
-        answer_column=answer_column,
-        subject_column=subject_column,
-        max_length=max_length,
-        progress=progress,
-    )
+    options = {name: value for name, value in locals().items() if name not in ("model", "tokenizer", "dataset")}
+    questions, pool, settings = _prepared(dataset, **options)
     return _score_questions(model, tokenizer, questions, pool, **settings)
 
 
 def _prepared(
-    dataset,
-    *,
-    few_shot,
-    few_shot_dataset,
-    scoring,
-    max_questions,
-    question_column,
-    choices_column,
-    answer_column,
-    subject_column,
-    **settings,
+    dataset, *, few_shot, few_shot_dataset, scoring, max_questions, **settings
 ) -> tuple[list[Question], list[Question], dict]:
     """The questions (checked before any model loads), the few-shot pool, and the keywords of ``_score_questions``."""
-    _check_scoring(scoring)
-    columns = dict(
-        question_column=question_column,
-        choices_column=choices_column,
-        answer_column=answer_column,
-        subject_column=subject_column,
-    )
+    if scoring not in SCORINGS:
+        raise ValueError(f"Unknown scoring {scoring!r}: use one of {', '.join(SCORINGS)}.")
+    names = ("question_column", "choices_column", "answer_column", "subject_column")
+    columns = {name: settings.pop(name) for name in names}
     questions = read_questions(dataset, max_questions=max_questions, **columns)
-    pool = _few_shot_pool(few_shot, few_shot_dataset, columns)
+    if few_shot < 0:
+        raise ValueError(f"few_shot must be >= 0, got {few_shot}.")
+    if few_shot and few_shot_dataset is None:
+        raise ValueError("few_shot > 0 needs a few_shot_dataset (e.g. the dev split), distinct from the questions.")
+    pool = read_questions(few_shot_dataset, **columns) if few_shot else []
     return questions, pool, dict(few_shot=few_shot, scoring=scoring, **settings)
 
 
@@ -554,19 +451,6 @@ def format_table(report: dict) -> str:
     return "\n".join([title, fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
 
 
-def _score_options(options: dict) -> dict:
-    """``options`` over the defaults of :func:`score_multiple_choice`'s keywords; an unknown keyword is a TypeError."""
-    defaults = {
-        name: parameter.default
-        for name, parameter in inspect.signature(score_multiple_choice).parameters.items()
-        if parameter.kind is parameter.KEYWORD_ONLY
-    }
-    unknown = sorted(options.keys() - defaults.keys())
-    if unknown:
-        raise TypeError(f"compare_multiple_choice() got unknown options {unknown}; it takes {sorted(defaults)}.")
-    return {**defaults, **options}
-
-
 def compare_multiple_choice(
     models: Mapping[str, str | os.PathLike],
     dataset,
@@ -581,17 +465,20 @@ def compare_multiple_choice(
     the table of :func:`format_table`. ``options`` are :func:`score_multiple_choice`'s keywords (scoring, few-shot,
     columns, batch size, …).
 
-    Writes ``output_dir/mcq_report.json`` (atomically) as ``{"task": "mcq", "scoring", "few_shot", "models": {name:
-    report}}`` with each report as :func:`accuracy_report`, and ``output_dir/mcq_predictions.jsonl``: one line per
-    model and question, the rows of :func:`score_multiple_choice` with ``"model"`` added.
-
-    Returns:
-        The report written to ``mcq_report.json``.
-    """
+    Writes and returns ``output_dir/mcq_report.json`` (atomically), ``{"task": "mcq", "scoring", "few_shot",
+    "models": {name: report}}`` with each report as :func:`accuracy_report`; writes
+    ``output_dir/mcq_predictions.jsonl``: one line per model and question, the rows of :func:`score_multiple_choice`
+    with ``"model"`` added."""
     if not models:
         raise ValueError("No models to compare.")
-    options = _score_options(options)
-    questions, pool, settings = _prepared(dataset, **options)  # the data is checked before a model loads
+    parameters = inspect.signature(score_multiple_choice).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(options.keys() - defaults.keys())
+    if unknown:
+        raise TypeError(f"compare_multiple_choice() got unknown options {unknown}; it takes {sorted(defaults)}.")
+    questions, pool, settings = _prepared(
+        dataset, **{**defaults, **options}
+    )  # the data is checked before a model loads
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
 

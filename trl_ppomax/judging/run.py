@@ -6,6 +6,7 @@ settings (models, prompts, sampling, a judge's model or prompt) is refused rathe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from ..files import read_json, write_json, write_text_atomically
-from .base import JsonlCache, Judge, Pair
+from .base import JsonlCache, Judge
 from .generation import GenerationSettings, make_pairs
 from .report import format_table, plot_win_tie_lose, tally
 
@@ -46,8 +47,11 @@ def evaluate_policy(
         output / "pairs.jsonl", "".join(json.dumps(p.as_dict(), ensure_ascii=False) + "\n" for p in pairs)
     )
     report = {**names, "num_prompts": len(pairs), "generation": generation.as_dict(), "judges": {}}
-    for judge in judges:
-        report["judges"][judge.name] = {"settings": judge.settings(), "categories": judge_pairs(judge, pairs, output)}
+    for judge in judges:  # each judge's verdicts cached in verdicts/<name>.jsonl
+        claim(output / "verdicts" / f"{judge.name}.settings.json", judge.settings())
+        verdicts = judge.judge(pairs, JsonlCache(output / "verdicts" / f"{judge.name}.jsonl"))
+        categories = tally(verdicts, [p.category for p in pairs])
+        report["judges"][judge.name] = {"settings": judge.settings(), "categories": categories}
     write_json(output / "report.json", report)
     tables = {name: entry["categories"] for name, entry in report["judges"].items()}
     if tables:
@@ -55,14 +59,6 @@ def evaluate_policy(
         figure = plot_win_tie_lose(tables, output / "report.png", f"{names['policy']} vs {names['baseline']}")
         print(f"\n{output / 'report.json'} and {figure} written.")
     return report
-
-
-def judge_pairs(judge: Judge, pairs: list[Pair], output: Path) -> dict[str, dict]:
-    """One judge's :func:`~trl_ppomax.judging.report.tally`, its verdicts cached in ``verdicts/<name>.jsonl``."""
-    folder = output / "verdicts"
-    claim(folder / f"{judge.name}.settings.json", judge.settings())
-    verdicts = judge.judge(pairs, JsonlCache(folder / f"{judge.name}.jsonl"))
-    return tally(verdicts, [p.category for p in pairs])
 
 
 def claim(path: Path, settings: dict) -> None:
@@ -89,7 +85,5 @@ def _label(side) -> str:
 
 
 def _fingerprint(prompts: Dataset) -> str:
-    import hashlib
-
     text = json.dumps(prompts.select_columns(["prompt", "category"]).to_dict(), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -7,12 +7,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
-from ..data import tokenize_prompt
+from ..data import PromptCollator, tokenize_prompt
 from ..modeling import sequence_scores
 from .base import JsonlCache, Pair, Verdict, margin_verdict
 
@@ -91,18 +91,15 @@ class RewardModelJudge(ScoreJudge):
 
     @torch.no_grad()
     def score(self, prompts, answers, finished) -> list[float]:
-        rows = [self.encode(p, a, f) for p, a, f in zip(prompts, answers, finished, strict=True)]
-        return sequence_scores(self.model, right_padded(rows, self.pad_id, self.model.device)).tolist()
+        rows = [{"input_ids": self.encode(p, a, f)} for p, a, f in zip(prompts, answers, finished, strict=True)]
+        pad_id = self.tokenizer.pad_token_id
+        collate = PromptCollator(self.tokenizer.eos_token_id if pad_id is None else pad_id, padding_side="right")
+        return sequence_scores(self.model, {k: v.to(self.model.device) for k, v in collate(rows).items()}).tolist()
 
     def encode(self, prompt, answer: str, finished: bool) -> list[int]:
         tokenizer = self.tokenizer
         ids = tokenize_prompt(prompt, tokenizer) + tokenizer(answer, add_special_tokens=False)["input_ids"]
         return [*ids, tokenizer.eos_token_id] if finished and tokenizer.eos_token_id is not None else ids
-
-    @property
-    def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
 
 
 def load_reward_model(name: str | os.PathLike):
@@ -114,14 +111,3 @@ def load_reward_model(name: str | os.PathLike):
         os.fspath(name), num_labels=1, dtype=torch.bfloat16 if cuda else torch.float32
     )
     return model.to("cuda" if cuda else "cpu"), AutoTokenizer.from_pretrained(os.fspath(name))
-
-
-def right_padded(rows: Sequence[list[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` (B, max length), right-padded with ``pad_id``."""
-    from trl.trainer.utils import pad
-
-    ids = [torch.as_tensor(r, dtype=torch.long) for r in rows]
-    return {
-        "input_ids": pad(ids, padding_value=pad_id, padding_side="right").to(device),
-        "attention_mask": pad([torch.ones_like(i) for i in ids], padding_value=0, padding_side="right").to(device),
-    }

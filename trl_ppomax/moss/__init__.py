@@ -1,5 +1,6 @@
 """The paper's released models (MOSS-RLHF): prompt format and chat template, tokenizer set-up, recovery of the
-weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives in this package."""
+weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives in this
+package."""
 
 from .card import moss_model_card
 from .prompt import SPEAKER_TAGS, build_prompt, chat_template, format_dialogue, setup_tokenizer, truncate_dialogue

@@ -1,4 +1,5 @@
-"""The model card of a MOSS-RLHF model: what ``trl-ppomax push`` writes for a folder made by ``trl-ppomax moss recover``.
+"""The model card of a MOSS-RLHF model: what ``trl-ppomax push`` writes for a folder made by ``trl-ppomax moss
+recover``.
 
 A folder holding the conversion record (:data:`~trl_ppomax.moss.recovery.CONVERSION_INFO`) gets the MOSS-RLHF card:
 licence ``agpl-3.0``, the published diff as ``base_model``, the release's prompt format (rendered with
@@ -15,9 +16,9 @@ from huggingface_hub import ModelCard
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ..files import read_json
-from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, render_card, repo_like, trained_intro
+from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, check_model_type, render_card, repo_like, trained_intro
 from .prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
-from .recovery import CONVERSION_INFO, MODEL_TYPES, RELEASES, recovery_command
+from .recovery import CONVERSION_INFO, RELEASES, recovery_command
 
 __all__ = ["LICENCE_SECTION", "moss_model_card"]
 
@@ -36,14 +37,11 @@ def _prompt_section(lang: str | None) -> str:
     :func:`format_dialogue` and by the chat template :func:`~trl_ppomax.moss.prompt.setup_tokenizer` installs."""
     langs = [lang] if lang in SPEAKER_TAGS else list(SPEAKER_TAGS)
     lines = [
-        "## Prompt format",
-        "",
-        "Turns alternate, each prefixed with its speaker tag and **no space**, and are joined by the eos token "
-        f"`{EOS_TOKEN}`; the prompt ends with eos and the assistant's tag, and the model continues from there "
-        f"(ending its answer with `{EOS_TOKEN}`). The last turn is the human's (the release assigns roles from the "
-        "end, so a conversation may start with an assistant turn). The string is encoded with LLaMA's bos "
-        f"`{BOS_TOKEN}` in front. When a conversation is too long, drop whole turns, oldest first, one at a time.",
-        "",
+        "## Prompt format\n\nTurns alternate, each prefixed with its speaker tag and **no space**, and are joined by "
+        f"the eos token `{EOS_TOKEN}`; the prompt ends with eos and the assistant's tag, and the model continues "
+        f"from there (ending its answer with `{EOS_TOKEN}`). The last turn is the human's (the release assigns roles "
+        "from the end, so a conversation may start with an assistant turn). The string is encoded with LLaMA's bos "
+        f"`{BOS_TOKEN}` in front. When a conversation is too long, drop whole turns, oldest first, one at a time.\n",
     ]
     for code in langs:
         human, assistant = SPEAKER_TAGS[code]
@@ -58,8 +56,7 @@ def _prompt_section(lang: str | None) -> str:
         eos_token=EOS_TOKEN,
     )
     lines += [
-        "",
-        f"The tokenizer's chat template writes the bos `{BOS_TOKEN}` itself, then this string: "
+        f"\nThe tokenizer's chat template writes the bos `{BOS_TOKEN}` itself, then this string: "
         "`tokenizer.apply_chat_template("
         f'[{{"role": "user", "content": "{messages[0]["content"]}"}}], tokenize=False, add_generation_prompt=True)` '
         f"gives `{rendered}`, whose ids (tokenised without adding special tokens, as `apply_chat_template` does) are "
@@ -126,9 +123,7 @@ def moss_model_card(
     converted = (model.path / CONVERSION_INFO).is_file()
     conversion = read_json(model.path / CONVERSION_INFO) if converted else {}
 
-    model_type = model_type or conversion.get("model_type") or model.model_type
-    if model_type is not None and model_type not in MODEL_TYPES:
-        raise ValueError(f"Unknown model type {model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+    model_type = check_model_type(model_type or conversion.get("model_type") or model.model_type)
     lang = lang or conversion.get("lang")
     if lang is not None and lang not in SPEAKER_TAGS:
         raise ValueError(f"Unknown language {lang!r}: use one of {', '.join(SPEAKER_TAGS)}.")

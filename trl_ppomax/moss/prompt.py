@@ -118,18 +118,15 @@ def format_dialogue(
 ) -> str:
     """The MOSS-RLHF text of a dialogue: ``tag + content + eos`` per turn, then the assistant tag.
 
-    ``messages`` are OpenAI-style ``{"role": "user" | "assistant", "content": str}`` dicts whose roles alternate;
-    the first may be an assistant turn (the release assigns roles from the end, so its even-length dialogues start
-    with one). With ``add_generation_prompt`` (a prompt for the policy) the last message must be a user turn and the
-    assistant tag is appended; without it (training text) the dialogue simply ends with eos::
+    ``messages`` are ``{"role": "user" | "assistant", "content": str}`` dicts whose roles alternate; the first may be
+    an assistant turn. With ``add_generation_prompt`` (a prompt for the policy) the last message must be a user turn
+    and the assistant tag is appended; without it (training text) the dialogue ends with eos::
 
         [user "Hi", assistant "Hello", user "How?"]  →  "Human:Hi</s>Assistant:Hello</s>Human:How?</s>Assistant:"
-        [assistant "Hello", user "How?"]  →  "Assistant:Hello</s>Human:How?</s>Assistant:"
         [user "Hi", assistant "Hello"], add_generation_prompt=False  →  "Human:Hi</s>Assistant:Hello</s>"
 
-    No space is put after the tag. Whitespace next to a special token is dropped, as the release's tokenizer
-    dropped it (see the module docstring): every turn's trailing whitespace, and for ``lang="zh"`` (whose tags are
-    special tokens) its leading whitespace too; the rest of a content is used verbatim.
+    No space follows the tag; whitespace next to a special token is dropped as the release's tokenizer dropped it
+    (every turn's trailing whitespace, and for ``lang="zh"`` its leading whitespace too; see the module docstring).
 
     Raises:
         ValueError: empty ``messages``, a "system" or unknown role, two turns in a row with the same role, an
@@ -155,11 +152,9 @@ def chat_template(lang: str = "en") -> str:
 
     ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` ==
     ``tokenizer.bos_token + format_dialogue(messages, lang, tokenizer.eos_token)`` (no bos if the tokenizer has
-    none); with ``add_generation_prompt=False`` (the default of ``apply_chat_template``) the last turn just ends with
-    eos. The bos is written because chat templates are tokenised without special tokens
-    (``apply_chat_template(..., tokenize=True)``, :func:`trl_ppomax.data.tokenize_prompt`): the ids are then exactly
-    the release's ``tokenizer(format_dialogue(...)).input_ids``, with one bos in front. The template raises
-    (``jinja2.TemplateError``) on the same inputs :func:`format_dialogue` rejects.
+    none). The bos is written because chat templates are tokenised without special tokens: the ids are then exactly
+    the release's ``tokenizer(format_dialogue(...)).input_ids``. The template raises (``jinja2.TemplateError``) on
+    the same inputs :func:`format_dialogue` rejects.
     """
     human, assistant = (json.dumps(tag) for tag in _tags(lang))
     content = "message['content'].strip()" if lang == "zh" else "message['content'].rstrip()"  # as _trim
@@ -181,7 +176,8 @@ def chat_template(lang: str = "en") -> str:
         "{%- endif -%}"
         "{%- if message['role'] == 'user' -%}"
         f"{{{{- {human} + {content} + eos_token -}}}}"
-        "{%- else -%}{%- generation -%}"  # the assistant's turn, tag and eos included: what the release's ptx loss counts
+        # the assistant's turn, tag and eos included: what the release's ptx loss counts
+        "{%- else -%}{%- generation -%}"
         f"{{{{- {assistant} + {content} + eos_token -}}}}"
         "{%- endgeneration -%}{%- endif -%}"
         "{%- endfor -%}"
@@ -196,11 +192,9 @@ def setup_tokenizer(tokenizer: Any, lang: str = "en") -> Any:
     """Make a LLaMA tokenizer behave as in the release; returns the same tokenizer (changed in place). Idempotent.
 
     - pad token = ``<unk>`` (id 0 in LLaMA; a warning if it is another id) and left padding;
-    - ``lang="zh"``: adds ``<|Human|>`` and ``<|MOSS|>`` as extra special tokens (never split, skipped by
-      ``decode(..., skip_special_tokens=True)``), in that order, unless already special. On a bare LLaMA vocabulary
-      they get ids 32000 and 32001: the model's embedding matrix must have ``len(tokenizer)`` rows;
-    - the chat template is :func:`chat_template` for ``lang``;
-    - a warning if the eos token is not ``</s>`` (the format closes turns with the tokenizer's eos);
+    - ``lang="zh"``: adds ``<|Human|>`` and ``<|MOSS|>`` as extra special tokens, in that order, unless already
+      special (ids 32000 and 32001 on a bare LLaMA vocabulary: the embedding matrix needs ``len(tokenizer)`` rows);
+    - the chat template is :func:`chat_template` for ``lang``; a warning if the eos token is not ``</s>``;
     - text after a special token must be encoded as the release's tokenizer did (:func:`check_release_tokenization`);
       a LLaMA tokenizer's ``legacy=True`` is written to its saved config, so that it reloads the same way.
 
@@ -263,14 +257,14 @@ def check_release_tokenization(tokenizer: Any, lang: str = "en") -> None:
         else [(tokenizer.eos_token, human), (tokenizer.eos_token, assistant)]
     )
     added = set(tokenizer.get_added_vocab())
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     for special, text in pairs:
         if special not in added:
             continue
-        together = tokenizer(special + text, add_special_tokens=False)["input_ids"]
-        apart = [
-            *tokenizer(special, add_special_tokens=False)["input_ids"],
-            *tokenizer(text, add_special_tokens=False)["input_ids"],
-        ]
+        together, apart = ids(special + text), ids(special) + ids(text)
         if together != apart:
             tokens = tokenizer.convert_ids_to_tokens
             raise ValueError(
@@ -298,17 +292,14 @@ def truncate_dialogue(
     """The most recent turns of a dialogue whose prompt fits in ``max_tokens`` tokens, or None if none does.
 
     The release's rule (``ppo_datahelper.py``), through :func:`trl_ppomax.data.drop_oldest_turns`: whole turns are
-    dropped from the start, **one at a time** (so what is kept may start with an assistant turn), re-encoding each
-    time, until the prompt fits; text inside a turn is never cut. The prompt is
-    ``format_dialogue(kept, lang, tokenizer.eos_token)`` (with the generation prompt) and its length is
-    ``len(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)``, i.e. by default counted with
-    LLaMA's bos, as the release encodes it. ``messages`` must end with a user turn.
+    dropped from the start, **one at a time** (what is kept may start with an assistant turn), until
+    ``len(tokenizer(format_dialogue(kept, lang, eos), add_special_tokens=add_special_tokens).input_ids)`` fits
+    (by default counted with LLaMA's bos, as the release encodes it). ``messages`` must end with a user turn.
 
     Returns:
         ``messages[k:]`` for the smallest ``k`` that fits (the same dict objects, in a new list), or **None** when
-        even the last user turn alone is longer than ``max_tokens``: the caller should keep it whole or skip it.
-        (The release keeps it while it fits its whole context, 2048 tokens, and skips it beyond; the trainer keeps
-        it while it and a full response fit the policy's context: :func:`trl_ppomax.data.prepare_prompt_dataset`.)
+        even the last user turn alone is longer than ``max_tokens``: the caller should keep it whole or skip it
+        (as :func:`trl_ppomax.data.prepare_prompt_dataset` does).
 
     Raises:
         ValueError: ``max_tokens`` is not a positive int, the messages are not a valid prompt (see
@@ -344,10 +335,8 @@ def build_prompt(
     max_tokens: int | None = None,
     lang: str = "en",
 ) -> str:
-    """The policy's prompt: ``format_dialogue(truncate_dialogue(messages, ...), lang, tokenizer.eos_token)``.
-
-    With ``max_tokens=None`` nothing is dropped. Tokenise the result with ``tokenizer(prompt)`` to get the
-    release's ids (bos first, see the module docstring).
+    """The policy's prompt: ``format_dialogue(truncate_dialogue(messages, ...), lang, tokenizer.eos_token)``; with
+    ``max_tokens=None`` nothing is dropped. ``tokenizer(prompt)`` gives the release's ids (bos first).
 
     Raises:
         ValueError: besides :func:`truncate_dialogue`'s errors, when even the last user turn alone is longer than
@@ -358,8 +347,8 @@ def build_prompt(
         if kept is None:
             length = _n_tokens(tokenizer, [messages[-1]], lang)
             raise ValueError(
-                f"The last user turn alone takes {length} tokens (with bos, tags and eos), more than the prompt budget "
-                f"max_tokens={max_tokens}: shorten it, raise max_tokens, or skip this sample."
+                f"The last user turn alone takes {length} tokens (with bos, tags and eos), more than the prompt "
+                f"budget max_tokens={max_tokens}: shorten it, raise max_tokens, or skip this sample."
             )
         messages = kept
     return format_dialogue(messages, lang, _eos(tokenizer), add_generation_prompt=True)

@@ -80,10 +80,8 @@ class IntegrityError(ValueError):
 # --------------------------------------------------------------------------------------------------------------------
 def load_bin_shard(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a ``.bin`` checkpoint file, memory-mapped (an old non-zip ``torch.save`` file is read whole).
-
     A truncated or corrupt file (an interrupted download) raises ``ValueError`` naming it, instead of torch's
-    "[Errno 22] Invalid argument" or "PytorchStreamReader failed".
-    """
+    "[Errno 22] Invalid argument" or "PytorchStreamReader failed"."""
     try:
         with open(path, "rb") as file:
             is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since 1.6; mmap needs it
@@ -91,8 +89,7 @@ def load_bin_shard(path: Path) -> dict[str, torch.Tensor]:
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
     except Exception as error:  # torch raises OSError, RuntimeError, EOFError, IndexError, UnpicklingError…
-        first_line = (str(error).strip().splitlines() or [""])[0][:160]
-        reason = f"{type(error).__name__}: {first_line}"
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}"
         raise ValueError(
             f"Shard {path} ({path.stat().st_size:,} bytes) is truncated or corrupt: torch cannot read it ({reason}). "
             "Re-download it (compare its size with the source's), then run the command again."
@@ -116,14 +113,11 @@ class TensorFolder:
                 return json.loads(index.read_text())["weight_map"]
         for single in ("model.safetensors", "pytorch_model.bin"):
             if (self.folder / single).is_file():
-                return {name: single for name in self._names_in(single)}
+                return dict.fromkeys(self._load(single).keys(), single)
         raise FileNotFoundError(
             f"No weights in {self.folder}: expected model.safetensors, pytorch_model.bin, or a sharded checkpoint "
             "with its *.index.json (Hugging Face format)."
         )
-
-    def _names_in(self, file: str) -> list[str]:
-        return list(self._load(file).keys())
 
     def _load(self, file: str):
         """The open file (one at a time, so at most one shard is mapped)."""
@@ -131,10 +125,9 @@ class TensorFolder:
             path = self.folder / file
             if not path.is_file():
                 raise FileNotFoundError(f"Shard {path} named in the index is missing.")
-            if file.endswith(".safetensors"):
-                self._open = safe_open(str(path), framework="pt")
-            else:
-                self._open = load_bin_shard(path)
+            self._open = (
+                safe_open(str(path), framework="pt") if file.endswith(".safetensors") else load_bin_shard(path)
+            )
             self._open_file = file
         return self._open
 
@@ -177,32 +170,22 @@ def check_keys(diff: TensorFolder, raw: TensorFolder) -> dict[str, list[str]]:
     return {"diff": _buffers(diff), "raw": _buffers(raw)}
 
 
-def diff_model_type(diff: TensorFolder) -> tuple[str, str | None]:
-    """``("reward", key)`` for a diff with a reward head (``reward_head.*``, or an already-converted ``score.*``),
-    ``("causal", key)`` for one with an ``lm_head.*`` and no reward head, ``("unknown", None)`` otherwise."""
-    names = diff.names()
-    reward = next((n for n in names if n.startswith(("reward_head.", "score."))), None)
-    if reward is not None:
-        return "reward", reward
-    lm_head = next((n for n in names if n.startswith("lm_head.")), None)
-    return ("causal", lm_head) if lm_head is not None else ("unknown", None)
-
-
 def check_model_type(diff: TensorFolder, model_type: ModelType) -> None:
-    """Raise ``ValueError`` when ``model_type`` contradicts the diff's head: a reward diff has ``reward_head.*``, an
-    sft/policy diff has ``lm_head.*`` and no ``reward_head``."""
-    kind, key = diff_model_type(diff)
-    if model_type == "reward" and kind == "causal":
+    """Raise ``ValueError`` when ``model_type`` contradicts the diff's head: a reward diff has ``reward_head.*`` (or an
+    already-converted ``score.*``), an sft/policy diff has ``lm_head.*`` and no reward head."""
+    reward = next((n for n in diff.names() if n.startswith(("reward_head.", "score."))), None)
+    lm_head = next((n for n in diff.names() if n.startswith("lm_head.")), None)
+    if model_type == "reward" and reward is None and lm_head is not None:
         raise ValueError(
-            f"--model-type reward, but the diff {diff.folder} has {key} and no reward_head (nor score) tensor, so it "
-            "is an sft or policy model: pass --model-type sft or --model-type policy."
+            f"--model-type reward, but the diff {diff.folder} has {lm_head} and no reward_head (nor score) tensor, so "
+            "it is an sft or policy model: pass --model-type sft or --model-type policy."
         )
-    if model_type != "reward" and kind == "reward":
+    if model_type != "reward" and reward is not None:
         raise ValueError(
-            f"--model-type {model_type}, but the diff {diff.folder} has {key}, so it is a reward model: pass "
+            f"--model-type {model_type}, but the diff {diff.folder} has {reward}, so it is a reward model: pass "
             "--model-type reward."
         )
-    if kind == "unknown":
+    if reward is None and lm_head is None:
         raise ValueError(
             f"--model-type {model_type}, but the diff {diff.folder} has neither a reward_head nor an lm_head tensor: "
             "it is not a MOSS-RLHF model diff."
@@ -245,10 +228,7 @@ def _buffers(folder: TensorFolder) -> list[str]:
 
 def recovered_tensors(diff: TensorFolder, raw: TensorFolder) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tuned)`` for every tensor of the diff but the :data:`NON_PERSISTENT_BUFFERS`: ``diff + raw`` for names
-    containing ``layers``, else ``diff``.
-
-    The raw shards are visited in the diff's order; each raw tensor is read on demand (memory-mapped).
-    """
+    containing ``layers``, else ``diff``; each raw tensor is read on demand (memory-mapped), in the diff's order."""
     for name in diff.names():
         if is_non_persistent_buffer(name):
             continue
@@ -265,11 +245,9 @@ def recovered_tensors(diff: TensorFolder, raw: TensorFolder) -> Iterator[tuple[s
 
 def converted_name(name: str, model_type: ModelType) -> str | None:
     """The tensor's name in the standard class, or None when the standard class has no such tensor."""
-    if model_type == "reward":
-        if name.startswith("lm_head."):
-            return None  # the score head replaces the unembedding
-        return name.replace("reward_head.", "score.", 1) if name.startswith("reward_head.") else name
-    return None if name.startswith("reward_head.") else name
+    if name.startswith("reward_head."):
+        return name.replace("reward_head.", "score.", 1) if model_type == "reward" else None
+    return None if model_type == "reward" and name.startswith("lm_head.") else name  # score replaces the unembedding
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -376,7 +354,12 @@ def recover(
     ``max_shard_size``, a ``model_type`` that contradicts the diff's head, or a tensor missing from the diff or the raw
     checkpoint.
     """
-    _check_choices(model_type, lang, dtype)
+    from transformers import AutoConfig
+
+    choices = {"model_type": (model_type, MODEL_TYPES), "lang": (lang, LANGS), "dtype": (dtype, sorted(DTYPES))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
     target = expected_sum_for(model_type, lang, expected_sum, check)
     # Whether the target counts the non-persistent buffers: the published sums do; a given one may (None: either).
     counts_buffers = PUBLISHED_SUMS_COUNT_BUFFERS if target is not None and expected_sum is None else None
@@ -385,9 +368,18 @@ def recover(
         raise FileExistsError(f"{output} exists and is not empty; choose another output folder or remove it.")
     max_bytes = shard_size_bytes(max_shard_size)
     diff_folder, raw_folder = TensorFolder(diff), TensorFolder(raw)
-    _log_skipped(check_keys(diff_folder, raw_folder))
+    for where, names in check_keys(diff_folder, raw_folder).items():
+        if names:
+            logger.info(
+                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
+                "transformers model, not written.",
+                len(names),
+                where,
+                ", ".join(NON_PERSISTENT_BUFFERS),
+                names[0],
+            )
     check_model_type(diff_folder, model_type)
-    config = _load_config(Path(diff), Path(raw))
+    config = AutoConfig.from_pretrained(diff if (Path(diff) / "config.json").is_file() else raw)
     buffers, source = buffers_sum(diff_folder, raw_folder, config) if target is not None else (None, None)
     if counts_buffers:
         logger.info(
@@ -419,28 +411,6 @@ def recover(
         }
         (temporary / CONVERSION_INFO).write_text(json.dumps(info, indent=2))
     return output
-
-
-def _check_choices(model_type: str, lang: str, dtype: str) -> None:
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
-    if lang not in LANGS:
-        raise ValueError(f"lang must be one of {LANGS}, got {lang!r}.")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
-
-
-def _log_skipped(skipped: dict[str, list[str]]) -> None:
-    for where, names in skipped.items():
-        if names:
-            logger.info(
-                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
-                "transformers model, not written.",
-                len(names),
-                where,
-                ", ".join(NON_PERSISTENT_BUFFERS),
-                names[0],
-            )
 
 
 def check_sum(
@@ -485,12 +455,6 @@ def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) ->
             writer.add(new_name, tensor.to(dtype))
     writer.finish()
     return total
-
-
-def _load_config(diff: Path, raw: Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(diff if (diff / "config.json").is_file() else raw)
 
 
 def _write_config_and_tokenizer(config, diff: Path, raw: Path, folder: Path, model_type, lang, dtype) -> None:

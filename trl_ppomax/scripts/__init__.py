@@ -34,7 +34,7 @@ def shipped_accelerate_configs() -> list[str]:
 
 
 def resolve_config(value: str) -> str:
-    """A ``--config`` value: an existing file as is, else a shipped config by name (``tiny_cpu`` or ``tiny_cpu.yaml``)."""
+    """A ``--config`` value: an existing file as is, else a shipped config by name (``tiny_cpu``/``tiny_cpu.yaml``)."""
     if Path(value).expanduser().is_file():
         return value
     shipped = CONFIGS_DIR / (value if value.endswith((".yaml", ".yml")) else f"{value}.yaml")
@@ -46,7 +46,7 @@ def resolve_config(value: str) -> str:
 
 
 def resolve_accelerate_config(value: str) -> str:
-    """An ``--accelerate_config`` value: a short name (zero2, zero3, fsdp2, multi_gpu), a shipped file name, or a path."""
+    """An ``--accelerate_config`` value: a short name (zero2, zero3, fsdp2, multi_gpu), a shipped file, or a path."""
     name = ACCELERATE_ALIASES.get(value, value.removesuffix(".yaml"))
     shipped = ACCELERATE_CONFIGS_DIR / f"{name}.yaml"
     if "/" not in value and shipped.is_file():
@@ -60,7 +60,7 @@ def resolve_accelerate_config(value: str) -> str:
 
 
 def resolve_config_argv(argv: list[str]) -> list[str]:
-    """``argv`` with the value of ``--config`` (``--config X`` or ``--config=X``) resolved by :func:`resolve_config`."""
+    """``argv`` with the value of ``--config`` (``--config X`` or ``--config=X``) resolved (:func:`resolve_config`)."""
     out = list(argv)
     for i, item in enumerate(out):
         if item == "--config" and i + 1 < len(out):
@@ -90,3 +90,15 @@ def parse_script_args(dataclasses: tuple, argv: list[str] | None) -> tuple:
 
                 save_tiny_models(folder)
     return parsed
+
+
+def model_kwargs(model_args) -> dict:
+    """The ``from_pretrained`` keyword arguments of trl's ``ModelConfig``: revision, attention, dtype, quantisation."""
+    from trl import get_quantization_config
+
+    return dict(
+        revision=model_args.model_revision,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+        quantization_config=get_quantization_config(model_args),
+    )

@@ -32,7 +32,7 @@ from typing import Literal
 
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.data import check_local_paths, load_any_dataset, release_files, to_prompt_dataset
 from trl_ppomax.monitor import CollapseMonitor
@@ -41,7 +41,7 @@ from trl_ppomax.plan import plan
 from trl_ppomax.ppo_config import PPOMaxConfig
 from trl_ppomax.ppo_trainer import PPOMaxTrainer
 from trl_ppomax.rewards import load_reward_function
-from trl_ppomax.scripts import parse_script_args
+from trl_ppomax.scripts import model_kwargs, parse_script_args
 
 
 @dataclass
@@ -101,12 +101,7 @@ class PPOMaxScriptArguments(ScriptArguments):
 
 def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfig, peft_config):
     """Policy, reference (None under PEFT: the adapter is disabled instead), reward and value models."""
-    kwargs = dict(
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-        quantization_config=get_quantization_config(model_args),
-    )
+    kwargs = model_kwargs(model_args)
     policy_path = model_args.model_name_or_path or training_args.sft_model_path
     value_path = script_args.value_model_path or training_args.reward_model_path
     policy = AutoModelForCausalLM.from_pretrained(policy_path, **kwargs)
@@ -134,13 +129,16 @@ def load_tokenizer(policy_path: str, prompt_format: str):
 
 
 def load_prompts(script_args):
-    """Training and (optional) evaluation prompts."""
+    """Training and (optional) evaluation prompts: from ``eval_dataset_name``, else the ``*valid.json`` files of a
+    release data folder given as ``dataset_name``, else ``eval_samples`` prompts held out of the training ones."""
     train = to_prompt_dataset(
         load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     )
     if script_args.max_train_prompts:
         train = train.select(range(min(script_args.max_train_prompts, len(train))))
-    evaluation, eval_name = None, eval_source(script_args)
+    evaluation, eval_name = None, script_args.eval_dataset_name
+    if not eval_name and os.path.isdir(script_args.dataset_name) and release_files(script_args.dataset_name, "valid"):
+        eval_name = script_args.dataset_name
     if eval_name:
         eval_split = "valid" if release_files(eval_name, "valid") else "train"
         evaluation = to_prompt_dataset(load_any_dataset(eval_name, split=eval_split))
@@ -150,14 +148,6 @@ def load_prompts(script_args):
         split = train.train_test_split(test_size=script_args.eval_samples, seed=0)
         train, evaluation = split["train"], split["test"]
     return train, evaluation
-
-
-def eval_source(script_args) -> str | None:
-    """``eval_dataset_name``, or a release data folder given as ``dataset_name`` that has ``*valid.json`` files."""
-    name = script_args.dataset_name
-    if script_args.eval_dataset_name or not (os.path.isdir(name) and release_files(name, "valid")):
-        return script_args.eval_dataset_name
-    return name
 
 
 def check_combination(script_args, training_args: PPOMaxConfig, model_args: ModelConfig) -> None:

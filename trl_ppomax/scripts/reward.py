@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from accelerate import PartialState
 from datasets import DatasetDict, load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.data import check_local_paths
 from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 from trl_ppomax.reward_config import PPOMaxRewardConfig
 from trl_ppomax.reward_trainer import PPOMaxRewardTrainer
-from trl_ppomax.scripts import parse_script_args
+from trl_ppomax.scripts import model_kwargs, parse_script_args
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -61,13 +61,7 @@ def load_preferences(script_args: ScriptArguments) -> DatasetDict:
 
 def load_model(model_args: ModelConfig, training_args: PPOMaxRewardConfig):
     """The causal LM (imitation loss on) or a one-label sequence classifier (lm_loss_coef = 0)."""
-    quantization_config = get_quantization_config(model_args)
-    kwargs = dict(
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-        quantization_config=quantization_config,
-    )
+    kwargs = model_kwargs(model_args)
     if training_args.lm_loss_coef > 0:
         return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     return AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=1, **kwargs)

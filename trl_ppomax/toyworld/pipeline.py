@@ -40,11 +40,8 @@ def train_prompts(n: int = 2048, seed: int = 0) -> Dataset:
 GOLD_METRICS = {GOLD_REWARD: gold_rewards}
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# PPO in the toy world
-# --------------------------------------------------------------------------------------------------------------------
-# Every method samples the same way (temperature 1, no top-p, no repetition penalty), so that only the PPO maths
-# differs; a repetition penalty would hide the repetition collapse the world is built to show.
+# PPO in the toy world. Every method samples the same way (temperature 1, no top-p, no repetition penalty), so
+# that only the PPO maths differs; a repetition penalty would hide the repetition collapse the world is built to show.
 SAMPLING = dict(temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 METHODS: dict[str, dict] = {
     "vanilla_ppo": dict(preset="vanilla", kl_coef=0.0),  # the paper's vanilla PPO: no normalisation, no KL
@@ -107,14 +104,14 @@ def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
     if config.ptx_coef > 0:
         rows = WorldSampler(seed=config.seed).sft_rows(512)
         ptx = Dataset.from_dict({"text": [r["prompt"] + r["completion"] for r in rows]})
+    policy = AutoModelForCausalLM.from_pretrained(world.sft)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(world.reward)
     return PPOMaxTrainer(
         args=config,
         processing_class=tokenizer,
-        model=AutoModelForCausalLM.from_pretrained(world.sft),
+        model=policy,
         ref_model=None,
-        reward_model=_with_extra_rewards(
-            AutoModelForSequenceClassification.from_pretrained(world.reward), extra_rewards
-        ),
+        reward_model=[reward_model, *extra_rewards] if extra_rewards else reward_model,
         train_dataset=train_prompts(seed=config.seed),
         value_model=None,
         eval_dataset=eval_prompts(),
@@ -122,11 +119,6 @@ def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
         ptx_dataset=ptx,
         rollout_metrics=GOLD_METRICS,
     )
-
-
-def _with_extra_rewards(reward_model, extra_rewards):
-    """The reward model alone, or the list of sources ``[reward_model, *extra_rewards]``."""
-    return [reward_model, *extra_rewards] if extra_rewards else reward_model
 
 
 SUMMARY_KEYS = {

@@ -1,7 +1,5 @@
-"""Multiple-choice accuracy as an ``evaluate`` metric: the share of questions whose predicted choice index equals
-the reference index, with the counts behind it.
-
-Load it by path (works offline): ``evaluate.load("<path to this folder>")``."""
+"""Multiple-choice accuracy as an ``evaluate`` metric; load it by path (works offline):
+``evaluate.load("<path to this folder>")``."""
 
 import datasets
 import evaluate
@@ -26,8 +24,6 @@ Example:
 
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _INPUTS)
 class McqAccuracy(evaluate.Metric):
-    """correct / n over choice indices."""
-
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
             description=_DESCRIPTION,
