@@ -65,9 +65,17 @@ QUICK_METHODS = (
     "ptx_only",
 )
 STRESS_METHODS = (
-    "vanilla_ppo",
     "trl_ppo",
     "ppo_max",
+    "ppo_max_robust",
+    "ppo_max_robust_no_freeze",
+    "ppo_max_robust_no_winsorize",
+    "ppo_max_robust_no_lam_critic",
+    "ppo_max_robust_lam_alpha",
+)
+#: The paper's ablations (issue 22's grid): run them with --methods.
+PAPER_ABLATIONS = (
+    "vanilla_ppo",
     "ppo_max_no_reward_norm",
     "ppo_max_no_reward_clip",
     "ppo_max_no_critic_warmup",
@@ -110,14 +118,34 @@ def outlier_reward(seed: int, rate: float = 0.03, scale: float = 3.0, cap: float
     return reward_outliers
 
 
+class StyleDrift(TrainerCallback):
+    """A reward source whose preference between two gold-neutral styles flips halfway through the run: +``size`` for a
+    response using the word "very", −``size`` for one using "so" (0 for both or neither) until iteration
+    ``flip_at``, the opposite after. Added to the reward model's score, a reward model that drifts; also a callback,
+    which tells it the iteration."""
+
+    def __init__(self, flip_at: int, size: float = 1.0) -> None:
+        self.flip_at, self.size, self.flipped = flip_at, size, False
+        self.__name__ = "reward_drift"
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        sign = -self.size if self.flipped else self.size
+        return [sign * (("very" in c.split()) - ("so" in c.split())) for c in completions]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.flipped = state.global_step >= self.flip_at
+
+
 class Condition(NamedTuple):  # not a dataclass: the tests load this script without registering it as a module
     """A stress applied identically to every method."""
 
     description: str
     reward_weight: float = 1.0  # weight of the reward model: its scores × this
-    extra_reward: Callable[[int], Callable] | None = None  # seed → a reward function added with weight 1
+    # (seed, iterations) → a reward function added with weight 1 (also registered as a callback if it is one)
+    extra_reward: Callable[[int, int], Callable] | None = None
     lr_factor: float = 1.0  # the policy's and the critic's learning rates × this
     iterations_factor: int = 1
+    config: dict | None = None  # further config overrides
 
     @property
     def changes_reward(self) -> bool:
@@ -129,14 +157,22 @@ CONDITIONS: dict[str, Condition] = {
     "reward_scale_10": Condition("the reward model's score × 10 (reward_weights=[10])", reward_weight=10.0),
     "reward_scale_0.1": Condition("the reward model's score × 0.1 (reward_weights=[0.1])", reward_weight=0.1),
     "reward_offset_5": Condition(
-        "the reward model's score + 5 (a constant second source)", extra_reward=lambda s: offset_reward(5.0)
+        "the reward model's score + 5 (a constant second source)", extra_reward=lambda s, n: offset_reward(5.0)
     ),
     "reward_outliers": Condition(
         "+ Cauchy(0, 3) clipped to ±300 on ~3 % of responses, fixed by a hash of (seed, prompt, response)",
-        extra_reward=outlier_reward,
+        extra_reward=lambda s, n: outlier_reward(s),
     ),
     "lr_x3": Condition("the policy's and the critic's learning rates × 3", lr_factor=3.0),
     "long": Condition("3× the iterations", iterations_factor=3),
+    "long_responses": Condition(
+        "no stop token: every response is 32 tokens, scored only at its end (4× the SFT policy's length)",
+        config={"stop_token": None, "response_length": 32},
+    ),
+    "reward_drift": Condition(
+        "+1 for 'very', −1 for 'so' (gold-neutral words), the sign flipping halfway: a reward model that drifts",
+        extra_reward=lambda s, n: StyleDrift(flip_at=n // 2),
+    ),
 }
 
 
@@ -144,12 +180,13 @@ def condition_iterations(condition: str, iterations: int) -> int:
     return iterations * CONDITIONS[condition].iterations_factor
 
 
-def condition_arguments(condition: str, method: str, seed: int) -> dict:
-    """``run_method``'s ``config_overrides`` and ``extra_rewards`` for ``method`` under ``condition``."""
+def condition_arguments(condition: str, method: str, seed: int, iterations: int = STRESS_ITERATIONS) -> dict:
+    """``run_method``'s ``config_overrides``, ``extra_rewards`` and ``callbacks`` for ``method`` under ``condition``
+    in a run of ``iterations``."""
     spec = CONDITIONS[condition]
-    overrides, extra = {}, []
+    overrides, extra = dict(spec.config or {}), []
     if spec.extra_reward is not None:
-        extra = [spec.extra_reward(seed)]
+        extra = [spec.extra_reward(seed, iterations)]
         overrides["reward_weights"] = [spec.reward_weight, 1.0]
     elif spec.reward_weight != 1.0:
         overrides["reward_weights"] = [spec.reward_weight]
@@ -157,7 +194,8 @@ def condition_arguments(condition: str, method: str, seed: int) -> dict:
         base = ppo_config("unused", method, seed=seed)  # the method's rates; the critic's defaults to the policy's
         overrides["learning_rate"] = base.learning_rate * spec.lr_factor
         overrides["critic_learning_rate"] = base.effective_critic_learning_rate * spec.lr_factor
-    return {"config_overrides": overrides, "extra_rewards": extra}
+    callbacks = [f for f in extra if isinstance(f, TrainerCallback)]
+    return {"config_overrides": overrides, "extra_rewards": extra, "callbacks": callbacks}
 
 
 class _Quiet(TrainerCallback):
@@ -173,7 +211,8 @@ def run_seed(
     world, method: str, seed: int, iterations: int, condition: str | None = None, callbacks=None
 ) -> tuple[dict, dict, dict]:
     """Train ``method`` (under the stress ``condition``, if any) for ``iterations``: ``(result, sft, curves)``."""
-    arguments = condition_arguments(condition, method, seed) if condition else {}
+    arguments = condition_arguments(condition, method, seed, iterations) if condition else {}
+    callbacks = [*(callbacks or []), *arguments.pop("callbacks", [])]
     with tempfile.TemporaryDirectory() as output:
         trainer, sft, final, curves = run_method(
             world, method, output, iterations=iterations, seed=seed, callbacks=callbacks, **arguments

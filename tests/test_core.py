@@ -1084,6 +1084,10 @@ def test_public_api_is_covered():
         "clipped_policy_loss",
         "clipped_value_loss",
         "compute_gae",
+        "decoupled_gae",
+        "length_adaptive_lam",
+        "robust_location_scale",
+        "winsorize",
         "ends_with_stop",
         "entropy_from_logits",
         "entropy_loss",
@@ -1114,3 +1118,45 @@ def test_padding_with_inf_or_nan_does_not_leak_into_masked_statistics():
 def test_entropy_with_masked_vocabulary_is_finite():
     logits = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]]])
     assert_close(entropy_from_logits(logits), [[math.log(2.0)]], atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Beyond the paper (issue 24): per-response λ, decoupled GAE, length-adaptive λ, winsorised scores
+# --------------------------------------------------------------------------------------------------------------------
+def test_compute_gae_takes_one_lambda_per_response():
+    """Row 0 with λ 0.95 and row 1 with λ 0.5 (γ 1): each row equals plain GAE with its own λ.
+    Row 1 by hand: A1 = 0.7; d0 = 0.2 + 0.3 − 0.4 = 0.1 → A0 = 0.1 + 0.5·0.7 = 0.45."""
+    advantages, returns = compute_gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma=1.0, lam=t64([0.95, 0.5]))
+    assert_close(advantages, [[0.46575, 0.385, 0.3], [0.45, 0.7, 0.0]], atol=1e-12)
+    assert_close(returns, [[0.96575, 0.985, 1.0], [0.85, 1.0, 0.0]], atol=1e-12)
+
+
+def test_length_adaptive_lam_hand_values():
+    """λ = clip(1 − 1/(α·l), 0, 1) with α 0.05: l 40 → 0.5, l 100 → 0.8, l 10 → 0 (clipped), l 0 → 0."""
+    mask = torch.zeros(4, 100)
+    for row, length in enumerate((40, 100, 10, 0)):
+        mask[row, :length] = 1
+    assert_close(core.length_adaptive_lam(mask, 0.05), torch.tensor([0.5, 0.8, 0.0, 0.0]), atol=1e-6)
+
+
+def test_decoupled_gae_critic_targets_with_lambda_1_are_monte_carlo_returns():
+    """λ_critic = 1, γ = 1: R_t = Σ_{k≥t} r_k (row 0: 1, 1, 1; row 1: 1.2, 1.0), whatever the values; the policy's
+    advantages are plain GAE with λ_policy."""
+    advantages, returns = core.decoupled_gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 1.0, 0.95, lam_critic=1.0)
+    assert_close(advantages, [[0.46575, 0.385, 0.3], [0.765, 0.7, 0.0]], atol=1e-12)
+    assert_close(returns, [[1.0, 1.0, 1.0], [1.2, 1.0, 0.0]], atol=1e-12)
+    plain = core.decoupled_gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 1.0, 0.95, lam_critic=None)
+    assert_close(plain[1], compute_gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, 1.0, 0.95)[1], atol=0)
+
+
+def test_robust_location_scale_hand_values():
+    """[1, 2, 3, 4, 1000]: median 3, |x − 3| = [2, 1, 0, 1, 997] → MAD 1, scale 1.4826 (the outlier moves nothing);
+    [5, 5, 5, 9]: MAD 0, so the scale is the std, sqrt(4) = 2."""
+    assert core.robust_location_scale(torch.tensor([1.0, 2, 3, 4, 1000])) == pytest.approx((3.0, 1.4826))
+    assert core.robust_location_scale(torch.tensor([5.0, 5, 5, 9])) == pytest.approx((5.0, 2.0))
+
+
+def test_winsorize_hand_values():
+    """Center 1, scale 2, k 3: bounds [−5, 7]."""
+    scores = torch.tensor([-100.0, -5.0, 0.0, 6.9, 7.5, 300.0])
+    assert_close(core.winsorize(scores, 1.0, 2.0, 3.0), torch.tensor([-5.0, -5.0, 0.0, 6.9, 7.0, 7.0]))

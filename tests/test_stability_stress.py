@@ -159,21 +159,50 @@ def test_learning_rate_and_length_conditions(stability):
         assert stressed.effective_critic_learning_rate == pytest.approx(3 * base.effective_critic_learning_rate)
     assert stability.condition_iterations("long", 60) == 180
     assert stability.condition_iterations("reward_outliers", 60) == 60
-    assert stability.condition_arguments("long", "ppo_max", seed=0) == {"config_overrides": {}, "extra_rewards": []}
+    assert stability.condition_arguments("long", "ppo_max", seed=0) == {
+        "config_overrides": {},
+        "extra_rewards": [],
+        "callbacks": [],
+    }
+
+
+def test_long_responses_condition_has_no_stop_token(stability):
+    overrides = stability.condition_arguments("long_responses", "ppo_max", seed=0)["config_overrides"]
+    config = ppo_config("unused", "ppo_max", **overrides)
+    assert config.stop_token is None and config.stop_token_id is None and config.response_length == 32
+
+
+def test_reward_drift_flips_its_preference_halfway(stability):
+    from transformers import TrainerControl, TrainerState
+
+    arguments = stability.condition_arguments("reward_drift", "ppo_max", seed=0, iterations=60)
+    drift = arguments["extra_rewards"][0]
+    assert arguments["callbacks"] == [drift] and arguments["config_overrides"]["reward_weights"] == [1.0, 1.0]
+    completions = ["very nice cat", "so nice cat", "very so cat", "nice cat"]
+    scores = []
+    for step in (0, 29, 30, 59):
+        drift.on_step_begin(None, TrainerState(global_step=step), TrainerControl())
+        scores.append(drift(["p"] * 4, completions))
+    assert scores[0] == scores[1] == [1.0, -1.0, 0.0, 0.0]
+    assert scores[2] == scores[3] == [-1.0, 1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(
-    ("method", "field", "off"),
+    ("base", "method", "field", "off"),
     [
-        ("ppo_max_no_reward_norm", "reward_norm", "none"),
-        ("ppo_max_no_reward_clip", "reward_clip", None),
-        ("ppo_max_no_critic_warmup", "critic_warmup_steps", 0),
-        ("ppo_max_no_grad_clip", "max_grad_norm", 0.0),
-        ("ppo_max_no_kl", "kl_coef", 0.0),
+        ("ppo_max", "ppo_max_no_reward_norm", "reward_norm", "none"),
+        ("ppo_max", "ppo_max_no_reward_clip", "reward_clip", None),
+        ("ppo_max", "ppo_max_no_critic_warmup", "critic_warmup_steps", 0),
+        ("ppo_max", "ppo_max_no_grad_clip", "max_grad_norm", 0.0),
+        ("ppo_max", "ppo_max_no_kl", "kl_coef", 0.0),
+        ("ppo_max_robust", "ppo_max_robust_no_freeze", "reward_norm_freeze", False),
+        ("ppo_max_robust", "ppo_max_robust_no_winsorize", "reward_winsorize", None),
+        ("ppo_max_robust", "ppo_max_robust_no_lam_critic", "lam_critic", None),
+        ("ppo_max_robust", "ppo_max_robust_lam_alpha", "lam_alpha", 0.05),
     ],
 )
-def test_each_ablation_switches_off_exactly_one_trick(stability, method, field, off):
-    assert method in stability.STRESS_METHODS and method in METHODS
-    full, ablated = ppo_config("unused", "ppo_max"), ppo_config("unused", method)
+def test_each_ablation_changes_exactly_one_option(stability, base, method, field, off):
+    assert method in (*stability.STRESS_METHODS, *stability.PAPER_ABLATIONS) and method in METHODS
+    full, ablated = ppo_config("unused", base), ppo_config("unused", method)
     differ = [f.name for f in fields(full) if getattr(full, f.name) != getattr(ablated, f.name)]
     assert differ == [field] and getattr(ablated, field) == off

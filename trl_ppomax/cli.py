@@ -112,13 +112,15 @@ def show_env(_: argparse.Namespace) -> int:
 
 
 def show_presets(_: argparse.Namespace) -> int:
-    """Print the defaults that differ between the 'ppo_max' and 'vanilla' presets."""
+    """Print the defaults that differ between the presets ('ppo_max', 'vanilla', 'ppo_max_robust')."""
     from .ppo_config import PRESETS
 
     names = list(PRESETS)
-    print(f"{'field':<22}" + "".join(f"{n:>12}" for n in names))
+    first = max(map(len, ["field", *PRESETS[names[0]]])) + 2
+    width = max(len(n) for n in names) + 2
+    print(f"{'field':<{first}}" + "".join(f"{n:>{width}}" for n in names))
     for field in PRESETS[names[0]]:
-        print(f"{field:<22}" + "".join(f"{PRESETS[n][field]!s:>12}" for n in names))
+        print(f"{field:<{first}}" + "".join(f"{PRESETS[n][field]!s:>{width}}" for n in names))
     return 0
 
 

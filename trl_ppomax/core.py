@@ -220,6 +220,24 @@ def normalize_scores(
     return scores
 
 
+def robust_location_scale(values: torch.Tensor) -> tuple[float, float]:
+    """``(median, 1.4826·MAD)`` of ``values`` (N,): a location and a scale that a few extreme values cannot move
+    (1.4826·MAD is σ for normal data). When more than half the values are equal (MAD = 0) the scale is their std."""
+    values = values.detach().to(torch.float64).flatten()
+    median = values.median()
+    scale = 1.4826 * (values - median).abs().median()
+    if scale == 0:
+        scale = values.std() if values.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    return float(median), float(scale)
+
+
+def winsorize(scores: torch.Tensor, center: float, scale: float, k: float) -> torch.Tensor:
+    """``clip(r, c − k·s, c + k·s)``: scores (B,) beyond ``k`` scales of the center set to the bound (winsorising).
+    Applied to the raw score before it enters the running moments, it keeps a few heavy-tailed scores from inflating
+    σ, which would shrink every ordinary normalised reward (beyond the paper: its clip acts after normalisation)."""
+    return scores.clamp(center - k * scale, center + k * scale)
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (http://joschu.net/blog/kl-approx.html), (B, T).
 
@@ -256,15 +274,17 @@ def token_rewards(
 # Advantages (§3.2.2, §5.3.1)
 # --------------------------------------------------------------------------------------------------------------------
 def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over right-padded responses, (B, T) each.
 
     ``δ_t = r_t + γ·V_{t+1} − V_t`` and ``A_t = δ_t + γλ·A_{t+1}``, where ``V_{t+1}`` and ``A_{t+1}`` are 0 past the
-    last real token (no bootstrap past the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0.
+    last real token (no bootstrap past the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0. ``lam``
+    is one number or one per response, (B,) (:func:`length_adaptive_lam`).
     """
     mask = mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
+    lam = lam.to(values.dtype) if torch.is_tensor(lam) else lam
     width = rewards.shape[1]
     next_advantage = torch.zeros_like(values[:, 0])
     advantages = []
@@ -276,6 +296,33 @@ def compute_gae(
         advantages.append(next_advantage)
     advantages = torch.stack(advantages[::-1], dim=1) * mask
     return advantages, (advantages + values) * mask
+
+
+def length_adaptive_lam(mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The policy's GAE λ per response (B,) from its length ``l`` (real tokens of ``mask``, (B, T)):
+    ``λ = clip(1 − 1/(α·l), 0, 1)`` (VAPO, arXiv 2504.05118, "length-adaptive GAE"): long responses bootstrap less, so the TD errors
+    of every response carry a similar share of its score; ``α`` (0.05 there) sets the length at which λ reaches 0.5,
+    ``l = 2/α``. Responses of ``l ≤ 1/α`` get λ = 0 (one-step TD)."""
+    lengths = mask.sum(dim=1).to(torch.float32).clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+
+
+def decoupled_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam_policy: float | torch.Tensor,
+    lam_critic: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` (B, T) with separate λ for the two (decoupled GAE: VC-PPO, arXiv 2503.01491, and
+    VAPO): the policy's advantages ``A^{λ_policy}``, the critic's targets ``R = A^{λ_critic} + V``. With
+    ``λ_critic = 1`` the targets are the Monte-Carlo returns ``Σ_{k≥t} γ^{k−t} r_k``, unbiased by the critic's own
+    errors. ``lam_critic=None`` uses ``lam_policy`` for both (plain GAE, :func:`compute_gae`)."""
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam_policy)
+    if lam_critic is not None:
+        returns = compute_gae(rewards, values, mask, gamma, lam_critic)[1]
+    return advantages, returns
 
 
 def normalize_advantages(

@@ -32,6 +32,8 @@ REWARD_RUNNING_STD = "objective/reward_running_std"
 VALUES = "critic/values"
 RETURNS = "critic/returns"
 ADVANTAGES_RAW = "critic/advantages_raw"
+SCORES_WINSORIZED = "objective/scores_winsorized"  # share of raw scores clipped by reward_winsorize
+LAM_POLICY = "critic/lam_policy"  # mean GAE λ of the policy's advantages (with lam_alpha: per response)
 
 # ---- update (means over the PPO epochs' micro-batches) ----------------------------------------------------------------
 POLICY_LOSS = "loss/policy"

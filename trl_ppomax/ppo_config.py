@@ -22,13 +22,14 @@ from .core import KLEstimator, RewardNorm
 
 logger = logging.getLogger(__name__)
 
-Preset = Literal["ppo_max", "vanilla"]
+Preset = Literal["ppo_max", "vanilla", "ppo_max_robust"]
 ImportanceSampling = Literal["old_policy", "reference"]
 VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 
-# Defaults that differ between the paper's PPO-max and trl 1.12's PPO. Everything else has one default.
+# Defaults that differ between the paper's PPO-max, trl 1.12's PPO and our robust PPO-max (the paper's plus the options
+# beyond it that the stress benchmark shows helping, benchmarks/README.md). Everything else has one default.
 PRESETS: dict[str, dict[str, Any]] = {
     "ppo_max": {
         "reward_norm": "running",
@@ -42,6 +43,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.1,
         "logprob_temperature": 1.0,
         "vllm_importance_sampling_correction": True,
+        "reward_norm_freeze": False,
+        "reward_winsorize": None,
+        "lam_critic": None,
+        "lam_alpha": None,
     },
     "vanilla": {
         "reward_norm": "none",
@@ -55,7 +60,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.0,
         "logprob_temperature": None,
         "vllm_importance_sampling_correction": False,
+        "reward_norm_freeze": False,
+        "reward_winsorize": None,
+        "lam_critic": None,
+        "lam_alpha": None,
     },
+}
+#: PPO-max beyond the paper: its preset plus robust reward normalisation and a better critic.
+PRESETS["ppo_max_robust"] = {
+    **PRESETS["ppo_max"],
+    "reward_norm_freeze": True,
+    "reward_winsorize": 3.0,
+    "lam_critic": 1.0,
+    "lam_alpha": None,
 }
 
 
@@ -128,6 +145,9 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("ptx_coef", "≥ 0", "λ_ptx of the PPO-ptx loss; 0 disables it."),
     ("entropy_coef", "≥ 0", "0 disables the entropy regulariser."),
     ("vllm_importance_sampling_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
+    ("reward_winsorize", "> 0, or None", "k of the raw-score clip at k scales of the center; None disables it."),
+    ("lam_critic", "in [0, 1], or None", "The critic's GAE λ (1: Monte-Carlo returns); None uses lam."),
+    ("lam_alpha", "> 0, or None", "α of the length-adaptive policy λ = 1 − 1/(α·l); None uses lam."),
 )
 
 
@@ -392,6 +412,33 @@ class PPOMaxConfig(TrainingArguments):
             "help": "max_grad_norm clips the policy's and the critic's gradients separately ('per_model') or as one "
             "vector ('joint', the release's single DeepSpeed engine). Under DeepSpeed the engine always clips jointly."
         },
+    )
+
+    # ---- beyond the paper: robust reward normalisation and a better critic (preset "ppo_max_robust") -----------------
+    reward_norm_freeze: bool | None = _preset_field(
+        "reward_norm_freeze",
+        "Seed the reward moments with the starting policy's scores, then freeze them: they are updated only during the "
+        "first max(critic_warmup_steps, 1) iterations (sampled before the policy moves), so that later improvement is "
+        "not normalised away as the moments follow the policy (the paper keeps updating them).",
+    )
+    reward_winsorize: float | None = _preset_field(
+        "reward_winsorize",
+        "k: clip each raw score to μ ± k·σ of the reward moments (the batch's median ± k·1.4826·MAD while they are "
+        "empty) before it updates the moments and is normalised, so that a few heavy-tailed scores cannot inflate σ; "
+        "None disables it.",
+        none_is_a_value=True,
+    )
+    lam_critic: float | None = _preset_field(
+        "lam_critic",
+        "Decoupled GAE (VC-PPO, VAPO): the λ of the critic's targets, separate from the policy's; 1.0 regresses the "
+        "critic on Monte-Carlo returns. None uses the policy's λ.",
+        none_is_a_value=True,
+    )
+    lam_alpha: float | None = _preset_field(
+        "lam_alpha",
+        "Length-adaptive GAE (VAPO): the policy's λ per response is clip(1 − 1/(α·l), 0, 1) for a response of l "
+        "tokens (VAPO's α: 0.05) instead of `lam`; None uses `lam`.",
+        none_is_a_value=True,
     )
 
     # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------

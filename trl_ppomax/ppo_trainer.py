@@ -373,12 +373,14 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if self._skip_reason:
             return None, {}
         before = moments.state_dict()  # restored if the batch is skipped below
-        moments.update(rollout.scores[keep], reduce=reduce)
+        if not self._reward_moments_frozen():
+            moments.update(self._winsorized_for_moments(rollout.scores, keep)[keep], reduce=reduce)
         scores, kl = self._shape_scores(rollout)
         token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
             token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=reduce)
-        advantages, returns = core.compute_gae(token_rewards, rollout.values, mask, args.gamma, args.lam)
+        lam = args.lam if args.lam_alpha is None else core.length_adaptive_lam(mask, args.lam_alpha)
+        advantages, returns = core.decoupled_gae(token_rewards, rollout.values, mask, args.gamma, lam, args.lam_critic)
         normalised = advantages
         if args.advantage_whitening_scope == "batch":  # else per minibatch, in ppo_update
             normalised = core.normalize_advantages(
@@ -390,12 +392,39 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             return None, {}
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout, old, advantages=normalised, returns=returns, raw_advantages=advantages)
-        return experience, self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
+        metrics = self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
+        if args.lam_alpha is not None:
+            metrics[M.LAM_POLICY] = M.global_mean(lam[keep], reduce)
+        if args.reward_winsorize is not None:
+            clipped = self._winsorized_for_moments(rollout.scores, keep) != rollout.scores
+            metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], reduce)
+        return experience, metrics
+
+    def _reward_moments_frozen(self) -> bool:
+        """With ``reward_norm_freeze``: the moments stop learning after the first ``max(critic_warmup_steps, 1)``
+        iterations, whose samples come from the starting policy."""
+        seeding = max(self.args.critic_warmup_steps, 1)
+        return bool(self.args.reward_norm_freeze) and self.state.global_step >= seeding
+
+    def _winsorized_for_moments(self, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The raw scores (B,) as they enter the moments: with ``reward_winsorize`` k, clipped to μ ± k·σ of the
+        moments, or, while those are empty, to the kept batch's median ± k·1.4826·MAD over every process."""
+        moments, k = self.ppo_state.running_reward, self.args.reward_winsorize
+        if k is None:
+            return scores
+        if moments.count > 1:
+            return core.winsorize(scores, moments.mean, moments.std, k)
+        center, scale = core.robust_location_scale(kept_gather(keep, self.accelerator.gather)(scores))
+        return core.winsorize(scores, center, scale, k)
 
     def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised and clipped scores (B,) with the current running moments, and the per-token KL (B, T)."""
+        """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
+        ``reward_winsorize``), and the per-token KL (B, T)."""
         args, moments = self.args, self.ppo_state.running_reward
-        scores = core.normalize_scores(rollout.scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+        raw = rollout.scores
+        if args.reward_winsorize is not None and moments.count > 1:
+            raw = core.winsorize(raw, moments.mean, moments.std, args.reward_winsorize)
+        scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
         kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
         return scores, kl
 
