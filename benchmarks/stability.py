@@ -69,9 +69,9 @@ STRESS_METHODS = (
     "ppo_max",
     "ppo_max_robust",
     "ppo_max_robust_no_freeze",
+    "ppo_max_robust_no_winsorize",
+    "ppo_max_robust_no_lam_critic",
     "ppo_max_robust_no_lam_alpha",
-    "ppo_max_robust_winsorize",
-    "ppo_max_robust_lam_critic",
 )
 #: The paper's ablations (issue 22's grid): run them with --methods.
 PAPER_ABLATIONS = (

@@ -31,8 +31,8 @@ def test_ppo_max_has_none_of_the_options_and_ppo_max_robust_adds_them_to_it():
     differs = {k for k in PRESETS["ppo_max"] if PRESETS["ppo_max"][k] != PRESETS["ppo_max_robust"][k]}
     assert differs <= set(NEW_OPTIONS)  # everything else is the paper's PPO-max
     robust = PPOMaxConfig(output_dir="unused", preset="ppo_max_robust", report_to="none")
-    assert robust.reward_norm_freeze and robust.lam_alpha == 0.05
-    assert robust.reward_winsorize is None and robust.lam_critic is None  # measured, did not help
+    assert robust.reward_norm_freeze and robust.reward_winsorize == 3.0
+    assert robust.lam_critic == 1.0 and robust.lam_alpha == 0.05
     assert (
         PPOMaxConfig(output_dir="unused", preset="ppo_max_robust", lam_critic=None, report_to="none").lam_critic
         is None

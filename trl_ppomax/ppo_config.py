@@ -66,9 +66,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lam_alpha": None,
     },
 }
-#: PPO-max beyond the paper: its preset plus the options the stress benchmark shows helping (frozen reward moments,
-#: length-adaptive λ); `reward_winsorize` and `lam_critic` did not help there and stay off (benchmarks/README.md).
-PRESETS["ppo_max_robust"] = {**PRESETS["ppo_max"], "reward_norm_freeze": True, "lam_alpha": 0.05}
+#: PPO-max beyond the paper: its preset plus robust reward normalisation (frozen, winsorised moments) and a better
+#: critic (decoupled, length-adaptive GAE), the combination the stress benchmark shows helping (benchmarks/README.md).
+PRESETS["ppo_max_robust"] = {
+    **PRESETS["ppo_max"],
+    "reward_norm_freeze": True,
+    "reward_winsorize": 3.0,
+    "lam_critic": 1.0,
+    "lam_alpha": 0.05,
+}
 
 
 def default_bf16(fp16: bool) -> bool:
@@ -170,8 +176,9 @@ class PPOMaxConfig(TrainingArguments):
     preset: Preset = field(
         default="ppo_max",
         metadata={
-            "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max) or 'vanilla' (trl 1.12's PPO maths, for "
-            "ablations). Fields set explicitly override the preset."
+            "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max), 'vanilla' (trl 1.12's PPO maths, for "
+            "ablations) or 'ppo_max_robust' (beyond the paper: PPO-max with frozen, winsorised reward moments and "
+            "decoupled, length-adaptive GAE; benchmarks/README.md). Fields set explicitly override the preset."
         },
     )
 

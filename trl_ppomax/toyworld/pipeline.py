@@ -60,13 +60,12 @@ METHODS: dict[str, dict] = {
     "ppo_max_no_kl": dict(preset="ppo_max", kl_coef=0.0),
     # the package's ppo_max before it followed Fig. 5: advantage whitening (trl 1.12's) and λ 0.95 on top of PPO-max
     "ppo_max_whitened": dict(preset="ppo_max", whiten_advantages=True, lam=0.95),
-    # beyond the paper (issue 24): the robust preset, it minus one of its options, and it plus one the benchmark
-    # left out (benchmarks/README.md)
+    # beyond the paper (issue 24): the robust preset, and it minus one of its options
     "ppo_max_robust": dict(preset="ppo_max_robust"),
     "ppo_max_robust_no_freeze": dict(preset="ppo_max_robust", reward_norm_freeze=False),
+    "ppo_max_robust_no_winsorize": dict(preset="ppo_max_robust", reward_winsorize=None),
+    "ppo_max_robust_no_lam_critic": dict(preset="ppo_max_robust", lam_critic=None),
     "ppo_max_robust_no_lam_alpha": dict(preset="ppo_max_robust", lam_alpha=None),
-    "ppo_max_robust_winsorize": dict(preset="ppo_max_robust", reward_winsorize=3.0),
-    "ppo_max_robust_lam_critic": dict(preset="ppo_max_robust", lam_critic=1.0),
     # a check of the reward_offset_5 reading: KL-only with the critic pre-trained first (it then learns the offset)
     "trl_ppo_critic_warmup": dict(preset="vanilla", critic_warmup_steps=4),
 }
