@@ -1085,6 +1085,7 @@ def test_public_api_is_covered():
         "clipped_value_loss",
         "compute_gae",
         "decoupled_gae",
+        "nucleus_threshold",
         "length_adaptive_lam",
         "robust_location_scale",
         "winsorize",
@@ -1160,3 +1161,65 @@ def test_winsorize_hand_values():
     """Center 1, scale 2, k 3: bounds [−5, 7]."""
     scores = torch.tensor([-100.0, -5.0, 0.0, 6.9, 7.5, 300.0])
     assert_close(core.winsorize(scores, 1.0, 2.0, 3.0), torch.tensor([-5.0, -5.0, 0.0, 6.9, 7.0, 7.0]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Nucleus sampling without a full sort (issue 25)
+# --------------------------------------------------------------------------------------------------------------------
+def _random_probs(rows: int, vocab: int, seed: int, scale: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=gen) * scale).softmax(-1)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (nucleus past top_k), moderate, peaked distributions
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
+def test_nucleus_threshold_with_top_k_equals_the_full_sort(scale, top_p):
+    probs = _random_probs(64, 4096, seed=int(scale * 10), scale=scale)
+    assert torch.equal(core.nucleus_threshold(probs, top_p, top_k=32), core.nucleus_threshold(probs, top_p, None))
+
+
+def test_nucleus_threshold_keeps_ties_at_the_boundary_and_matches_the_full_sort():
+    """[0.3, 0.3, 0.2, 0.1, 0.1] with top_p 0.65: the mass before the sorted values is 0, 0.3, 0.6, 0.8 — the first
+    three are kept, τ = 0.2. With top_p 0.85 the fourth (mass before 0.8) is kept, τ = 0.1, and its tie with the
+    fifth keeps both."""
+    probs = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]] * 2)
+    for top_p, expected in ((0.65, 0.2), (0.85, 0.1)):
+        for top_k in (2, 3, None):
+            assert_close(core.nucleus_threshold(probs, top_p, top_k), torch.full((2,), expected))
+    ties = torch.full((3, 100), 0.01)  # all tied: every token is in the nucleus, whatever top_k
+    assert torch.equal(core.nucleus_threshold(ties, 0.5, top_k=8), core.nucleus_threshold(ties, 0.5, None))
+
+
+def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
+    """The same nucleus as transformers' ``TopPLogitsWarper`` (which sums the ascending probabilities, we the
+    descending ones): at most the one token at the boundary differs, where the two summation orders round apart."""
+    from transformers import TopPLogitsWarper
+
+    from trl_ppomax.rollout import NucleusFilter
+
+    gen = torch.Generator().manual_seed(3)
+    for scale in (0.5, 2.0, 6.0):
+        scores = torch.randn(32, 16384, generator=gen) * scale
+        ours = ~NucleusFilter(0.9, top_k=256)(None, scores.clone()).isinf()
+        theirs = ~TopPLogitsWarper(0.9)(None, scores.clone()).isinf()
+        assert (ours != theirs).sum(-1).max() <= 1 and (ours != theirs).sum() <= 2
+        probs = scores.softmax(-1)
+        for row in (ours != theirs).any(-1).nonzero().flatten():  # the odd token is the smallest of the larger set
+            larger = ours[row] | theirs[row]
+            odd = (ours[row] != theirs[row]).nonzero().item()
+            assert probs[row, odd] == probs[row][larger].min()
+
+
+def test_generated_tokens_penalty_equals_transformers_with_the_prompt_exempt():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from trl_ppomax.rollout import GeneratedTokensPenalty
+
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(4, 50, generator=gen)
+    input_ids = torch.randint(0, 50, (4, 9), generator=gen)
+    input_ids[:, 6] = input_ids[:, 7]  # a token generated twice
+    ours = GeneratedTokensPenalty(1.3, prompt_width=5)(input_ids, scores.clone())
+    theirs = RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=5)(input_ids, scores.clone())
+    assert torch.equal(ours, theirs)
+    assert torch.equal(GeneratedTokensPenalty(1.3, prompt_width=9)(input_ids, scores.clone()), scores)

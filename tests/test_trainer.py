@@ -290,15 +290,17 @@ def test_clipping_disabled_reports_no_clipping(tmp_path):
 
 
 def test_sampling_settings_reach_generate(tmp_path):
-    from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import TemperatureLogitsWarper
+
+    from trl_ppomax.rollout import GeneratedTokensPenalty, NucleusFilter
 
     trainer = make_trainer(tmp_path)
     kwargs = trainer._generation_kwargs(prompt_width=7)
     penalty, temperature, top_p = kwargs["logits_processor"]  # the penalty first, on the raw logits, as HF orders it
-    assert isinstance(penalty, RepetitionPenaltyLogitsProcessor) and penalty.penalty == 1.1
-    assert penalty.prompt_ignore_length == 7  # the prompt is exempt (§6.1)
+    assert isinstance(penalty, GeneratedTokensPenalty) and penalty.penalty == 1.1
+    assert penalty.prompt_width == 7  # the prompt is exempt (§6.1)
     assert isinstance(temperature, TemperatureLogitsWarper) and temperature.temperature == 0.8
-    assert isinstance(top_p, TopPLogitsWarper) and top_p.top_p == 0.9
+    assert isinstance(top_p, NucleusFilter) and top_p.top_p == 0.9
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (1.0, 1.0, 0)  # no second warper from generate
     assert kwargs["eos_token_id"] == trainer.processing_class.eos_token_id
     assert trainer._generation_kwargs(sampling=False)["do_sample"] is False

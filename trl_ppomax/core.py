@@ -344,17 +344,43 @@ def normalize_advantages(
 # Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats. An empty mask (every sample of the
 # micro-batch dropped) gives a zero loss with a zero gradient, and NaN stats.
 # --------------------------------------------------------------------------------------------------------------------
+def nucleus_threshold(probs: torch.Tensor, top_p: float, top_k: int | None = 256) -> torch.Tensor:
+    """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). The nucleus is
+    every token with ``p ≥ τ``, where τ is the last of the sorted probabilities whose preceding mass is below
+    ``top_p``: the smallest set of most likely tokens whose mass reaches ``top_p`` (tokens tied with τ all kept).
+
+    Sorts only the ``top_k`` largest probabilities of a row (``topk``, O(V + k log k)) when the mass before the k-th
+    reaches ``top_p``, so that the nucleus lies inside them; rows where it does not are sorted whole, so the result is
+    the full sort's in every case (``top_k=None`` always sorts whole).
+    """
+    vocab = probs.shape[-1]
+    k = vocab if top_k is None else min(top_k, vocab)
+    threshold, inside = _last_kept(probs.topk(k, dim=-1).values, top_p)
+    wide = ~inside  # the nucleus may reach past the k-th token: sort those rows whole
+    if k < vocab and wide.any():
+        threshold[wide] = _last_kept(probs[wide].sort(dim=-1, descending=True).values, top_p)[0]
+    return threshold
+
+
+def _last_kept(descending: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last value of each sorted row (..., n) whose preceding mass is below ``top_p`` (the first always is), and
+    whether the row's last value is outside the nucleus (so no unsorted smaller value can be inside it)."""
+    before = descending.cumsum(-1) - descending
+    kept = (before < top_p).sum(-1, keepdim=True)
+    return descending.gather(-1, kept - 1).squeeze(-1), before[..., -1] >= top_p
+
+
 def nucleus_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """log-probs (B, T) of ``tokens`` under the nucleus-sampling distribution of ``logits`` (B, T, V): softmax at
-    ``temperature``, renormalised over the smallest set of most likely tokens whose mass reaches ``top_p``:
+    ``temperature``, renormalised over the nucleus (:func:`nucleus_threshold`):
     ``log p_T(y) − log Σ_{v ∈ nucleus} p_T(v)`` (what a sampler with top-p reports as its log-prob)."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if top_p >= 1.0:
         return chosen
-    probs = logprobs.exp().sort(dim=-1, descending=True).values
-    kept = (probs.cumsum(-1) - probs) < top_p  # a token is kept while the mass before it is below top_p
-    return chosen - torch.log((probs * kept).sum(-1))
+    probs = logprobs.exp()
+    threshold = nucleus_threshold(probs, top_p)
+    return chosen - torch.log((probs * (probs >= threshold.unsqueeze(-1))).sum(-1))
 
 
 def truncated_importance_weights(

@@ -12,15 +12,10 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
-from transformers import (
-    LogitsProcessorList,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 from trl.trainer.utils import selective_log_softmax
 
-from .core import Reduce, response_mask_from_stop, sequence_perplexity
+from .core import Reduce, nucleus_threshold, response_mask_from_stop, sequence_perplexity
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +102,36 @@ class Experience:
     raw_advantages: torch.Tensor  # (B, T) GAE advantages before normalisation
 
 
+class GeneratedTokensPenalty(LogitsProcessor):
+    """CTRL's repetition penalty on the tokens generated so far, the prompt's ``prompt_width`` columns exempt (§6.1 and
+    the release): for each id ``y`` already generated, ``s_y ← s_y·θ`` if ``s_y < 0`` else ``s_y/θ``. In place, on the
+    (B, t) generated ids only: no copy of the (B, V) scores (transformers' processor pads and scatters two)."""
+
+    def __init__(self, penalty: float, prompt_width: int) -> None:
+        self.penalty, self.prompt_width = penalty, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_width :]
+        if generated.shape[1] == 0:
+            return scores
+        seen = scores.gather(1, generated)
+        return scores.scatter_(1, generated, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+
+
+class NucleusFilter(LogitsProcessor):
+    """Top-p filtering as :func:`~trl_ppomax.core.nucleus_threshold` defines it: scores below the nucleus set to −∞, in
+    place. Sorts only the ``top_k`` most likely tokens of a row unless its nucleus reaches past them (transformers'
+    ``TopPLogitsWarper`` sorts the whole vocabulary at every step)."""
+
+    def __init__(self, top_p: float, top_k: int | None = 256) -> None:
+        self.top_p, self.top_k = top_p, top_k
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = scores.float().softmax(dim=-1)
+        threshold = nucleus_threshold(probs, self.top_p, self.top_k)
+        return scores.masked_fill_(probs < threshold.unsqueeze(-1), float("-inf"))
+
+
 def generation_kwargs(
     args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True, prompt_width: int = 0
 ) -> dict:
@@ -124,13 +149,11 @@ def generation_kwargs(
     if sampling:
         processors = []
         if args.repetition_penalty != 1.0:
-            processors.append(
-                RepetitionPenaltyLogitsProcessor(args.repetition_penalty, prompt_ignore_length=prompt_width)
-            )
+            processors.append(GeneratedTokensPenalty(args.repetition_penalty, prompt_width))
         if args.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(args.temperature))
         if args.top_p < 1.0:
-            processors.append(TopPLogitsWarper(args.top_p))
+            processors.append(NucleusFilter(args.top_p))
         kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
     return kwargs
 
