@@ -121,7 +121,7 @@ def run_alternating(configs: list[tuple[str, str, str]], assets: Path, args) -> 
     results: dict[str, list[dict]] = {f"{impl}/{preset}": [] for impl, preset, _ in configs}
     for index in range(args.runs):
         for impl, preset, python in configs if index % 2 == 0 else configs[::-1]:
-            result = run(python, impl, preset, assets, args.episodes, args.response_length)
+            result = run(python, impl, preset, assets, args.episodes, args.response_length, args.no_stop_token)
             results[f"{impl}/{preset}"].append(result)
             print(
                 f"run {index}: {impl}/{preset}: {result['episodes_per_second']:.2f} episodes/s, train "
@@ -159,12 +159,14 @@ def report(results: dict, medians: dict, ratios: dict, keys: list[str], output: 
     )
 
 
-def run(python: str, impl: str, preset: str, assets: Path, episodes: int, length: int) -> dict:
-    """One worker process; ``preset`` may end with ``+vanilla_sampling`` (PPO-max maths, trl's sampling)."""
+def run(python: str, impl: str, preset: str, assets: Path, episodes: int, length: int, no_stop: bool = False) -> dict:
+    """One worker process; ``preset`` may end with ``+vanilla_sampling`` (PPO-max maths, trl's sampling); with
+    ``no_stop`` every response is ``length`` tokens (identical work for every config)."""
     name, _, variant = preset.partition("+")
     command = [python, str(HERE / "speed_worker.py"), "--impl", impl, "--preset", name, "--assets", str(assets)]
     command += ["--episodes", str(episodes), "--response-length", str(length)]
     command += ["--vanilla-sampling"] if variant == "vanilla_sampling" else []
+    command += ["--no-stop-token"] if no_stop else []
     start = time.perf_counter()
     out = subprocess.run(
         command,
@@ -190,6 +192,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=192)
     parser.add_argument("--response-length", type=int, default=48)
+    parser.add_argument(
+        "--no-stop-token", action="store_true", help="no stop token: every response is --response-length tokens"
+    )
     parser.add_argument("--output", default=str(HERE / "results" / "speed.json"))
     parser.add_argument("--vllm", action="store_true", help="HF generation vs a colocated vLLM engine")
     parser.add_argument("--vllm-python", default=str(HERE.parent / ".venv-vllm" / "bin" / "python"))

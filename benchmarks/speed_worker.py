@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=192)
     parser.add_argument("--response-length", type=int, default=48)
     parser.add_argument("--vanilla-sampling", action="store_true", help="ppomax: trl's sampling (no top-p/penalty)")
+    parser.add_argument("--no-stop-token", action="store_true", help="every response is --response-length tokens")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -106,7 +107,7 @@ def main() -> None:
         total_episodes=args.episodes,
         response_length=args.response_length,
         local_rollout_forward_batch_size=16,
-        stop_token="eos",
+        stop_token=None if args.no_stop_token else "eos",
         learning_rate=1e-5,
         num_sample_generations=0,
         logging_steps=1,
