@@ -2,19 +2,15 @@
 (which saves the optimizer, scheduler, RNG and trainer states and rotates checkpoints): the policy/critic split of
 one state dict, the PPO state (:class:`~trl_ppomax.ppo_state.PPOState`) and the run's settings.
 
-Layout of ``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top, so that
-``from_pretrained("checkpoint-N")`` loads it; ``critic/`` with the critic; ``optimizer.pt``/``scheduler.pt`` (or a
-DeepSpeed engine checkpoint); ``rng_state*.pth``; ``trainer_state.json``; ``ppo_state.json`` (counters, running
-reward moments, data position, and the settings that define the run). ``checkpoint-0`` is the initial policy, written
-when its step-0 evaluation is the best so far and the best model must be loadable (``load_best_model_at_end`` or
-``save_strategy="best"``); it is rotated, resumed and checked like any other.
+``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top (``from_pretrained``
+loads it); ``critic/``; ``optimizer.pt``/``scheduler.pt`` (or a DeepSpeed engine checkpoint); ``rng_state*.pth``;
+``trainer_state.json``; ``ppo_state.json`` (counters, reward moments, data position, run settings). ``checkpoint-0``,
+the initial policy, is written when its step-0 evaluation is the best so far and the best model must be loadable.
 
-What a run checks before its first rollout (:meth:`CheckpointMixin._start_run`), so that nothing is lost or mixed:
-``output_dir`` is writable (at init); a trainer trains once; a fresh run does not reuse a folder holding another run's
-checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless ``resume_weights_only``),
-undamaged, and was written with the same run settings (unless ``resume_allow_changes``); those refusals are in
-:mod:`~trl_ppomax.checks`. No file written here holds a token: ``training_args.bin`` is written with every secret field
-cleared (:func:`~trl_ppomax.hub.without_secrets`).
+Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.checks`): a trainer trains
+once; a fresh run does not reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is
+complete (unless ``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``).
+``output_dir`` is checked writable at init. ``training_args.bin`` is written without secrets (no token on disk).
 """
 
 from __future__ import annotations
@@ -28,14 +24,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    HubStrategy,
-    rotate_checkpoints,
-)
-from transformers.utils import (
-    PushInProgress,
-)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, rotate_checkpoints
+from transformers.utils import PushInProgress
 from transformers.utils.hub import hf_api
 
 from . import checks
@@ -75,14 +65,13 @@ class _WaitForHubPush(TrainerCallback):
 class CheckpointMixin:
     """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
-    The PPO state (``ppo_state.json``) is what ``TrainerState`` does not hold: the episode, the running reward
-    moments, the skip counters, the ptx data position and the settings that define the run. Resuming restores it
-    with the weights, the optimizer and scheduler and the RNG states, so a resumed run continues exactly as if it had
-    never stopped; :meth:`_start_run` refuses, before the first rollout, whatever would make it otherwise.
+    ``ppo_state.json`` holds what ``TrainerState`` does not: episode, running reward moments, skip counters, ptx data
+    position and run settings. Resuming restores it with the weights, optimizer, scheduler and RNG states, so a
+    resumed run continues exactly as if it had never stopped.
 
-    The contract with the trainer it is mixed into (besides ``transformers.Trainer``'s own attributes): the trainer
-    owns ``ppo_state`` (a :class:`~trl_ppomax.ppo_state.PPOState`, saved and restored here as it is) and a prompt
-    ``train_dataset`` (its size is a run setting); nothing else of the trainer's is read or written here.
+    Contract with the trainer (besides ``transformers.Trainer``'s attributes): it owns ``ppo_state`` (a
+    :class:`~trl_ppomax.ppo_state.PPOState`) and a prompt ``train_dataset`` (its size is a run setting); nothing else
+    of the trainer's is read or written here.
     """
 
     #: Settings of ``args`` that define a run: a resume with other values would change the data order, the episode
@@ -114,9 +103,7 @@ class CheckpointMixin:
 
     # -- before the first rollout -----------------------------------------------------------------------------------
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
-        """Everything ``train()`` checks before its first rollout: a trainer trains once; a fresh run does not mix
-        with another run's checkpoints in ``output_dir``; a checkpoint to resume is complete, undamaged and from a
-        run with the same settings (each refusal names the fix)."""
+        """``train()``'s checks before its first rollout (see the module docstring); each refusal names the fix."""
         if self._run_started:
             raise RuntimeError(
                 f"train() was already called on this trainer (it reached iteration {self.state.global_step}); its "
@@ -173,11 +160,8 @@ class CheckpointMixin:
     # -- saving -----------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
-        from every shard under DeepSpeed ZeRO-3 or FSDP.
-
-        The files are written into ``<folder>/.tmp-save`` first and moved into the folder only once all are written
-        (:func:`atomic_directory` with ``merge``): a crash or full disk leaves the folder as it was, and the
-        ``checkpoint-N`` folders or logs beside the model are kept."""
+        from every shard under DeepSpeed ZeRO-3 or FSDP. Written atomically (:func:`atomic_directory` with ``merge``):
+        a crash or full disk leaves the folder as it was; ``checkpoint-N`` folders or logs beside it are kept."""
         with atomic_directory(output_dir or self.args.output_dir, self.accelerator, merge=True) as folder:
             self._save_weights(folder, with_critic=False)
         if self.args.push_to_hub and not _internal_call:  # as transformers' Trainer: a user's save is pushed
@@ -289,9 +273,8 @@ class CheckpointMixin:
 
     # -- resuming ---------------------------------------------------------------------------------------------------
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
-        """Restore weights, optimizer, scheduler, counters, running moments, data position and RNG states from the
-        checkpoint :meth:`_start_run` checked (or, called alone, from ``resume_from_checkpoint`` after checking it).
-        With ``resume_weights_only`` the optimizer, scheduler and RNG states are not restored."""
+        """Restore the whole run state from the checkpoint :meth:`_start_run` checked (or, called alone, from
+        ``resume_from_checkpoint`` after checking it); with ``resume_weights_only`` not optimizer, scheduler, RNG."""
         path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
         weights_only = self.args.resume_weights_only
         with checks.reading(path, "the weights", loading=True):

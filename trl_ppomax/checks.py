@@ -1,18 +1,13 @@
 """Checks of :class:`~trl_ppomax.PPOMaxTrainer`'s inputs, run by its constructor before anything expensive.
 
-A PPO run costs hours of accelerator time, so every fault that can be seen in the arguments fails here, with a message
-that names the argument and the fix, instead of as an ``IndexError`` deep in the first rollout or as silently wrong
-training. The numeric settings are checked earlier still, when the config is built (``PPOMaxConfig._validate``).
+Every fault visible in the arguments fails here, naming the argument and the fix, instead of as an ``IndexError`` deep
+in the first rollout or as silently wrong training (numeric settings: ``PPOMaxConfig._validate``).
 
-- :func:`check_inputs`: the arguments themselves (types, missing ones, the ptx dataset, the tokenizer, the stop token);
-  models given as a path or Hub id are loaded, as TRL's trainers accept them.
-- :func:`check_model_arguments`: the models fit together (none passed twice, one PEFT wrapping, no reference beside a
-  PEFT policy).
-- :func:`prepare_and_check`: once the policy, reference and critic are built: vocabulary sizes, the stop token id,
-  the score heads, the prompt datasets (prepared, and their ids checked against the policy's vocabulary), and
-  ``metric_for_best_model``.
-- :func:`checked_checkpoint`: a checkpoint to resume is complete, undamaged and from a run with the same settings
-  (:class:`CheckpointError` naming the file or the settings and the fix), before ``train()``'s first rollout.
+- :func:`check_inputs`: types, missing arguments, ptx dataset, tokenizer, stop token; loads models given as paths.
+- :func:`check_model_arguments`: none passed twice, one PEFT wrapping, no reference beside a PEFT policy.
+- :func:`prepare_and_check`: with the models built: vocabulary sizes, stop token id, score heads, prompt datasets
+  (prepared, ids checked against the policy's vocabulary), ``metric_for_best_model``.
+- :func:`checked_checkpoint`: a checkpoint to resume is complete, undamaged and from the same settings.
 """
 
 from __future__ import annotations
@@ -65,17 +60,18 @@ _MISSING = {
 def check_inputs(
     args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None
 ) -> tuple:
-    """Check the constructor's arguments and load the models given as paths.
-
-    ``models`` maps ``model``, ``ref_model``, ``reward_model`` and ``value_model`` to what was passed. Returns
-    ``(processing_class, model, ref_model, reward_model, value_model)``: the tokenizer (loaded from ``model``'s path
-    when ``processing_class`` is None and ``model`` is a path) and the models, loaded where they were paths."""
+    """Check the constructor's arguments (``models``: ``model``, ``ref_model``, ``reward_model``, ``value_model`` as
+    passed) and load those given as paths. Returns ``(processing_class, model, ref_model, reward_model, value_model)``;
+    the tokenizer is loaded from ``model``'s path when ``processing_class`` is None."""
     if not isinstance(args, PPOMaxConfig):
         raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
     for name, value in (("model", models["model"]), ("reward_model", models["reward_model"])):
         if value is None:
             raise ValueError(f"{name} is None: {_MISSING[name]}.")
-    _check_datasets(train_dataset, eval_dataset)
+    if train_dataset is None:
+        raise ValueError(f"train_dataset is None: {_MISSING['train_dataset']}.")
+    for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
+        _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
         raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
     if processing_class is None:
@@ -93,8 +89,8 @@ def check_inputs(
 
 
 def check_model_arguments(models: dict, peft_config=None) -> None:
-    """The models passed to the constructor fit together: no model passed twice (the critic would train the reward
-    model, or the reference would move with the policy), one PEFT wrapping, no reference beside a PEFT policy."""
+    """The models fit together: none passed twice (the critic would train the reward model, or the reference move
+    with the policy), one PEFT wrapping, no reference beside a PEFT policy."""
     model, ref_model, value_model = models["model"], models["ref_model"], models["value_model"]
     if value_model is not None and value_model is models["reward_model"]:
         raise ValueError(
@@ -107,9 +103,7 @@ def check_model_arguments(models: dict, peft_config=None) -> None:
     if peft and peft_config is not None:
         raise ValueError("model is already a PEFT model; do not pass peft_config as well.")
     if (peft or peft_config is not None) and ref_model is not None:
-        raise ValueError(
-            "With a PEFT policy the reference is the model with its adapter disabled: pass ref_model=None."
-        )
+        raise ValueError("A PEFT policy's reference is the model with its adapter disabled: pass ref_model=None.")
 
 
 def _is_path(value) -> bool:
@@ -129,13 +123,6 @@ def load_model(name: str, value):
     except (OSError, ValueError) as error:
         kind = OSError if isinstance(error, OSError) else ValueError
         raise kind(f"{name}={os.fspath(value)!r} could not be loaded with {cls.__name__}: {error}") from error
-
-
-def _check_datasets(train_dataset, eval_dataset) -> None:
-    if train_dataset is None:
-        raise ValueError(f"train_dataset is None: {_MISSING['train_dataset']}.")
-    for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
-        _check_dataset_type(name, dataset)
 
 
 def _check_dataset_type(name: str, dataset) -> None:
@@ -339,8 +326,7 @@ PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed as it is: missing, incomplete, damaged, or from a run with other
-    settings. The message names the file or the settings and what to do."""
+    """A checkpoint that is missing, incomplete, damaged or from other settings; the message names what to do."""
 
 
 def checked_checkpoint(resume_from_checkpoint: str | bool, args, run_settings: dict, engine: str | None) -> str:
@@ -370,8 +356,7 @@ def checked_checkpoint(resume_from_checkpoint: str | bool, args, run_settings: d
 
 
 def read_state_files(path: str) -> dict:
-    """``ppo_state.json`` (returned) and ``trainer_state.json`` of the checkpoint ``path``, checked to be readable
-    and complete."""
+    """``ppo_state.json`` (returned) and ``trainer_state.json`` of ``path``, checked to be readable and complete."""
     with reading(path, PPO_STATE_NAME):
         saved = read_json(os.path.join(path, PPO_STATE_NAME))
         if any(key not in saved for key in PPO_STATE_KEYS):

@@ -20,8 +20,7 @@ from .rewards import decode_texts
 
 
 class EvaluationMixin:
-    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
-    phase on held-out prompts.
+    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
     The contract with the trainer (besides ``transformers.Trainer``'s own attributes): it calls the trainer's
     ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.rollout.Rollout`, ``_shape_scores(rollout)``
@@ -37,9 +36,8 @@ class EvaluationMixin:
     ) -> dict[str, float]:
         """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
         raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``). The
-        torch random state is restored afterwards, so evaluating does not change what training samples next.
-
-        A dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
+        torch random state is restored afterwards, so evaluating does not change what training samples next. A
+        dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
         checked); a dict of datasets (here or the trainer's) is evaluated one by one, logged as
         ``eval_<name>_<metric>``; a name (as the Trainer passes it) picks one of the trainer's datasets."""
         datasets = self.eval_dataset if eval_dataset is None else eval_dataset

@@ -10,9 +10,7 @@ the last assistant reply. The converted row is::
         "rejected": [{"role": "assistant", "content": ...}],
     }
 
-which TRL's reward/DPO trainers (and ``trl.apply_chat_template``) take as it is.
-
-Example::
+which TRL's reward/DPO trainers (and ``trl.apply_chat_template``) take as it is. Example::
 
     >>> from datasets import load_dataset
     >>> from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
@@ -44,10 +42,9 @@ def _snippet(text: str, limit: int = 80) -> str:
 def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
     """Split an HH-RLHF dialogue into chat messages.
 
-    Turns start at the markers ``"\\n\\nHuman:"`` (role ``"user"``) and ``"\\n\\nAssistant:"`` (role
-    ``"assistant"``); each turn's content is the text up to the next marker, with surrounding whitespace stripped
-    (paragraph breaks inside a turn are kept). A missing ``"\\n\\n"`` before the very first ``"Human:"`` is
-    tolerated, and so are empty replies (content ``""``).
+    Turns start at ``"\\n\\nHuman:"`` (role ``"user"``) and ``"\\n\\nAssistant:"`` (``"assistant"``); a turn's
+    content is the text up to the next marker, stripped. The first ``"Human:"`` may lack its ``"\\n\\n"``; empty
+    replies are allowed.
 
     Raises:
         ValueError: if the text has no Human turn, has text before the first one, its roles do not alternate
@@ -60,8 +57,7 @@ def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
     """
     if not isinstance(text, str):
         raise ValueError(f"An HH-RLHF dialogue must be a string, got {type(text).__name__}.")
-    # Normalise the start so that a leading "Human:" (without "\n\n") is a marker too.
-    parts = _TURN_SPLIT.split("\n\n" + text.lstrip())
+    parts = _TURN_SPLIT.split("\n\n" + text.lstrip())  # so that a leading "Human:" is a marker too
     if len(parts) == 1 or "Human" not in parts[1::2]:
         raise ValueError(f"No '\\n\\nHuman:' turn in the HH-RLHF dialogue {_snippet(text)}.")
     if parts[0].strip():
@@ -86,10 +82,8 @@ def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
 
 
 def hh_rlhf_to_preference(example: Mapping[str, Any]) -> dict[str, list[dict[str, str]]]:
-    """Convert one raw HH-RLHF row to ``{"prompt", "chosen", "rejected"}`` conversational messages.
-
-    The prompt is the shared dialogue up to and including the last human turn; ``chosen`` and ``rejected`` hold the
-    final assistant reply of each dialogue. Other keys of ``example`` are not kept.
+    """Convert one raw HH-RLHF row to ``{"prompt", "chosen", "rejected"}`` conversational messages: the shared
+    dialogue up to the last human turn, and each dialogue's final assistant reply. Other keys are not kept.
 
     Raises:
         ValueError: if either dialogue does not parse (see :func:`parse_hh_dialogue`) or the two do not share the
@@ -131,10 +125,8 @@ def _looks_like_hh(text: Any) -> bool:
 
 
 def is_hh_rlhf(dataset_or_example: Dataset | IterableDataset | DatasetDict | Mapping[str, Any]) -> bool:
-    """Whether a dataset (judged by its first row) or a single row is raw HH-RLHF.
-
-    True when there are ``chosen`` and ``rejected`` string columns holding ``"Human:"`` dialogues and no ``prompt``
-    column (other columns are allowed). An empty dataset is not HH-RLHF; a ``DatasetDict`` is when all its splits are.
+    """Whether a dataset (judged by its first row) or a single row is raw HH-RLHF: ``chosen`` and ``rejected``
+    ``"Human:"`` dialogues, no ``prompt``. An empty dataset is not; a ``DatasetDict`` is when all its splits are.
 
     Example::
 
@@ -160,11 +152,8 @@ def is_hh_rlhf(dataset_or_example: Dataset | IterableDataset | DatasetDict | Map
 
 
 def convert_hh_rlhf(dataset: Dataset, num_proc: int | None = None) -> Dataset:
-    """Convert a raw HH-RLHF dataset with :func:`hh_rlhf_to_preference`, dropping all its other columns.
-
-    The result has the columns ``prompt``, ``chosen`` and ``rejected`` (:data:`PREFERENCE_FEATURES`), also when
-    ``dataset`` is empty. A row that does not convert stops the conversion with a ``ValueError`` naming its index;
-    no row is dropped.
+    """Convert a raw HH-RLHF dataset with :func:`hh_rlhf_to_preference` to :data:`PREFERENCE_FEATURES` (also when
+    empty), dropping other columns. A row that does not convert raises a ``ValueError`` naming its index.
 
     Example::
 

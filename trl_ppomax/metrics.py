@@ -1,9 +1,8 @@
 """Every metric name trl-ppomax logs, in one place.
 
-The trainer logs these names; :class:`~trl_ppomax.CollapseMonitor`, :mod:`~trl_ppomax.plotting`, the toy world and
-the benchmarks read them through these constants, so a rename cannot silently leave a reader behind (a test checks
-that everything the readers need is logged). Evaluation logs the per-response names with the ``eval_`` prefix
-(:func:`eval_name`). The glossary is the README's "Metrics" section.
+The trainer logs them; :class:`~trl_ppomax.CollapseMonitor`, plotting, the toy world and the benchmarks read them
+through these constants, so a rename cannot leave a reader behind (a test checks it). Evaluation adds the ``eval_``
+prefix (:func:`eval_name`). The glossary is the README's "Metrics" section.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
 #: The run-state counters (``PPOState.counters``): saved in ``ppo_state.json`` and logged as they stand.
 COUNTERS = (SKIPPED_ITERATIONS, SKIPPED_IN_A_ROW, SKIPPED_SAMPLES, SKIPPED_UPDATES)
 
-# ---- with use_vllm (TRL GRPO's names): the gap between vLLM's sampling log-probs and the HF forward's, the truncated
-# importance weights, and the engine's time per iteration (weight sync, generation)
+# ---- with use_vllm (TRL GRPO's names): vLLM-vs-HF log-prob gap, truncated importance weights, engine seconds
 SAMPLING_LOGP_DIFF_MEAN = "sampling/sampling_logp_difference/mean"
 SAMPLING_LOGP_DIFF_MAX = "sampling/sampling_logp_difference/max"
 IS_RATIO_MIN = "sampling/importance_sampling_ratio/min"
@@ -108,8 +106,7 @@ def eval_name(name: str, prefix: str = "eval") -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Computing them (cross-process reductions are injected: ``reduce`` sums a tensor over processes, ``gather``
-# concatenates one)
+# Computing them (injected cross-process reductions: ``reduce`` sums a tensor over processes, ``gather`` concatenates)
 # --------------------------------------------------------------------------------------------------------------------
 def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
     """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the

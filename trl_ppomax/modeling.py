@@ -1,12 +1,8 @@
 """Models: the policy + critic wrapper and how logits, values and scores are read from a model.
 
-This is the one place a new model family is taught: :func:`backbone_and_head` finds the transformer body and the
-scalar head of a ``*ForSequenceClassification`` model (reward model and critic); the rest reads through it.
-
-Sequences are laid out as ``[query (left-padded, width L) | response (right-padded, width T)]``. The logits and the
-value for response token ``t`` are read at position ``L − 1 + t`` (the state before the token); the score where the
-model itself reads it (:func:`score_position`: the last real token, or the one before a trailing eos when
-``pad == eos``).
+A new model family is taught in :func:`backbone_and_head` (body and scalar head of a ``*ForSequenceClassification``).
+Sequences are ``[query (left-padded, width L) | response (right-padded, width T)]``; the logits and value for
+response token ``t`` are read at position ``L − 1 + t``, the score where the model reads it (:func:`score_position`).
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ class PolicyAndCritic(nn.Module):
     """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both.
 
     ``forward`` returns the response logits (B, T, V), the values (B, T) and, when ``ptx_inputs`` is given, the
-    policy's logits on that pre-training batch. trl 1.12's names ``policy`` and ``value_model`` both work.
-    """
+    policy's logits on that pre-training batch. trl 1.12's names ``policy`` and ``value_model`` both work."""
 
     def __init__(self, policy: nn.Module, critic: nn.Module) -> None:
         super().__init__()
@@ -89,10 +84,8 @@ def _accepts(module: nn.Module, argument: str) -> bool:
 
 
 def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
-    """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2``.
-
-    Asks the model for the last ``T + 1`` positions only (``logits_to_keep``) when it supports it.
-    """
+    """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2`` (only the last ``T + 1``
+    asked for, ``logits_to_keep``, when the model supports it)."""
     extra = {"logits_to_keep": response_width + 1} if _accepts(model, "logits_to_keep") else {}
     logits = model(**inputs, use_cache=False, **extra).logits
     return logits[:, -response_width - 1 : -1]
@@ -133,14 +126,10 @@ def score_position(
 ) -> torch.Tensor:
     """Index (B,) of the token a ``*ForSequenceClassification`` ``model`` reads its score at: the model's own rule.
 
-    transformers' sequence-classification forward reads the rightmost position whose id is not
-    ``config.pad_token_id``, whatever the padding side. So with a dedicated pad token that is the last real token (a
-    response's stop token included), while with ``pad == eos`` (trl's default when the tokenizer has no pad, e.g.
-    LLaMA) a sequence ending in eos is read at the token *before* its trailing eos(s), as trl's ``RewardTrainer``
-    trains it. Positions with ``attention_mask == 0`` are skipped too, which changes nothing when the padding uses the
-    config's pad id and reads what the model would read had it been padded that way when it does not. Without a pad
-    id in the config the model reads the last position (batches of one only); here, the last attended position (the
-    last position when there is no mask). A row with no readable token gives 0, as transformers does.
+    transformers reads the rightmost position whose id is not ``config.pad_token_id``: with a dedicated pad token the
+    last real token, with ``pad == eos`` (trl's default without a pad, e.g. LLaMA) the token *before* trailing eos(s),
+    as trl's ``RewardTrainer`` trains it. Positions with ``attention_mask == 0`` are skipped too. Without a pad id in
+    the config: the last attended position. A row with no readable token gives 0, as transformers does.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
@@ -156,9 +145,7 @@ def score_position(
 
 def sequence_scores(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Reward-model score (B,) of query ⊕ response ``inputs``, read where the model itself reads it
-    (:func:`score_position`): the same token as ``model(**inputs).logits`` and as the reward trainer, so in every
-    padding set-up. With a dedicated pad token that is the last real response token (the stop token when present);
-    with ``pad == eos``, the token before a trailing eos."""
+    (:func:`score_position`): the same token as ``model(**inputs).logits`` and the reward trainer, in every padding."""
     backbone, head = backbone_and_head(model)
     hidden = backbone(**inputs, use_cache=False).last_hidden_state
     last = score_position(model, inputs["input_ids"], inputs.get("attention_mask"))
@@ -212,10 +199,8 @@ def check_single_label(model) -> None:
 
 
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
-    """``(policy, reference, critic)`` from the trainer's arguments: PEFT wrapping and adapter choice, the reference
-    (a frozen copy, or None for PEFT), the critic (``value_model`` or a copy of the reward model), dropout off in
-    every model (PPO's ratio must be 1 before the first step), one output for the scorers. The arguments were
-    checked by :func:`~trl_ppomax.checks.check_model_arguments`."""
+    """``(policy, reference, critic)`` from the trainer's arguments (checked by
+    :func:`~trl_ppomax.checks.check_model_arguments`), with dropout off everywhere (PPO's ratio must start at 1)."""
     policy, reference = policy_and_reference(model, ref_model, peft_config)
     if is_peft(policy) and args.model_adapter_name:
         policy.set_adapter(args.model_adapter_name)
@@ -289,9 +274,8 @@ def reference_policy(ref_model: nn.Module | None, policy: nn.Module, ref_adapter
 
 @contextmanager
 def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
-    """Under FSDP2, the root units of ``models`` gathered (embeddings, final norm, heads: what no layer unit holds),
-    so that their submodules can be called on their own — ``policy.generate``, a backbone and its score head —
-    rather than only through the root's ``forward``; layer units still gather themselves. A no-op otherwise."""
+    """Under FSDP2, the root units of ``models`` gathered (embeddings, final norm, heads) so that submodules can be
+    called on their own (``policy.generate``, a backbone and its score head). A no-op otherwise."""
     from torch.distributed.fsdp import FSDPModule
 
     roots = [model for model in models if isinstance(model, FSDPModule)]

@@ -1,5 +1,5 @@
-"""Optimisation of the policy and the critic: parameter groups, gradient clipping, and the learning-rate schedules
-around critic warm-up, one optimizer step. Orchestration helpers for :class:`~trl_ppomax.PPOMaxTrainer`; the losses are in ``core``."""
+"""Optimisation of the policy and the critic for :class:`~trl_ppomax.PPOMaxTrainer` (the losses are in ``core``):
+parameter groups, gradient clipping, the learning-rate schedules around critic warm-up, one optimizer step."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ MODELS = ("policy", "critic")
 
 
 def param_groups(wrapper: nn.Module, decay: set[str], args) -> list[dict]:
-    """Optimizer parameter groups of the trainable parameters of ``wrapper.policy`` and ``wrapper.critic``: per model
-    (its own learning rate, §5.4, and optionally its own Adam ``eps``, as the release's 1e-6 / 1e-8) and per with or
-    without weight decay (``decay`` = the parameter names that get it). Each group is tagged ``"model"``."""
+    """Parameter groups of the trainable parameters of ``wrapper.policy`` and ``wrapper.critic``, tagged ``"model"``:
+    per model (own learning rate, §5.4; optional own Adam ``eps``, as the release's 1e-6 / 1e-8) and per decay or not
+    (``decay`` = the parameter names that get weight decay)."""
     learning_rates = {"policy": args.learning_rate, "critic": args.effective_critic_learning_rate}
     eps = {"critic": args.critic_adam_epsilon} if args.critic_adam_epsilon is not None else {}
     weight_decay = args.weight_decay
@@ -36,13 +36,10 @@ def param_groups(wrapper: nn.Module, decay: set[str], args) -> list[dict]:
 def clip_gradients(
     accelerator, wrapper: nn.Module, max_norm: float, scope: str, critic_only: bool
 ) -> dict[str, torch.Tensor]:
-    """Clip the gradients (App. C.2) and return their norms before clipping, ``{metric name: norm}``.
-
-    ``scope="per_model"``: the policy's and the critic's gradients are clipped separately (``policy/grad_norm``,
-    ``critic/grad_norm``); ``"joint"``: as one vector (``grad_norm``), as the release's single engine did.
-    ``max_norm`` 0 only measures. With ``critic_only`` the policy's gradients are dropped first (critic warm-up), so
-    the optimizer leaves the policy (and its Adam state) untouched.
-    """
+    """Clip the gradients (App. C.2); returns their norms before clipping, ``{metric name: norm}``. ``scope``
+    ``"per_model"`` clips policy and critic separately (``policy/grad_norm``, ``critic/grad_norm``), ``"joint"`` as
+    one vector (``grad_norm``, the release's single engine). ``max_norm`` 0 only measures. ``critic_only`` (critic
+    warm-up) drops the policy's gradients first, so the optimizer leaves the policy and its Adam state untouched."""
     from .metrics import CRITIC_GRAD_NORM, GRAD_NORM, POLICY_GRAD_NORM
 
     if critic_only:
@@ -72,11 +69,9 @@ def deepspeed_step(engine) -> tuple[dict[str, torch.Tensor], bool]:
 
 
 def restart_policy_adam(optimizer) -> None:
-    """Reset the Adam step counter of the policy's parameters to 0 when the policy starts training after critic
-    warm-up. Under DeepSpeed the policy's gradients during warm-up are zeros, not absent, so the engine's optimizer
-    advanced its step counter while its moments stayed 0; left as it is, Adam's bias correction would make the
-    policy's first updates several times too large. Exact, since the moments are 0. A no-op where the policy's
-    parameters had no gradient (no state)."""
+    """Reset the policy's Adam step counter to 0 when it starts training after critic warm-up: under DeepSpeed its
+    warm-up gradients are zeros, not absent, so the step advanced while the moments stayed 0, and bias correction
+    would make the first updates several times too large. Exact (moments are 0); a no-op without state."""
     for model, state in adam_states(optimizer):
         if model == "policy" and "step" in state:
             state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
@@ -102,10 +97,8 @@ def adam_states(optimizer) -> list[tuple[str, dict]]:
 
 
 def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):
-    """``scheduler`` with critic warm-up taken into account (a ``LambdaLR``; other schedulers are left alone): the
-    policy's learning rate is 0 while only the critic trains, so that no engine moves it (not even by weight decay,
-    which AdamW applies as ``lr · wd · θ``), and with ``critic_warmup_replaces_lr_warmup`` the schedules are shifted
-    by :func:`after_critic_warmup`."""
+    """A ``LambdaLR`` ``scheduler`` (others are left alone) with the policy's learning rate 0 during critic warm-up,
+    so no engine moves it (not even AdamW's weight decay ``lr · wd · θ``), shifted by :func:`after_critic_warmup`."""
     if not (args.critic_warmup_steps and isinstance(scheduler, LambdaLR)):
         return scheduler
     critic_steps = args.critic_warmup_steps * args.num_ppo_epochs * args.num_mini_batches
@@ -130,11 +123,8 @@ def after_critic_warmup(
             return lambda step: 0.0 if step < critic_steps else base(step - offset)
         return (lambda step: base(max(step, warmup_steps))) if replace_lr_warmup else base
 
-    lambdas = [
-        shifted(base, group.get("model", "policy"))
-        for base, group in zip(scheduler.lr_lambdas, optimizer.param_groups, strict=True)
-    ]
-    return LambdaLR(optimizer, lambdas)
+    models = [group.get("model", "policy") for group in optimizer.param_groups]
+    return LambdaLR(optimizer, [shifted(base, m) for base, m in zip(scheduler.lr_lambdas, models, strict=True)])
 
 
 def optimizer_step(model_wrapped, accelerator, optimizer, lr_scheduler, args, critic_only: bool) -> dict | None:

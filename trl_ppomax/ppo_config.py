@@ -1,9 +1,8 @@
 """PPOMaxConfig: every field of trl 1.12's ``PPOConfig`` (same names, defaults and meaning) plus the PPO-max fields.
 
-Fields whose default depends on the ``preset`` are declared with ``None`` (or :data:`FROM_PRESET` where ``None`` is a
-value, "off") and resolved once in ``__post_init__`` from :data:`PRESETS`, the one table of those defaults (rendered in
-each field's help, ``trl-ppomax presets`` and the README); a value the user sets explicitly always wins. Their help text is generated from the same table, and
-the class docstring from the help texts, so documentation cannot drift from behaviour.
+Preset-dependent fields default to ``None`` (or :data:`FROM_PRESET` where ``None`` means "off"), resolved in
+``__post_init__`` from :data:`PRESETS`, the one table of those defaults; an explicit value always wins. Help texts and
+the class docstring are generated from it, so documentation cannot drift from behaviour.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 
-# Defaults that differ between the paper's PPO-max, trl 1.12's PPO and our robust PPO-max (the paper's plus the options
-# beyond it that the stress benchmark shows helping, benchmarks/README.md). Everything else has one default.
+# Defaults that differ between the paper's PPO-max, trl 1.12's PPO and our robust PPO-max; the rest have one default.
 PRESETS: dict[str, dict[str, Any]] = {
     "ppo_max": {
         "reward_norm": "running",
@@ -66,8 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "lam_alpha": None,
     },
 }
-#: PPO-max beyond the paper: its preset plus robust reward normalisation (frozen, winsorised moments) and a better
-#: critic (decoupled, length-adaptive GAE), the combination the stress benchmark shows helping (benchmarks/README.md).
+#: Beyond the paper: PPO-max plus frozen, winsorised reward moments and decoupled, length-adaptive GAE, the combination
+#: the stress benchmark shows helping (benchmarks/README.md).
 PRESETS["ppo_max_robust"] = {
     **PRESETS["ppo_max"],
     "reward_norm_freeze": True,
@@ -82,14 +80,9 @@ def default_bf16(fp16: bool) -> bool:
     return not fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def _preset_help(name: str, text: str) -> str:
-    defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
-    return f"{text} Default: {defaults}."
-
-
 class _FromPreset:
-    """The default of a preset field for which ``None`` is a value of its own ("off"): a named marker, replaced once in
-    ``__post_init__`` by the preset's value (:data:`PRESETS`). Not a string, so argument parsers pass it through."""
+    """Default of a preset field where ``None`` means "off"; replaced in ``__post_init__`` by the preset's value. Not a
+    string, so argument parsers pass it through."""
 
     def __repr__(self) -> str:
         return "<from preset>"
@@ -99,9 +92,9 @@ FROM_PRESET = _FromPreset()
 
 
 def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
-    """A field whose default comes from the preset; unset is ``None``, or :data:`FROM_PRESET` when ``None`` is a
-    value of its own (e.g. "off")."""
-    return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": _preset_help(name, text)})
+    """A field whose default comes from the preset; unset: ``None``, or :data:`FROM_PRESET` if ``None`` means "off"."""
+    defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
+    return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": f"{text} Default: {defaults}."})
 
 
 #: The tests behind the allowed values a range rule names.
@@ -153,8 +146,7 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
 
 
 def _check_range(name: str, value: Any, allowed: str, hint: str) -> None:
-    """Raise a ``ValueError`` naming ``name``, the ``allowed`` values and the ``hint`` unless ``value`` is a finite
-    number in range (or None, where ``allowed`` says so)."""
+    """A ``ValueError`` naming ``name``, ``allowed`` and ``hint`` unless ``value`` is finite and allowed (or None)."""
     if value is None and allowed.endswith("or None"):
         return
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -188,8 +180,7 @@ class PPOMaxConfig(TrainingArguments):
         default=10, metadata={"help": "Log every X PPO iterations (a float in (0, 1) is a ratio of all iterations)."}
     )
     bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision; defaults to True on a GPU that supports it unless fp16 is set."},
+        default=None, metadata={"help": "bf16 mixed precision; default: True on a GPU supporting it, unless fp16."}
     )
     max_grad_norm: float | None = _preset_field(
         "max_grad_norm",
@@ -229,8 +220,7 @@ class PPOMaxConfig(TrainingArguments):
         none_is_a_value=True,
     )
     missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from the score of a response that does not end with the stop token (≥ 0)."},
+        default=None, metadata={"help": "Subtracted from the score of a response without the stop token (≥ 0)."}
     )
     sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the SFT model."})
     reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the reward model."})
@@ -270,35 +260,28 @@ class PPOMaxConfig(TrainingArguments):
 
     # ---- prompts and evaluation ----------------------------------------------------------------------------------
     max_prompt_length: int | None = field(
-        default=None,
-        metadata={"help": "Longest prompt in tokens; default: the policy's context minus response_length."},
+        default=None, metadata={"help": "Longest prompt in tokens; None: the policy's context minus response_length."}
     )
     truncate_long_prompts: bool = field(
         default=True,
         metadata={
-            "help": "A prompt still longer than max_prompt_length after dropping whole oldest turns is never cut: True "
-            "keeps it whole while it and response_length fit the policy's context and skips longer ones (counted in a "
-            "warning), as the MOSS-RLHF release does; False raises."
+            "help": "A prompt over max_prompt_length after dropping oldest turns is never cut: True keeps it if it "
+            "fits the context with response_length, else skips it (counted in a warning), as MOSS-RLHF; False raises."
         },
     )
     eval_do_sample: bool = field(
-        default=False,
-        metadata={"help": "Evaluation responses are sampled like rollouts (True) or greedy (False)."},
+        default=False, metadata={"help": "Evaluation responses: sampled like rollouts (True) or greedy (False)."}
     )
 
     # ---- safety: reusing folders, resuming, bad numbers ------------------------------------------------------------
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={
-            "help": "Start a fresh run in an output_dir that already holds checkpoints (they are deleted first); "
-            "otherwise such a folder is refused, so that two runs never mix."
-        },
+        metadata={"help": "Start afresh in an output_dir holding checkpoints (deleted first); else it is refused."},
     )
     resume_weights_only: bool = field(
         default=False,
         metadata={
-            "help": "Resume from a checkpoint without optimizer, scheduler or RNG states (a fresh Adam and schedule); "
-            "otherwise a checkpoint missing them is refused."
+            "help": "Resume without optimizer, scheduler or RNG states (fresh Adam and schedule); else refused."
         },
     )
     resume_allow_changes: bool = field(
@@ -310,10 +293,7 @@ class PPOMaxConfig(TrainingArguments):
     )
     max_skipped_iterations: int = field(
         default=3,
-        metadata={
-            "help": "Stop with an error after this many consecutive iterations skipped for non-finite numbers "
-            "(a batch whose rewards are all non-finite, a non-finite value or log-prob)."
-        },
+        metadata={"help": "Stop with an error after this many consecutive iterations skipped for non-finite numbers."},
     )
     reward_weights: list[float] | None = field(
         default=None,
@@ -325,19 +305,14 @@ class PPOMaxConfig(TrainingArguments):
 
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
     num_total_batches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Derived by the trainer from total_episodes (written back, as trl 1.12 did): PPO iterations."
-        },
+        default=None, metadata={"help": "Derived: PPO iterations, from total_episodes (written back as trl 1.12 did)."}
     )
     micro_batch_size: int | None = field(
         default=None, metadata={"help": "Derived: per_device_train_batch_size × world_size."}
     )
     local_batch_size: int | None = field(
         default=None,
-        metadata={
-            "help": "Derived: rollout batch per process, per_device × gradient_accumulation × num_mini_batches."
-        },
+        metadata={"help": "Derived: per-process rollout batch = per_device × grad_accumulation × num_mini_batches."},
     )
     batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
     local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
@@ -382,16 +357,11 @@ class PPOMaxConfig(TrainingArguments):
     # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
     importance_sampling: ImportanceSampling = field(
         default="old_policy",
-        metadata={
-            "help": "Denominator of the PPO ratio: the rollout ('old') policy, or the reference model (§5.3.2, "
-            "'importance sampling' ablation)."
-        },
+        metadata={"help": "PPO ratio's denominator: the rollout ('old') policy or the reference model (§5.3.2)."},
     )
     critic_learning_rate: float | None = field(
         default=None,
-        metadata={
-            "help": "Separate critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."
-        },
+        metadata={"help": "Critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."},
     )
     critic_warmup_steps: int | None = _preset_field(
         "critic_warmup_steps",
@@ -446,9 +416,7 @@ class PPOMaxConfig(TrainingArguments):
     # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
     ptx_coef: float = field(
         default=0.0,
-        metadata={
-            "help": "λ_ptx of PPO-ptx: weight of the LM loss on `ptx_dataset` (§3.2.3 eq. 17, §5.4); needs one."
-        },
+        metadata={"help": "λ_ptx of PPO-ptx: weight of the LM loss on ptx_dataset (needed; §3.2.3 eq. 17, §5.4)."},
     )
     ptx_assistant_only: bool = field(
         default=True,
@@ -462,10 +430,7 @@ class PPOMaxConfig(TrainingArguments):
     )
     entropy_target: float | None = field(
         default=None,
-        metadata={
-            "help": "With entropy_coef > 0: None = plain bonus −H; a number H* = the release's clipped form |H − H*| "
-            "(App. B.3)."
-        },
+        metadata={"help": "With entropy_coef > 0: None = bonus −H; H* = the release's clipped |H − H*| (App. B.3)."},
     )
 
     # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
@@ -496,8 +461,7 @@ class PPOMaxConfig(TrainingArguments):
         default="vllm", metadata={"help": "vLLM's model implementation: 'vllm' or 'transformers'."}
     )
     vllm_server_base_url: str | None = field(
-        default=None,
-        metadata={"help": "server: its URL, e.g. http://localhost:8000 (host and port are then ignored)."},
+        default=None, metadata={"help": "server: its URL, e.g. http://localhost:8000 (overrides host and port)."}
     )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "server: host."})
     vllm_server_port: int = field(default=8000, metadata={"help": "server: port."})
@@ -543,8 +507,7 @@ class PPOMaxConfig(TrainingArguments):
                 setattr(self, name, value)
 
     def _validate(self) -> None:
-        """Reject, at construction, every setting that would crash late or train silently wrong; each message names
-        the field, the allowed values and what to set instead."""
+        """Reject settings that would crash late or train silently wrong, naming the field, allowed values and fix."""
         for name, allowed, hint in _RANGE_RULES:
             _check_range(name, getattr(self, name), allowed, hint)
         if self.stop_token is not None and self.stop_token_id is not None:
@@ -588,9 +551,8 @@ class PPOMaxConfig(TrainingArguments):
         return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     def set_run_length(self, dataset_size: int) -> None:
-        """Derive ``total_episodes`` (when unset: ``num_train_epochs`` × ``dataset_size``) and ``num_total_batches``
-        (PPO iterations) for a prompt dataset of ``dataset_size`` prompts and write them back, as trl 1.12's trainer
-        did, so that scripts reading ``trainer.args.num_total_batches`` keep working."""
+        """Write back ``total_episodes`` (if unset: ``num_train_epochs`` × ``dataset_size``) and ``num_total_batches``
+        (PPO iterations), as trl 1.12's trainer did, for scripts reading ``trainer.args.num_total_batches``."""
         if dataset_size < self.batch_size:
             raise ValueError(
                 f"The training dataset has {dataset_size} prompts, fewer than one rollout batch "

@@ -2,10 +2,9 @@
 
 ``L = −E[log σ(r(x, y_w) − r(x, y_l))] + β_rm · E[−log p_LM(y_w | x)]``
 
-The model trained is a standard ``*ForSequenceClassification`` (``num_labels=1``) whose body is shared with the
-causal LM's head, attached as the submodule ``lm_head``; the LM logits come from the same forward pass (the last
-hidden state, which also feeds the score head). The saved checkpoint leaves ``lm_head`` out, so it is a plain
-sequence-classification model that TRL, ``PPOMaxTrainer`` and ``transformers.pipeline`` load without custom code.
+The model trained is a ``*ForSequenceClassification`` (``num_labels=1``) with the causal LM's head attached as
+``lm_head``, reading the same last hidden state as the score head. Checkpoints leave ``lm_head`` out, so TRL,
+``PPOMaxTrainer`` and ``transformers.pipeline`` load them without custom code.
 """
 
 from __future__ import annotations
@@ -36,10 +35,7 @@ HISTOGRAM_NAME = "reward_margin_histogram.png"
 
 def with_lm_head(causal_lm: PreTrainedModel) -> PreTrainedModel:
     """A ``*ForSequenceClassification`` (one label) sharing ``causal_lm``'s body, with its LM head as ``lm_head``.
-
-    No weights are copied: body and LM head are the causal LM's own modules; only the score head is new (initialised
-    like transformers does, ``N(0, initializer_range)``).
-    """
+    No weights are copied; only the score head is new, ``N(0, initializer_range)`` as in transformers."""
     head = causal_lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(causal_lm).__name__} has no LM head to compute the imitation loss with.")
@@ -273,20 +269,13 @@ def check_preference_rows(dataset, dataset_name: str) -> None:
 
 
 def _response_start(example: dict, processing_class) -> dict[str, int]:
-    """Where the chosen response starts in ``chosen_ids``.
+    """Where the chosen response starts in ``chosen_ids`` (at least the last chosen token is response).
 
-    - Explicit prompt (a ``prompt`` column, as trl's preference formats have): after the tokenized prompt. trl's
-      ``RewardTrainer`` tokenizes ``prompt + chosen`` as one text (with the tokenizer's special tokens, e.g. BOS) or,
-      for conversations, as one chat-template rendering; the prompt is tokenized the same way (conversations with the
-      generation prompt, as trl's SFT and DPO trainers do) and the boundary is the part of it that ``chosen_ids``
-      starts with (all of it, unless a merge or the template differs at the seam; trl's SFT/DPO convention). Response
-      tokens that chosen and rejected share (both answers starting with "The") are thus response tokens. A
-      ``prompt_ids`` column, if present, is used as the tokenized prompt.
-    - Implicit prompt (no ``prompt`` column: the prompt is inside ``chosen`` and ``rejected``): the longest common
-      prefix of ``chosen_ids`` and ``rejected_ids``. This counts shared leading response tokens as prompt, the best
-      available without a prompt boundary; give a ``prompt`` column to avoid it.
-
-    At least the last chosen token is counted as response.
+    - Explicit prompt (``prompt`` or ``prompt_ids`` column): after the prompt tokenized as trl's ``RewardTrainer``
+      tokenizes ``prompt + chosen`` (conversations with the generation prompt, as trl's SFT/DPO), i.e. the part of it
+      that ``chosen_ids`` starts with; tokens shared by chosen and rejected responses stay response tokens.
+    - Implicit prompt: the longest common prefix of ``chosen_ids`` and ``rejected_ids``, which counts shared leading
+      response tokens as prompt; give a ``prompt`` column to avoid it.
     """
     chosen = example["chosen_ids"]
     if example.get("prompt_ids") is not None:
@@ -339,10 +328,8 @@ def _linear_score_head(model: nn.Module) -> nn.Linear:
 
 
 def save_margin_histogram(margins: torch.Tensor, path: str) -> None:
-    """The paper's Fig. 2: histogram of ``r(chosen) − r(rejected)`` over the evaluation pairs, as a PNG.
-
-    Drawn on matplotlib's Agg canvas directly (as :mod:`~trl_ppomax.plotting` does): pyplot's global state and the
-    user's backend are left alone."""
+    """The paper's Fig. 2: histogram of ``r(chosen) − r(rejected)`` over the evaluation pairs, as a PNG, drawn on
+    matplotlib's Agg canvas directly (pyplot's global state and the user's backend are left alone)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -1,15 +1,10 @@
 """Reward sources: what scores a response.
 
-- Sources: a reward model (a ``*ForSequenceClassification`` with one label, read where the model reads it, see
-  :func:`~trl_ppomax.modeling.score_position`) or a Python function, called as TRL's ``GRPOTrainer`` calls its
-  ``reward_funcs``: ``f(prompts=, completions=, completion_ids=, **every other dataset column) -> list[float]``
-  (conversational completions as ``[{"role": "assistant", "content": ...}]``; ``None`` entries become NaN); the
-  old positional ``f(prompts, completions)`` still works (:func:`call_reward_function`). :func:`score_responses`
-  gives one source's scores (B,); :class:`RewardSources` holds a weighted list of them (models, functions, model
-  ids, reward models with their own tokenizer), logged as ``rewards/<name>/mean``. The missing-stop-token penalty
-  is applied on top of the combined score (:func:`apply_missing_eos_penalty`).
-- Reward normalisation starts from the reward model's stored statistics when the score is that one model's
-  (:func:`initial_reward_moments`; the statistics contract is in :mod:`~trl_ppomax.reward_stats`).
+A source is a reward model (``*ForSequenceClassification``, one label, read at
+:func:`~trl_ppomax.modeling.score_position`) or a Python function called as TRL's ``GRPOTrainer`` calls its
+``reward_funcs`` (:func:`call_reward_function`). :class:`RewardSources` holds a weighted list of them, logged as
+``rewards/<name>/mean``; the missing-stop-token penalty applies to the combined score. Reward normalisation starts
+from the reward model's stored statistics (:func:`initial_reward_moments`, :mod:`~trl_ppomax.reward_stats`).
 """
 
 from __future__ import annotations
@@ -80,14 +75,13 @@ def call_reward_function(
     columns: dict[str, list] | None = None,
     texts: tuple[list[str], list[str]] | None = None,
 ) -> torch.Tensor:
-    """Scores (B,) from a Python reward ``function``, called as TRL's ``GRPOTrainer`` calls its reward functions:
+    """Scores (B,) of a Python reward ``function``, called as TRL's ``GRPOTrainer`` does:
     ``function(prompts=, completions=, completion_ids=, **columns)`` (only the keywords it accepts, unless it takes
-    ``**kwargs``), or positionally ``function(prompts, completions)`` on the decoded ``texts`` for an old-style
-    two-argument function (:func:`is_positional_pair`).
+    ``**kwargs``; conversational completions as ``[{"role": "assistant", "content": ...}]``), or, for an old-style
+    two-argument function (:func:`is_positional_pair`), ``function(prompts, completions)`` on the decoded ``texts``.
 
-    Accepts exactly one number (or None, made NaN, as GRPO does) per completion, as a list, tuple, numpy array or 1-D
-    tensor; anything else (a dict, None, a single number, text, the wrong count) raises a ``ValueError`` that blames
-    the function and shows what it returned (NaN and ±inf are numbers: they pass, and the trainer deals with them)."""
+    It must return one number (None becomes NaN, as in GRPO; NaN and ±inf pass) per completion as a list, tuple,
+    numpy array or 1-D tensor; anything else raises a ``ValueError`` blaming it and showing what it returned."""
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
     if is_positional_pair(function, keywords):
         returned = function(*(texts or (prompts, completions)))
@@ -135,9 +129,8 @@ def _reward_function_fault(function, returned, count: int, problem: str) -> Valu
 def completion_texts(
     tokenizer, rollout_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], columns: dict | None
 ) -> dict:
-    """What a reward source is given for ``(query_ids, query_mask, response_ids, response_mask)``: the decoded
-    ``texts`` (prompts, completions), the TRL-style ``prompts`` and ``completions`` (the dataset's ``prompt`` column
-    when it has one, and message lists when it is a conversation), ``completion_ids`` and the other ``columns``."""
+    """What a reward source gets for ``(query_ids, query_mask, response_ids, response_mask)``: decoded ``texts``,
+    TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``."""
     query_ids, query_mask, response_ids, response_mask = rollout_ids
     texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
     columns = dict(columns or {})
@@ -176,9 +169,8 @@ def score_responses(
 def score_with_own_tokenizer(
     model: nn.Module, tokenizer, prompts: list, completions: list[str], device
 ) -> torch.Tensor:
-    """Scores (B,) of a reward model with its own tokenizer (another vocabulary than the policy's), as TRL's
-    ``reward_processing_classes``: prompt ⊕ completion texts re-encoded with ``tokenizer`` (its chat template for a
-    conversation), right-padded, read where the model reads its score."""
+    """Scores (B,) of a reward model with its own tokenizer (TRL's ``reward_processing_classes``): prompt ⊕
+    completion re-encoded with ``tokenizer`` (its chat template for a conversation), right-padded."""
     if is_conversational({"prompt": prompts[0]}):
         conversations = [[*p, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions, strict=True)]
         texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
@@ -195,8 +187,7 @@ def score_with_own_tokenizer(
 
 
 def source_name(source) -> str:
-    """A reward source's name in ``rewards/<name>/mean``: a function's ``__name__``, a model's ``_name_or_path``
-    basename (else its class name)."""
+    """A source's name in ``rewards/<name>/mean``: ``__name__``, a model's ``_name_or_path`` basename, or class."""
     if isinstance(source, nn.Module):
         path = getattr(getattr(source, "config", None), "_name_or_path", "") or ""
         return os.path.basename(os.path.normpath(path)) if path else type(source).__name__
@@ -249,9 +240,8 @@ class RewardSources:
         return {f"reward_model[{i}]": m for i, m in shared}
 
     def critic_source(self, value_model=None):
-        """What the critic is initialised from when ``value_model`` is None: the first reward model that reads the
-        policy's tokens; a ValueError naming the fix when there is none (only functions, or only reward models with
-        their own tokenizer). With a ``value_model``: the first reward model (or source)."""
+        """The first reward model reading the policy's tokens (the critic's initialisation); if none, a ValueError
+        naming the fix when ``value_model`` is None, else the first reward model (or source)."""
         for index, module in self.modules:
             if self.processing_classes[index] is None:
                 return module
@@ -319,24 +309,15 @@ def _load_tokenizer(value):
 
 
 def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> dict[str, torch.Tensor]:
-    """``{name: f(prompts, completions)}`` (B,) each, on the decoded prompts and responses of a rollout (the
-    trainer's ``rollout_metrics``; keyword-style functions get ``completion_ids`` too)."""
+    """``{name: f(prompts, completions)}`` (B,) each on a rollout's decoded prompts and responses (the trainer's
+    ``rollout_metrics``; keyword-style functions get ``completion_ids`` too)."""
     if not functions:
         return {}
     ids = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
     given = completion_texts(tokenizer, ids, None)
-    device = rollout.scores.device
-    return {
-        name: call_reward_function(
-            f,
-            given["prompts"],
-            given["completions"],
-            device,
-            completion_ids=given["completion_ids"],
-            texts=given["texts"],
-        )
-        for name, f in functions.items()
-    }
+    prompts, completions, device = given["prompts"], given["completions"], rollout.scores.device
+    keywords = {"completion_ids": given["completion_ids"], "texts": given["texts"]}
+    return {name: call_reward_function(f, prompts, completions, device, **keywords) for name, f in functions.items()}
 
 
 def apply_missing_eos_penalty(
@@ -349,10 +330,9 @@ def apply_missing_eos_penalty(
 
 
 def initial_reward_moments(sources: RewardSources, reward_norm: str) -> core.RunningMoments:
-    """The PPO trainer's running reward moments at the start, when rewards are normalised: the statistics
-    PPOMaxRewardTrainer stored in the reward model's config if the trainer's score is that one model's, times its
-    weight w (``w·r`` has mean ``w·μ`` and std ``|w|·σ``); empty with several sources (their sum's statistics are not
-    known) or no stored statistics. Stored statistics are checked in every case."""
+    """The starting running reward moments when rewards are normalised: the statistics stored in the config of the
+    one reward model, times its weight w (``w·r`` has mean ``w·μ``, std ``|w|·σ``); empty with several sources or no
+    stored statistics. Stored statistics are checked in every case."""
     seeds = [running_moments_from_config(getattr(module, "config", None)) for _, module in sources.modules]
     if reward_norm == "none" or len(sources.sources) != 1 or seeds[:1] in ([], [None]):
         if reward_norm != "none" and any(seeds) and len(sources.sources) != 1:

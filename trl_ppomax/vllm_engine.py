@@ -4,8 +4,8 @@
 Only generation moves: the policy's, reference's, critic's and reward forwards stay in the trainer, so the PPO
 maths sees exactly what it sees with ``model.generate``. vLLM samples from a slightly different distribution than
 the HF forward (kernels, precision, its own top-p and penalty); the per-token gap is logged and, with
-``vllm_importance_sampling_correction``, corrected by truncated importance weights (:func:`core.truncated_importance_weights`).
-"""
+``vllm_importance_sampling_correction``, corrected by truncated importance weights
+(:func:`core.truncated_importance_weights`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from . import core
 from . import metrics as M
 
-#: What ``importance_weights`` records per rollout chunk, in order, and how ``pop_metrics`` reduces each over an iteration.
+#: What ``importance_weights`` records per rollout chunk, in order, and how ``pop_metrics`` reduces each.
 SAMPLING_STATS = (M.SAMPLING_LOGP_DIFF_MEAN, M.SAMPLING_LOGP_DIFF_MAX, M.IS_RATIO_MEAN, M.IS_RATIO_MIN, M.IS_RATIO_MAX)
 REDUCERS = {
     M.SAMPLING_LOGP_DIFF_MAX: max,
@@ -47,15 +47,12 @@ def _require_vllm() -> None:
 
 
 class VLLMEngine:
-    """The trainer's generation engine when ``use_vllm=True``; built after ``accelerator.prepare``.
-
-    ``generate`` returns right-padded responses, their mask (1 up to and including the stop token) and vLLM's
-    log-probs of the sampled tokens. The weights are pushed before the first rollout and after every iteration whose
-    update changed the policy (``mark_stale``), never during critic warm-up."""
+    """The trainer's generation engine when ``use_vllm=True``, built after ``accelerator.prepare``. The weights are
+    pushed before the first rollout and after every iteration whose update changed the policy (``mark_stale``), never
+    during critic warm-up."""
 
     def __init__(self, args, accelerator, policy, tokenizer, stop_id: int | None) -> None:
-        """``policy``: the unwrapped policy whose weights the engine serves; ``stop_id``: the token that ends a
-        response (None: none)."""
+        """``policy``: the unwrapped policy the engine serves; ``stop_id``: the token ending a response (or None)."""
         device = accelerator.device.type
         if args.vllm_mode == "server" and device != "cuda":
             raise ValueError(
@@ -102,9 +99,8 @@ class VLLMEngine:
         self.stale = True
 
     def sync(self) -> None:
-        """Push the policy's weights: trl's ``sync_weights``; on a CPU engine, whose linear layers hold prepacked
-        kernels instead of their weights, trl's parameter stream (PEFT merged, FSDP / ZeRO-3 gathered) goes through
-        vLLM's in-place ``reload_weights``, which re-runs the packing."""
+        """Push the policy's weights: trl's ``sync_weights``; on a CPU engine (prepacked linear kernels), trl's
+        parameter stream goes through vLLM's in-place ``reload_weights``, which re-runs the packing."""
         start = time.perf_counter()
         generation = self.generation
         if generation.mode == "colocate" and self.on_cpu:
@@ -118,7 +114,8 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True):
-        """``(response_ids, response_mask, sampler_logprobs)`` (B, T) for left-padded prompts (B, L)."""
+        """``(response_ids, response_mask, sampler_logprobs)`` (B, T), right-padded, for left-padded prompts (B, L);
+        the mask is 1 up to and including the stop token, the log-probs are vLLM's of the sampled tokens."""
         if self.stale:
             self.sync()
         prompts = [row[mask.bool()].tolist() for row, mask in zip(query_ids, query_mask, strict=True)]
@@ -155,10 +152,9 @@ class VLLMEngine:
     def importance_weights(
         self, policy_logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, sampler_logprobs: torch.Tensor
     ) -> torch.Tensor | None:
-        """Per-token truncated importance weights (B, T) of the HF sampling distribution (the policy's logits at the
-        sampling temperature, renormalised over the top-p nucleus: :func:`core.nucleus_logprobs`) over vLLM's, logging
-        the gap; None when the correction is off. (vLLM's repetition penalty, on prompt and response tokens, is not
-        modelled: with ``repetition_penalty != 1`` the gap includes it.)"""
+        """Per-token truncated importance weights (B, T) of the HF sampling distribution
+        (:func:`core.nucleus_logprobs`) over vLLM's, logging the gap; None when the correction is off. vLLM's
+        repetition penalty is not modelled."""
         args = self.args
         target = core.nucleus_logprobs(policy_logits, responses, args.temperature, args.top_p)
         gap = (target - sampler_logprobs).abs()[mask.bool()]
@@ -173,8 +169,7 @@ class VLLMEngine:
         return weights if args.vllm_importance_sampling_correction else None
 
     def pop_metrics(self) -> dict[str, float]:
-        """This iteration's sampling gap and engine times on this process: means over the rollout chunks, the extremes'
-        max / min, the times summed."""
+        """This iteration's sampling gap and engine times on this process, reduced as ``REDUCERS`` says (else mean)."""
         out = {name: REDUCERS.get(name, mean)(values) for name, values in self.stats.items() if values}
         self.stats.clear()
         return out
@@ -182,8 +177,7 @@ class VLLMEngine:
 
 @contextlib.contextmanager
 def same_dtype(policy):
-    """The engine in the policy's dtype: trl's ``VLLMGeneration`` passes none, and vLLM's ``"auto"`` turns a float32
-    model into 16-bit, which would sample from a visibly different distribution than the policy's."""
+    """The engine in the policy's dtype: trl passes none; vLLM's ``"auto"`` would sample a float32 model in 16-bit."""
     import functools
 
     from trl.generation import vllm_generation
