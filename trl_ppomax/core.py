@@ -351,7 +351,7 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float, top_k: int | None = 256
 
     Sorts only the ``top_k`` largest probabilities of a row (``topk``, O(V + k log k)) when the mass before the k-th
     reaches ``top_p``, so that the nucleus lies inside them; rows where it does not are sorted whole, so the result is
-    the full sort's in every case (``top_k=None`` always sorts whole).
+    the full sort's in every case (``top_k=None`` always sorts whole). Deciding that costs one host sync per call.
     """
     vocab = probs.shape[-1]
     k = vocab if top_k is None else min(top_k, vocab)

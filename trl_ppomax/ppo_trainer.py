@@ -374,7 +374,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             return None, {}
         before = moments.state_dict()  # restored if the batch is skipped below
         if not self._reward_moments_frozen():
-            moments.update(self._winsorized_for_moments(rollout.scores, keep)[keep], reduce=reduce)
+            moments.update(self._winsorized(rollout.scores, keep)[keep], reduce=reduce)
         scores, kl = self._shape_scores(rollout)
         token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
@@ -396,7 +396,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if args.lam_alpha is not None:
             metrics[M.LAM_POLICY] = M.global_mean(lam[keep], reduce)
         if args.reward_winsorize is not None:
-            clipped = self._winsorized_for_moments(rollout.scores, keep) != rollout.scores
+            clipped = self._winsorized(rollout.scores) != rollout.scores
             metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], reduce)
         return experience, metrics
 
@@ -406,14 +406,17 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         seeding = max(self.args.critic_warmup_steps, 1)
         return bool(self.args.reward_norm_freeze) and self.state.global_step >= seeding
 
-    def _winsorized_for_moments(self, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """The raw scores (B,) as they enter the moments: with ``reward_winsorize`` k, clipped to μ ± k·σ of the
-        moments, or, while those are empty, to the kept batch's median ± k·1.4826·MAD over every process."""
+    def _winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The raw scores (B,), with ``reward_winsorize`` k clipped to μ ± k·σ of the moments; while those are empty,
+        to the kept batch's median ± k·1.4826·MAD over every process when ``keep`` is given (the batch that seeds
+        them), else left as they are."""
         moments, k = self.ppo_state.running_reward, self.args.reward_winsorize
         if k is None:
             return scores
         if moments.count > 1:
             return core.winsorize(scores, moments.mean, moments.std, k)
+        if keep is None:
+            return scores
         center, scale = core.robust_location_scale(kept_gather(keep, self.accelerator.gather)(scores))
         return core.winsorize(scores, center, scale, k)
 
@@ -421,9 +424,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
         ``reward_winsorize``), and the per-token KL (B, T)."""
         args, moments = self.args, self.ppo_state.running_reward
-        raw = rollout.scores
-        if args.reward_winsorize is not None and moments.count > 1:
-            raw = core.winsorize(raw, moments.mean, moments.std, args.reward_winsorize)
+        raw = self._winsorized(rollout.scores)
         scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
         kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
         return scores, kl
