@@ -1068,6 +1068,19 @@ def test_policy_loss_weights_scale_each_token():
     assert weighted.item() == pytest.approx((-1.0 * 3.0 + 2.0 * 0.5) / 2)
 
 
+def test_row_split_loss_weights_give_the_mean_of_the_micro_batch_means_under_any_grouping():
+    torch.manual_seed(0)
+    mask = (torch.rand(12, 9) < 0.6).float()
+    mask[5] = 0  # a row with no token (a dropped sample)
+    losses = torch.randn(12, 9)
+    row_split = torch.stack([core.masked_mean(losses[g], mask[g]) for g in torch.arange(12).split(4)]).mean()
+    weights = core.row_split_loss_weights(mask, rows_per_micro_batch=4)
+    for grouping in (torch.arange(12).split(4), torch.randperm(12).split(5), [torch.arange(12)]):
+        packed = sum((losses[g] * weights[g] * mask[g]).sum() for g in grouping)
+        torch.testing.assert_close(packed, row_split)
+    assert torch.equal(weights[5], torch.zeros(9))
+
+
 def test_public_api_is_covered():
     public = {
         name
@@ -1079,6 +1092,7 @@ def test_public_api_is_covered():
     }
     tested = {
         "RunningMoments",
+        "row_split_loss_weights",
         "truncated_importance_weights",
         "nucleus_logprobs",
         "clipped_policy_loss",

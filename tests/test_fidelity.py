@@ -96,9 +96,9 @@ def test_advantages_whitened_per_minibatch(tmp_path, monkeypatch):
     seen = []
     original = trainer.micro_batch_loss
 
-    def record(step_experience, index, critic_only):
+    def record(step_experience, index, *args):
         seen.append((step_experience.advantages, index))
-        return original(step_experience, index, critic_only)
+        return original(step_experience, index, *args)
 
     monkeypatch.setattr(trainer, "micro_batch_loss", record)
     trainer.ppo_update(experience)

@@ -103,8 +103,8 @@ def test_nan_loss_never_reaches_the_optimizer(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, total_episodes=16)
     original = trainer.micro_batch_loss
 
-    def poisoned(experience, index, critic_only):
-        loss, stats = original(experience, index, critic_only)
+    def poisoned(*args):
+        loss, stats = original(*args)
         return loss * float("nan"), stats
 
     monkeypatch.setattr(trainer, "micro_batch_loss", poisoned)

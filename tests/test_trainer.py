@@ -460,7 +460,7 @@ def test_training_with_activation_checkpointing(tmp_path):
 def test_plan_summarises_the_run(tmp_path):
     plan = run_plan(make_trainer(tmp_path))
     assert "LlamaForCausalLM" in plan and "32 episodes = 2 iterations" in plan
-    assert "16 prompts per iteration" in plan and "preset=ppo_max" in plan
+    assert "16 responses per iteration" in plan and "preset=ppo_max" in plan
 
 
 def test_rollout_metrics_are_logged_for_training_and_evaluation(tmp_path):

@@ -44,12 +44,24 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = Non
     return (total / count).to(x.dtype)
 
 
-def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ x·m / max(Σ m, 1)`` (0-d, dtype of ``x``): :func:`masked_mean` for a loss, except that an empty mask gives 0
     with a zero gradient instead of NaN — a micro-batch whose samples were all dropped (non-finite rewards) then adds
-    nothing to the update instead of poisoning it."""
+    nothing to the update instead of poisoning it. With ``loss_weights`` (B, T): ``Σ x·w·m``, the weights carrying the
+    normalisation (:func:`row_split_loss_weights`)."""
+    if loss_weights is not None:
+        return masked_sum_and_count(x * loss_weights, mask)[0].to(x.dtype)
     total, count = masked_sum_and_count(x, mask)
     return (total / count.clamp(min=1)).to(x.dtype)
+
+
+def row_split_loss_weights(mask: torch.Tensor, rows_per_micro_batch: int) -> torch.Tensor:
+    """Per-token loss weights (B, T) of a minibatch's rows, in order, under the row split: G micro-batches of
+    ``rows_per_micro_batch`` rows, each adding its masked token mean ÷ G, so ``w_rt = m_rt / (G · max(N_g, 1))`` with
+    ``N_g`` the tokens of row ``r``'s micro-batch. ``Σ w·ℓ`` over any grouping of the rows is the row split's loss."""
+    group = torch.arange(mask.shape[0], device=mask.device) // rows_per_micro_batch
+    tokens = torch.zeros(int(group[-1]) + 1, device=mask.device).index_add_(0, group, mask.sum(1).float())
+    return mask * (1.0 / (len(tokens) * tokens.clamp(min=1)))[group, None]
 
 
 def masked_var(
@@ -400,9 +412,11 @@ def clipped_policy_loss(
     mask: torch.Tensor,
     cliprange: float | None,
     weights: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` with ``ρ = exp(log π_θ − log π_old)``, each
-    token's term times ``weights`` (B, T) when given (:func:`truncated_importance_weights`).
+    token's term times ``weights`` (B, T) when given (:func:`truncated_importance_weights`); with ``loss_weights``
+    the weighted sum instead of the mean (:func:`row_split_loss_weights`).
 
     ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
     tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``.
@@ -417,7 +431,7 @@ def clipped_policy_loss(
         pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
         pg_max = torch.max(pg_losses, pg_losses_clipped)
         clipped = (pg_losses_clipped > pg_losses).to(pg_losses.dtype)
-    loss = _masked_loss_mean(pg_max if weights is None else pg_max * weights, mask)
+    loss = _masked_loss_mean(pg_max if weights is None else pg_max * weights, mask, loss_weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -434,8 +448,10 @@ def clipped_value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     cliprange_value: float | None,
+    loss_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped critic loss: masked mean of ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)``.
+    """Clipped critic loss: masked mean (or ``loss_weights`` sum) of ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) −
+    R)²)``.
 
     ``cliprange_value=None`` gives ``½·(V − R)²``. Inputs (B, T). Stats: ``clipfrac``, ``values`` and ``error``
     (the unclipped mean squared error ``mean((V − R)²)``).
@@ -449,7 +465,7 @@ def clipped_value_loss(
         clipped_losses = (values_clipped - returns) ** 2
         worst = torch.max(unclipped, clipped_losses)
         clipped = (clipped_losses > unclipped).to(values.dtype)
-    loss = 0.5 * _masked_loss_mean(worst, mask)
+    loss = 0.5 * _masked_loss_mean(worst, mask, loss_weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -460,14 +476,19 @@ def clipped_value_loss(
 
 
 def entropy_loss(
-    entropy: torch.Tensor, mask: torch.Tensor, target: float | None = None
+    entropy: torch.Tensor, mask: torch.Tensor, target: float | None = None, loss_weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy regulariser to be *added* to the loss (App. B.3), from per-token entropy (B, T).
 
-    ``target=None``: the plain bonus ``−mean(H)`` (maximises entropy). ``target=H*``: the release's clipped form
-    ``|mean(H) − H*|``, which pulls entropy towards ``H*`` instead of growing it without bound.
+    ``target=None``: the plain bonus ``−mean(H)`` (maximises entropy; ``−Σ w·H`` with ``loss_weights``).
+    ``target=H*``: the release's clipped form ``|mean(H) − H*|``, which pulls entropy towards ``H*`` instead of growing
+    it without bound (not a per-token sum: no ``loss_weights``).
     """
-    mean_entropy = _masked_loss_mean(entropy, mask)
+    if target is not None and loss_weights is not None:
+        raise ValueError(
+            "entropy_loss: the entropy target |mean(H) − H*| cannot be split into per-token loss weights."
+        )
+    mean_entropy = _masked_loss_mean(entropy, mask, loss_weights)
     loss = -mean_entropy if target is None else (mean_entropy - target).abs()
     return loss, {"entropy": masked_mean(entropy.detach(), mask)}
 

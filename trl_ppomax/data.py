@@ -42,9 +42,14 @@ class PromptCollator:
         return batch
 
 
-def rows_of(columns: dict[str, list] | None, start: int, size: int) -> dict[str, list]:
-    """Rows ``start : start + size`` of every column (a rollout chunk's share)."""
-    return {key: values[start : start + size] for key, values in (columns or {}).items()}
+def rows_of(columns: dict[str, list] | None, rows: Sequence[int]) -> dict[str, list]:
+    """Rows ``rows`` of every column (a forward micro-batch's share)."""
+    return {key: [values[i] for i in rows] for key, values in (columns or {}).items()}
+
+
+def repeat_rows(columns: dict[str, list] | None, times: int) -> dict[str, list]:
+    """Every row of every column repeated ``times`` times in place (``[a, a, b, b]``), as the prompts' samples are."""
+    return {key: [v for v in values for _ in range(times)] for key, values in (columns or {}).items()}
 
 
 def split_batch(batch: dict, device) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
@@ -551,13 +556,13 @@ def rows_of_this_process(num_rows: int, accelerator) -> tuple[list[int], list[fl
 def batch_streams(
     train_dataset: Dataset, ptx_dataset: Dataset | None, tokenizer, args, accelerator, collate: Callable
 ) -> tuple[ShuffledBatches, ShuffledBatches | None]:
-    """This process's rollout batches (``local_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
+    """This process's rollout batches (``local_prompt_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
     batches (``per_device_train_batch_size`` texts, right-padded), each a resumable shuffled stream."""
     seed = args.data_seed if args.data_seed is not None else args.seed
     batches = partial(
         ShuffledBatches, num_processes=accelerator.num_processes, process_index=accelerator.process_index, seed=seed
     )
-    prompts = batches(train_dataset, args.local_batch_size, collate=collate)
+    prompts = batches(train_dataset, args.local_prompt_batch_size, collate=collate)
     if ptx_dataset is None or args.ptx_coef <= 0:
         return prompts, None
     ptx = prepare_text_dataset(ptx_dataset, tokenizer, args.dataset_num_proc, args.ptx_assistant_only)

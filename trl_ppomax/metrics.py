@@ -33,6 +33,7 @@ RETURNS = "critic/returns"
 ADVANTAGES_RAW = "critic/advantages_raw"
 SCORES_WINSORIZED = "objective/scores_winsorized"  # share of raw scores clipped by reward_winsorize
 LAM_POLICY = "critic/lam_policy"  # mean GAE λ of the policy's advantages (with lam_alpha: per response)
+SCORES_STD_WITHIN_PROMPT = "objective/scores_std_within_prompt"  # n > 1: mean std of a prompt's sampled scores
 
 # ---- update (means over the PPO epochs' micro-batches) ----------------------------------------------------------------
 POLICY_LOSS = "loss/policy"
@@ -147,6 +148,17 @@ def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, 
         RETURNS: masked_mean(returns.float(), mask, reduce=reduce).item(),
         ADVANTAGES_RAW: masked_mean(advantages.float(), mask, reduce=reduce).item(),
     }
+
+
+def within_prompt_std(scores: torch.Tensor, keep: torch.Tensor, samples_per_prompt: int, reduce: Reduce) -> float:
+    """Mean over prompts, on every process, of the standard deviation of a prompt's sampled raw scores (B,), rows
+    ``i·n … i·n + n − 1`` being prompt ``i``'s (the kept samples; prompts with fewer than two left out). Near 0: the
+    reward does not tell a prompt's answers apart, whatever it says across prompts."""
+    values, kept = scores.float().view(-1, samples_per_prompt), keep.float().view(-1, samples_per_prompt)
+    count = kept.sum(1)
+    mean = (values * kept).sum(1) / count.clamp(min=1)
+    variance = ((values - mean[:, None]) ** 2 * kept).sum(1) / count.clamp(min=1)
+    return global_mean(variance.sqrt()[count >= 2], reduce)
 
 
 def schedule_metrics(state, lr_scheduler, start: tuple[float, int]) -> dict[str, float]:

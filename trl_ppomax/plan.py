@@ -32,8 +32,8 @@ def plan(trainer) -> str:
             f"  critic    : {_describe(wrapper.critic)}",
             f"  reward    : {_describe(trainer.reward_model)}",
             f"  devices   : {accelerator.num_processes} × {accelerator.device.type} ({backend}), {precision}",
-            f"  rollout   : {args.batch_size} prompts per iteration ({args.local_batch_size} per process), "
-            f"responses ≤ {args.response_length} tokens",
+            f"  rollout   : {args.batch_size} responses per iteration ({args.local_batch_size} per process, "
+            f"{args.num_samples_per_prompt} per prompt), responses ≤ {args.response_length} tokens",
             f"  update    : {args.num_ppo_epochs} epochs × {args.num_mini_batches} minibatches of "
             f"{args.mini_batch_size} ({args.per_device_train_batch_size} per device × "
             f"{args.gradient_accumulation_steps} accumulation)",

@@ -116,7 +116,11 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("gamma", "in [0, 1]", "The discount factor of GAE; RLHF uses 1.0."),
     ("lam", "in [0, 1]", "The λ of GAE; the paper uses 0.9, trl 1.12 0.95."),
     ("vf_coef", "≥ 0", "A negative weight trains the critic away from the returns; the usual weight is 0.1."),
-    ("total_episodes", "> 0, or None", "The number of prompts to train on; None: num_train_epochs × dataset size."),
+    (
+        "total_episodes",
+        "> 0, or None",
+        "Responses to train on; None: num_train_epochs × dataset size × samples per prompt.",
+    ),
     ("num_train_epochs", "> 0", "Passes over the prompts when total_episodes is None."),
     ("missing_eos_penalty", "≥ 0, or None", "Subtracted from the score of a response without the stop token."),
     ("temperature", "> 0", "The sampling temperature; 1.0 samples the model as it is."),
@@ -129,6 +133,8 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("per_device_train_batch_size", "≥ 1", "Rows per process in each optimizer micro-batch."),
     ("gradient_accumulation_steps", "≥ 1", "Micro-batches per optimizer step."),
     ("local_rollout_forward_batch_size", "≥ 1", "Rows per process in each no-grad forward and generation call."),
+    ("num_samples_per_prompt", "≥ 1", "Responses sampled per prompt; 1 samples each prompt once."),
+    ("max_tokens_per_microbatch", "≥ 1, or None", "None splits micro-batches by rows."),
     ("max_prompt_length", "≥ 1, or None", "None: the policy's context minus response_length."),
     ("num_ppo_epochs", "≥ 1", "Passes over each rollout batch."),
     ("num_mini_batches", "≥ 1", "Minibatches each rollout batch is split into."),
@@ -192,10 +198,29 @@ class PPOMaxConfig(TrainingArguments):
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to prepare the dataset."})
     num_mini_batches: int = field(default=1, metadata={"help": "Minibatches each rollout batch is split into."})
     total_episodes: int | None = field(
-        default=None, metadata={"help": "Episodes (prompts) to train on; default num_train_epochs × dataset size."}
+        default=None,
+        metadata={
+            "help": "Episodes (responses) to train on; default num_train_epochs × dataset size × samples per prompt."
+        },
     )
     local_rollout_forward_batch_size: int = field(
         default=64, metadata={"help": "Per-process batch size of the no-grad forwards and generation in rollouts."}
+    )
+    num_samples_per_prompt: int = field(
+        default=1,
+        metadata={
+            "help": "Responses sampled per prompt (TRL GRPO's num_generations, OpenRLHF's n_samples_per_prompt): each "
+            "prompt is encoded once and sampled n times. Batch sizes and total_episodes count responses, so a rollout "
+            "batch holds batch_size / n prompts."
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget (rows × padded prompt + response width, per process) of each no-grad forward and "
+            "update micro-batch: sequences are sorted by length and packed under it; a longer sequence goes alone. "
+            "The update's loss and gradients are those of the row split (per-token weights). None: split by rows."
+        },
     )
     num_sample_generations: int = field(
         default=10, metadata={"help": "Number of `generate_completions` sample tables printed during training."}
@@ -317,6 +342,9 @@ class PPOMaxConfig(TrainingArguments):
     batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
     local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
     mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch over all processes."})
+    local_prompt_batch_size: int | None = field(
+        default=None, metadata={"help": "Derived: prompts per process in a rollout batch (÷ num_samples_per_prompt)."}
+    )
 
     # ---- PPO-max: sampling (§5.4) ---------------------------------------------------------------------------------
     top_p: float | None = _preset_field("top_p", "Nucleus sampling threshold for rollouts (§5.4).")
@@ -512,6 +540,7 @@ class PPOMaxConfig(TrainingArguments):
             _check_range(name, getattr(self, name), allowed, hint)
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
+        self._validate_sampling_and_packing()
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),
@@ -525,6 +554,24 @@ class PPOMaxConfig(TrainingArguments):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
 
+    def _validate_sampling_and_packing(self) -> None:
+        local = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        if local % self.num_samples_per_prompt:
+            raise ValueError(
+                f"num_samples_per_prompt={self.num_samples_per_prompt} must divide the per-process rollout batch "
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = {local}), which "
+                "counts responses; change one of them."
+            )
+        if self.max_tokens_per_microbatch is None:
+            return
+        if self.ptx_coef > 0:
+            raise ValueError("max_tokens_per_microbatch does not support ptx_coef > 0 yet; set one of them off.")
+        if self.entropy_coef > 0 and self.entropy_target is not None:
+            raise ValueError(
+                "max_tokens_per_microbatch with entropy_target: |mean(H) − H*| is not a per-token sum, so packing "
+                "would change the loss; set entropy_target=None (the plain bonus) or max_tokens_per_microbatch=None."
+            )
+
     def _derive_sizes(self) -> None:
         self.local_batch_size = (
             self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
@@ -533,6 +580,7 @@ class PPOMaxConfig(TrainingArguments):
         self.batch_size = self.local_batch_size * self.world_size
         self.mini_batch_size = self.batch_size // self.num_mini_batches
         self.local_mini_batch_size = self.local_batch_size // self.num_mini_batches
+        self.local_prompt_batch_size = self.local_batch_size // self.num_samples_per_prompt
 
     @property
     def checkpointing(self) -> tuple[bool, dict | None]:
@@ -551,15 +599,17 @@ class PPOMaxConfig(TrainingArguments):
         return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     def set_run_length(self, dataset_size: int) -> None:
-        """Write back ``total_episodes`` (if unset: ``num_train_epochs`` × ``dataset_size``) and ``num_total_batches``
-        (PPO iterations), as trl 1.12's trainer did, for scripts reading ``trainer.args.num_total_batches``."""
-        if dataset_size < self.batch_size:
+        """Write back ``total_episodes`` (if unset: ``num_train_epochs`` × ``dataset_size`` × ``num_samples_per_prompt``)
+        and ``num_total_batches`` (PPO iterations), as trl 1.12's trainer did, for scripts reading them."""
+        prompts = self.batch_size // self.num_samples_per_prompt
+        if dataset_size < prompts:
             raise ValueError(
                 f"The training dataset has {dataset_size} prompts, fewer than one rollout batch "
-                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes = "
-                f"{self.batch_size}); add prompts or lower those sizes."
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes "
+                f"÷ num_samples_per_prompt = {prompts}); add prompts or lower those sizes."
             )
-        self.total_episodes = self.total_episodes or int(self.num_train_epochs * dataset_size)
+        episodes_per_epoch = dataset_size * self.num_samples_per_prompt
+        self.total_episodes = self.total_episodes or int(self.num_train_epochs * episodes_per_epoch)
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
 
 

@@ -22,7 +22,7 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
-from trl.trainer.utils import selective_log_softmax_and_entropy
+from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
 from . import checks, core, data, modeling, optim, rewards
 from . import metrics as M
@@ -36,13 +36,17 @@ from .ppo_state import PPOState
 from .rollout import (
     Experience,
     Rollout,
-    concat_rollouts,
     drop_non_finite,
     generate_responses,
     generation_kwargs,
     kept_gather,
     logprobs_and_perplexity,
+    merge_rollouts,
+    pad_right,
     sequence_inputs,
+    take_rows,
+    token_budget_batches,
+    trim_query_padding,
 )
 from .vllm_engine import VLLMEngine
 
@@ -143,6 +147,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def num_total_batches(self) -> int:
         return self.args.num_total_batches
 
+    @property
+    def _episodes_per_epoch(self) -> int:
+        return len(self.train_dataset) * self.args.num_samples_per_prompt
+
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------------------------
@@ -209,7 +217,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                 pending[name].append(value)
             self.state.global_step = iteration
             self.state.episode = iteration * args.batch_size
-            self.state.epoch = self.state.episode / len(self.train_dataset)
+            self.state.epoch = self.state.episode / self._episodes_per_epoch
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._log_evaluate_save(pending, iteration, start)
             if self.control.should_training_stop:
@@ -222,7 +230,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """One PPO-max iteration on rollout batch ``iteration``. Samples with a non-finite reward are dropped; a batch
         with none left, or a non-finite value or log-prob, is skipped (:meth:`PPOState.count_iteration`)."""
         batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
-        rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns)
+        n = self.args.num_samples_per_prompt
+        rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
         experience, metrics = self.make_experience(rollout)
         args = self.args
         self.ppo_state.count_iteration(
@@ -240,7 +249,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def _begin_state(self) -> None:
         self.state.max_steps = self.num_total_batches
-        self.state.num_train_epochs = self.total_episodes / len(self.train_dataset)
+        self.state.num_train_epochs = self.total_episodes / self._episodes_per_epoch
         self.state.global_step = 0
         self.state.episode = 0
         self.state.epoch = 0.0
@@ -287,38 +296,63 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # Phase 1: rollout
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None) -> Rollout:
-        """Generate (sampled, or greedy with ``sampling=False``) and score responses for left-padded prompts, in
-        chunks of ``local_rollout_forward_batch_size``: first generation and the policy's and reference's log-probs,
-        with only the policy gathered under ZeRO-3 (the critic stays sharded), then the critic's values and the
-        rewards (given the dataset's other ``columns`` of these prompts, lists)."""
-        size = self.args.local_rollout_forward_batch_size
+    def rollout(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
+    ) -> Rollout:
+        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded prompt,
+        in chunks of ``local_rollout_forward_batch_size`` responses, then run the no-grad forwards in micro-batches
+        (:meth:`_forward_groups`): the policy's and reference's log-probs, with only the policy gathered under ZeRO-3
+        (the critic stays sharded), then the critic's values and the rewards (given the dataset's other ``columns``
+        of these prompts, lists). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
+        n, pad_id = samples_per_prompt, self.processing_class.pad_token_id
+        size = max(1, self.args.local_rollout_forward_batch_size // n)
         chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
+        query_ids, query_mask = query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0)
+        columns = data.repeat_rows(columns, n)
         self.model.eval()
         with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
             with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                generated = [self._generate(wrapper, i, m, sampling) for i, m in data.progress(chunks, self.args)]
+                samples = [self._sample(wrapper, i, m, sampling, n) for i, m in data.progress(chunks, self.args)]
+                responses, mask, sampler = zip(*samples, strict=True)
+                responses, mask = pad_right(responses, pad_id), pad_right(mask, 0)
+                sampler = None if sampler[0] is None else pad_right(sampler, 0.0)
+                groups = self._forward_groups(query_mask, mask)
+                generated = [
+                    self._logprobs(wrapper, query_ids[g], query_mask[g], responses[g], mask[g], take_rows(sampler, g))
+                    for g in groups
+                ]
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
             parts = [
-                self._score(critic, fields, data.rows_of(columns, i * size, size))
-                for i, fields in enumerate(generated)
+                self._score(critic, fields, data.rows_of(columns, g.tolist()))
+                for g, fields in zip(groups, generated, strict=True)
             ]
         self.model.train()
-        return concat_rollouts(parts, self.processing_class.pad_token_id)
+        return merge_rollouts(parts, groups, pad_id)
 
-    def _generate(self, wrapper: PolicyAndCritic, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool):
-        """Responses of one chunk and the policy's and reference's log-probs and perplexities: Rollout fields."""
-        if self.vllm is None:
-            kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
-            responses, mask, sampler_logprobs = (
-                *generate_responses(wrapper.policy, query_ids, query_mask, kwargs),
-                None,
-            )
-        else:
-            responses, mask, sampler_logprobs = self.vllm.generate(query_ids, query_mask, sampling)
+    def _sample(self, wrapper: PolicyAndCritic, query_ids, query_mask, sampling: bool, n: int):
+        """``(responses, mask, sampler log-probs or None)`` (B·n, T) of one chunk of prompts, by ``generate`` or
+        vLLM."""
+        if self.vllm is not None:
+            return self.vllm.generate(query_ids, query_mask, sampling, n)
+        kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
+        kwargs["num_return_sequences"] = n
+        return *generate_responses(wrapper.policy, query_ids, query_mask, kwargs), None
+
+    def _forward_groups(self, query_mask: torch.Tensor, response_mask: torch.Tensor) -> list[torch.Tensor]:
+        """Row indices of the no-grad forward micro-batches: packed under ``max_tokens_per_microbatch``
+        (:func:`~trl_ppomax.rollout.token_budget_batches`), else consecutive ``local_rollout_forward_batch_size`` rows."""
+        budget = self.args.max_tokens_per_microbatch
+        if budget is None:
+            rows = torch.arange(len(query_mask), device=query_mask.device)
+            return list(rows.split(self.args.local_rollout_forward_batch_size))
+        return token_budget_batches(query_mask.sum(1), response_mask.sum(1), budget)
+
+    def _logprobs(self, wrapper: PolicyAndCritic, query_ids, query_mask, responses, mask, sampler_logprobs) -> dict:
+        """The policy's and reference's log-probs and perplexities of one micro-batch: Rollout fields (the prompts as
+        given, the responses trimmed to the longest)."""
         width = max(int(mask.sum(1).max()), 1)
         responses, mask = responses[:, :width], mask[:, :width]
-        inputs = sequence_inputs(query_ids, query_mask, responses, mask)
+        inputs = sequence_inputs(*self._forward_queries(query_ids, query_mask), responses, mask)
         temperature = self.args.effective_logprob_temperature
         policy_logits = modeling.response_logits(wrapper.policy, inputs, width)
         logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
@@ -342,12 +376,19 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             sampling_weights=weights,
         )
 
+    def _forward_queries(self, query_ids, query_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's prompts as its forwards see them: under a token budget, without their all-padding columns."""
+        if self.args.max_tokens_per_microbatch is None:
+            return query_ids, query_mask
+        return trim_query_padding(query_ids, query_mask)
+
     def _score(self, critic: nn.Module, fields: dict, columns: dict) -> Rollout:
         """A generated chunk with the critic's values and its rewards (minus the missing-stop-token penalty)."""
         responses, mask = fields["response_ids"], fields["response_mask"]
-        inputs = sequence_inputs(fields["query_ids"], fields["query_mask"], responses, mask)
+        query_ids, query_mask = self._forward_queries(fields["query_ids"], fields["query_mask"])
+        inputs = sequence_inputs(query_ids, query_mask, responses, mask)
         tokenizer, penalty = self.processing_class, self.args.missing_eos_penalty
-        scores, source_scores = self.reward_sources.score(tokenizer, inputs, fields["query_mask"], mask, columns)
+        scores, source_scores = self.reward_sources.score(tokenizer, inputs, query_mask, mask, columns)
         return Rollout(
             **fields,
             source_scores=source_scores,
@@ -395,6 +436,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         metrics = self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
         if args.lam_alpha is not None:
             metrics[M.LAM_POLICY] = M.global_mean(lam[keep], reduce)
+        if args.num_samples_per_prompt > 1:
+            n = args.num_samples_per_prompt
+            metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, reduce)
         if args.reward_winsorize is not None:
             clipped = self._winsorized(rollout.scores) != rollout.scores
             metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], reduce)
@@ -456,19 +500,17 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # Phase 3: PPO update
     # ------------------------------------------------------------------------------------------------------------
     def ppo_update(self, experience: Experience, critic_only: bool = False) -> dict[str, float]:
-        """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over
-        ``gradient_accumulation_steps`` micro-batches (``accelerator.accumulate``). ``critic_only`` trains the critic
-        alone (§5.3.3)."""
+        """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over its
+        micro-batches (:meth:`accumulate_gradients`). ``critic_only`` trains the critic alone (§5.3.3)."""
         args = self.args
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for _ in range(args.num_ppo_epochs):
+        for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=experience.advantages.device)
             for minibatch in order.split(args.local_mini_batch_size):
                 step_experience = self._minibatch_advantages(experience, minibatch)
-                for micro in minibatch.split(args.per_device_train_batch_size):
-                    with self.accelerator.accumulate(self.model_wrapped):
-                        loss, micro_stats = self.micro_batch_loss(step_experience, micro, critic_only)
-                        self.accelerator.backward(loss)  # divides by gradient_accumulation_steps
+                # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
+                log_entropy = epoch == 0 or args.entropy_coef > 0
+                for micro_stats in self.accumulate_gradients(step_experience, minibatch, critic_only, log_entropy):
                     for name, value in micro_stats.items():
                         stats[name].append(value)
                 for name, value in self._optimizer_step(critic_only).items():
@@ -476,6 +518,45 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         means = torch.stack([torch.stack(values).float().nanmean() for values in stats.values()])
         means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
         return dict(zip(stats.keys(), means.tolist(), strict=True))
+
+    def accumulate_gradients(
+        self, experience: Experience, minibatch: torch.Tensor, critic_only: bool, log_entropy: bool = True
+    ) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of one minibatch's micro-batches (``accelerator.accumulate``; gradients synchronised at
+        the last): ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_microbatch`` with the
+        row split's per-token loss weights (:meth:`_packed_micro_batches`), which leaves the gradients unchanged.
+        Returns each micro-batch's stats."""
+        if self.args.max_tokens_per_microbatch is None:
+            micro_batches = [(micro, None) for micro in minibatch.split(self.args.per_device_train_batch_size)]
+        else:
+            micro_batches = self._packed_micro_batches(experience, minibatch)
+        accelerator, stats = self.accelerator, []
+        accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0  # sync after the last
+        for index, loss_weights in micro_batches:
+            with accelerator.accumulate(self.model_wrapped):
+                loss, micro_stats = self.micro_batch_loss(experience, index, critic_only, loss_weights, log_entropy)
+                accelerator.backward(loss)  # divides by gradient_accumulation_steps
+            stats.append(micro_stats)
+        accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+        return stats
+
+    def _packed_micro_batches(self, experience: Experience, minibatch: torch.Tensor) -> list:
+        """``(rows, loss weights)`` of the minibatch packed by length under ``max_tokens_per_microbatch``
+        (:func:`~trl_ppomax.rollout.token_budget_batches`), the weights :func:`core.row_split_loss_weights` times the
+        divisor ``backward`` applies. Every process gets as many micro-batches as the one with most (ZeRO reduces at
+        every micro-step): the others repeat a row with zero weight."""
+        rollout = experience.rollout
+        mask = rollout.response_mask[minibatch]
+        groups = token_budget_batches(
+            rollout.query_mask[minibatch].sum(1), mask.sum(1), self.args.max_tokens_per_microbatch
+        )
+        count = torch.tensor([len(groups)], device=mask.device)
+        count = int(self.accelerator.gather(count).max()) if self.accelerator.num_processes > 1 else len(groups)
+        weights = core.row_split_loss_weights(mask, self.args.per_device_train_batch_size).float()
+        engine_divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else count
+        micro_batches = [(minibatch[g], weights[g] * engine_divisor) for g in groups]
+        idle = (minibatch[:1], torch.zeros_like(weights[:1]))
+        return micro_batches + [idle] * (count - len(groups))
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
         """:func:`optim.optimizer_step`; a step skipped for a non-finite gradient is counted and logged."""
@@ -501,25 +582,33 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         return dataclasses.replace(experience, advantages=advantages)
 
     def micro_batch_loss(
-        self, experience: Experience, index: torch.Tensor, critic_only: bool
+        self,
+        experience: Experience,
+        index: torch.Tensor,
+        critic_only: bool,
+        loss_weights: torch.Tensor | None = None,
+        log_entropy: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO-max loss of one micro-batch: clipped policy loss + vf_coef·clipped value loss (+ entropy, + ptx)."""
+        """PPO-max loss of one micro-batch: clipped policy loss + vf_coef·clipped value loss (+ entropy, + ptx); token
+        means, or sums with ``loss_weights`` (B, T). The entropy (a pass over the vocabulary) is computed when it
+        trains or ``log_entropy``."""
         args = self.args
         rollout = experience.rollout.select(index)
         width = max(int(rollout.response_mask.sum(1).max()), 1)  # trim padding to this micro-batch's longest
         mask = rollout.response_mask[:, :width]
         responses = rollout.response_ids[:, :width]
-        inputs = sequence_inputs(rollout.query_ids, rollout.query_mask, responses, mask)
+        loss_weights = None if loss_weights is None else loss_weights[:, :width]
+        inputs = sequence_inputs(*self._forward_queries(rollout.query_ids, rollout.query_mask), responses, mask)
         ptx_inputs = self._next_ptx_batch() if self.ptx_batches is not None else None
         ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
         logits, values, ptx_logits = self.model_wrapped(inputs, width, ptx_inputs=ptx_inputs)
-        # log π and H in one pass over the vocabulary (core.logprobs_from_logits / core.entropy_from_logits)
-        logprobs, entropy = selective_log_softmax_and_entropy(
-            logits,
-            responses,
-            entropy_requires_grad=args.entropy_coef > 0,
-            temperature=args.effective_logprob_temperature,
-        )
+        temperature, trains_entropy = args.effective_logprob_temperature, args.entropy_coef > 0
+        if trains_entropy or log_entropy:  # log π and H in one pass over the vocabulary
+            logprobs, entropy = selective_log_softmax_and_entropy(
+                logits, responses, entropy_requires_grad=trains_entropy, temperature=temperature
+            )
+        else:
+            logprobs, entropy = selective_log_softmax(logits, responses, temperature=temperature), None
         pg_loss, pg_stats = core.clipped_policy_loss(
             logprobs,
             experience.old_logprobs[index, :width],
@@ -527,16 +616,20 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             mask,
             args.cliprange,
             None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width],
+            loss_weights,
         )
         vf_loss, vf_stats = core.clipped_value_loss(
-            values, rollout.values[:, :width], experience.returns[index, :width], mask, args.cliprange_value
+            values,
+            rollout.values[:, :width],
+            experience.returns[index, :width],
+            mask,
+            args.cliprange_value,
+            loss_weights,
         )
-        entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target)
-        policy_loss = pg_loss + args.entropy_coef * entropy_term
+        policy_loss = pg_loss
         stats = {
             M.POLICY_LOSS: pg_loss.detach(),
             M.VALUE_LOSS: vf_loss.detach(),
-            M.ENTROPY: entropy_stats["entropy"],
             M.CLIPFRAC: pg_stats["clipfrac"],
             M.APPROXKL: pg_stats["approxkl"],
             M.RATIO: pg_stats["ratio"],
@@ -544,6 +637,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             M.VF_CLIPFRAC: vf_stats["clipfrac"],
             M.VALUE_ERROR: vf_stats["error"],
         }
+        if entropy is not None:
+            entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target, loss_weights)
+            policy_loss = policy_loss + args.entropy_coef * entropy_term
+            stats[M.ENTROPY] = entropy_stats["entropy"]
         if ptx_logits is not None:
             ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
             policy_loss = policy_loss + args.ptx_coef * ptx_loss

@@ -39,27 +39,60 @@ class Rollout:
 
     def select(self, index: torch.Tensor) -> Rollout:
         """Rows ``index`` of every field."""
-        return Rollout(**{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
+        return Rollout(**{f.name: take_rows(getattr(self, f.name), index) for f in fields(self)})
 
 
-def _rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+def take_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     return None if tensor is None else tensor[index]
 
 
-def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Concatenate rollout chunks, right-padding response-width fields to the widest chunk."""
-    width = max(p.response_ids.shape[1] for p in parts)
+def pad_right(tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
+    """Concatenate (B_i, T_i) tensors along rows, right-padded with ``value`` to the widest."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
 
-    def cat(name: str) -> torch.Tensor:
+
+def merge_rollouts(parts: list[Rollout], groups: list[torch.Tensor], pad_token_id: int) -> Rollout:
+    """One rollout of ``sum(len(g))`` rows from ``parts[i]`` holding rows ``groups[i]`` (micro-batches, possibly
+    reordered by length), response-width fields right-padded to the widest part."""
+    order = torch.cat(groups).argsort()
+
+    def merge(name: str) -> torch.Tensor | None:
         tensors = [getattr(p, name) for p in parts]
         if any(t is None for t in tensors):
             return None
         if tensors[0].dim() == 2 and name not in ("query_ids", "query_mask", "source_scores"):  # (B, T) fields
-            fill = pad_token_id if name == "response_ids" else 0
-            tensors = [nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors]
-        return torch.cat(tensors)
+            return pad_right(tensors, pad_token_id if name == "response_ids" else 0)[order]
+        return torch.cat(tensors)[order]
 
-    return Rollout(**{f.name: cat(f.name) for f in fields(Rollout)})
+    return Rollout(**{f.name: merge(f.name) for f in fields(Rollout)})
+
+
+def token_budget_batches(
+    query_lengths: torch.Tensor, response_lengths: torch.Tensor, budget: int
+) -> list[torch.Tensor]:
+    """Row indices packed into micro-batches of at most ``budget`` padded tokens, rows × (longest prompt + longest
+    response): rows sorted by total length, longest first, each batch filled greedily; a row over the budget goes
+    alone. Neighbours in length share a batch, so little padding is computed."""
+    queries, responses = query_lengths.tolist(), response_lengths.tolist()
+    order = sorted(range(len(queries)), key=lambda i: -(queries[i] + responses[i]))
+    batches: list[list[int]] = []
+    longest = (0, 0)
+    for i in order:
+        grown = (max(longest[0], queries[i]), max(longest[1], responses[i]))
+        if batches and (len(batches[-1]) + 1) * sum(grown) <= budget:
+            batches[-1].append(i)
+            longest = grown
+        else:
+            batches.append([i])
+            longest = (queries[i], responses[i])
+    return [torch.tensor(batch, dtype=torch.long, device=query_lengths.device) for batch in batches]
+
+
+def trim_query_padding(query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts (B, L) without the columns that are padding in every row."""
+    width = max(int(query_mask.sum(1).max()), 1)
+    return query_ids[:, -width:], query_mask[:, -width:]
 
 
 def sequence_inputs(

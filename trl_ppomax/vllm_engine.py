@@ -113,15 +113,19 @@ class VLLMEngine:
         self.stats[M.VLLM_SYNC_SECONDS].append(time.perf_counter() - start)
 
     @torch.no_grad()
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True):
-        """``(response_ids, response_mask, sampler_logprobs)`` (B, T), right-padded, for left-padded prompts (B, L);
-        the mask is 1 up to and including the stop token, the log-probs are vLLM's of the sampled tokens."""
+    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1):
+        """``(response_ids, response_mask, sampler_logprobs)`` (B·n, T), right-padded, ``n`` samples of each
+        left-padded prompt (B, L) in a row; the mask is 1 up to and including the stop token, the log-probs are vLLM's
+        of the sampled tokens. The prompt is repeated as trl's ``VLLMGeneration`` expects (the server samples it
+        ``n`` times, colocated engines share its prefill through the prefix cache)."""
         if self.stale:
             self.sync()
-        prompts = [row[mask.bool()].tolist() for row, mask in zip(query_ids, query_mask, strict=True)]
+        prompts = [
+            row[mask.bool()].tolist() for row, mask in zip(query_ids, query_mask, strict=True) for _ in range(n)
+        ]
         start = time.perf_counter()
         with self._sampling(sampling):
-            _, completions, logprobs, _ = self.generation.generate(prompts, None, 1)
+            _, completions, logprobs, _ = self.generation.generate(prompts, None, n)
         self.stats[M.VLLM_GENERATION_SECONDS].append(time.perf_counter() - start)
         width = max(1, *(len(c) for c in completions))
         responses = torch.full((len(completions), width), self.pad_id, dtype=torch.long)
