@@ -262,3 +262,16 @@ def test_non_finite_gradients_are_skipped_and_counted(tmp_path, engine):
     assert main["global_step"] == STEPS
     assert main["counters"]["skipped/updates"] == 2  # 2 epochs × 1 minibatch in iteration 3
     assert all(math.isfinite(v) for v in main["checksum"].values())
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_token_budget_micro_batches_and_samples_per_prompt_under_zero(tmp_path, engine):
+    """Micro-batches packed under a token budget (their number differs between the ranks and is evened out with
+    zero-weight rows, as ZeRO reduces at every micro-step) with 2 samples per prompt: the run finishes without a
+    skipped step and with the same, changed weights on both ranks."""
+    config, options, _ = ENGINES[engine]
+    run = launch(config, tmp_path, *options, "--max-tokens-per-microbatch", "24", "--samples-per-prompt", "2")
+    main = run[0]
+    assert main["global_step"] == STEPS and main["counters"]["skipped/updates"] == 0
+    assert main["checksum"] != main["checksum_initial"] and main["metrics_finite"]
+    assert run[0]["logits_sum"] == pytest.approx(run[1]["logits_sum"], rel=1e-6)

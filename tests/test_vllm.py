@@ -148,3 +148,19 @@ def test_repetition_penalty_is_vllms_prompt_inclusive_one(trained):
         )
     for row, completion in zip(hf, completions, strict=True):
         assert row[: len(completion)].tolist() == list(completion)
+
+
+def test_samples_per_prompt_come_in_a_row_per_prompt(trained):
+    """``n`` samples of each prompt, prompt-major as ``generate(num_return_sequences=n)`` returns them: greedy samples
+    of one prompt are equal and equal the single greedy response; sampled ones differ."""
+    trainer, _ = trained
+    trainer.vllm.sync()
+    (hf_ids, hf_mask), _ = greedy_pair(trainer, range(3))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+    ids, mask, _ = trainer.vllm.generate(batch["input_ids"], batch["attention_mask"], sampling=False, n=2)
+    width = hf_ids.shape[1]
+    assert ids.shape[0] == 6
+    assert torch.equal(ids[0::2, :width], hf_ids) and torch.equal(ids[1::2, :width], hf_ids)
+    assert torch.equal(mask[0::2, :width], hf_mask)
+    sampled, _, _ = trainer.vllm.generate(batch["input_ids"], batch["attention_mask"], sampling=True, n=4)
+    assert sampled.shape[0] == 12 and len({tuple(row.tolist()) for row in sampled}) > 3

@@ -316,18 +316,19 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                 responses, mask, sampler = zip(*samples, strict=True)
                 responses, mask = pad_right(responses, pad_id), pad_right(mask, 0)
                 sampler = None if sampler[0] is None else pad_right(sampler, 0.0)
-                groups = self._forward_groups(query_mask, mask)
+                groups, count = self._forward_groups(query_mask, mask)
+                padded = groups + [groups[0][:1]] * (count - len(groups))  # as many forwards as other processes
                 generated = [
                     self._logprobs(wrapper, query_ids[g], query_mask[g], responses[g], mask[g], take_rows(sampler, g))
-                    for g in groups
+                    for g in padded
                 ]
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
             parts = [
                 self._score(critic, fields, data.rows_of(columns, g.tolist()))
-                for g, fields in zip(groups, generated, strict=True)
+                for g, fields in zip(padded, generated, strict=True)
             ]
         self.model.train()
-        return merge_rollouts(parts, groups, pad_id)
+        return merge_rollouts(parts[: len(groups)], groups, pad_id)
 
     def _sample(self, wrapper: PolicyAndCritic, query_ids, query_mask, sampling: bool, n: int):
         """``(responses, mask, sampler log-probs or None)`` (B·n, T) of one chunk of prompts, by ``generate`` or
@@ -338,14 +339,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         kwargs["num_return_sequences"] = n
         return *generate_responses(wrapper.policy, query_ids, query_mask, kwargs), None
 
-    def _forward_groups(self, query_mask: torch.Tensor, response_mask: torch.Tensor) -> list[torch.Tensor]:
-        """Row indices of the no-grad forward micro-batches: packed under ``max_tokens_per_microbatch``
-        (:func:`~trl_ppomax.rollout.token_budget_batches`), else consecutive ``local_rollout_forward_batch_size`` rows."""
-        budget = self.args.max_tokens_per_microbatch
-        if budget is None:
-            rows = torch.arange(len(query_mask), device=query_mask.device)
-            return list(rows.split(self.args.local_rollout_forward_batch_size))
-        return token_budget_batches(query_mask.sum(1), response_mask.sum(1), budget)
+    def _forward_groups(self, query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """Row indices of the no-grad forward micro-batches, and how many forwards every process runs: packed under
+        ``max_tokens_per_microbatch`` (:meth:`_token_budget_groups`), else consecutive
+        ``local_rollout_forward_batch_size`` rows."""
+        if self.args.max_tokens_per_microbatch is not None:
+            return self._token_budget_groups(query_mask, response_mask)
+        rows = torch.arange(len(query_mask), device=query_mask.device)
+        groups = list(rows.split(self.args.local_rollout_forward_batch_size))
+        return groups, len(groups)
 
     def _logprobs(self, wrapper: PolicyAndCritic, query_ids, query_mask, responses, mask, sampler_logprobs) -> dict:
         """The policy's and reference's log-probs and perplexities of one micro-batch: Rollout fields (the prompts as
@@ -547,16 +549,22 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         every micro-step): the others repeat a row with zero weight."""
         rollout = experience.rollout
         mask = rollout.response_mask[minibatch]
-        groups = token_budget_batches(
-            rollout.query_mask[minibatch].sum(1), mask.sum(1), self.args.max_tokens_per_microbatch
-        )
-        count = torch.tensor([len(groups)], device=mask.device)
-        count = int(self.accelerator.gather(count).max()) if self.accelerator.num_processes > 1 else len(groups)
+        groups, count = self._token_budget_groups(rollout.query_mask[minibatch], mask)
         weights = core.row_split_loss_weights(mask, self.args.per_device_train_batch_size).float()
         engine_divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else count
         micro_batches = [(minibatch[g], weights[g] * engine_divisor) for g in groups]
         idle = (minibatch[:1], torch.zeros_like(weights[:1]))
         return micro_batches + [idle] * (count - len(groups))
+
+    def _token_budget_groups(self, query_mask, response_mask) -> tuple[list[torch.Tensor], int]:
+        """The rows packed under ``max_tokens_per_microbatch`` (:func:`~trl_ppomax.rollout.token_budget_batches`), and
+        the most packs any process has: every process must run as many forwards (ZeRO-3 gathers parameters in each)
+        and backwards (ZeRO reduces gradients at every micro-step)."""
+        budget = self.args.max_tokens_per_microbatch
+        groups = token_budget_batches(query_mask.sum(1), response_mask.sum(1), budget)
+        if self.accelerator.num_processes == 1:
+            return groups, len(groups)
+        return groups, int(self.accelerator.gather(torch.tensor([len(groups)], device=query_mask.device)).max())
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
         """:func:`optim.optimizer_step`; a step skipped for a non-finite gradient is counted and logged."""

@@ -45,6 +45,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--no-ds3-gather", action="store_true")
     parser.add_argument("--fsdp-on-cpu", action="store_true")
     parser.add_argument("--nan-grad-at", type=int, default=None, help="make the gradients of iteration K NaN")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=1)
     return parser.parse_args()
 
 
@@ -155,6 +157,8 @@ def main() -> None:
         save_strategy="steps",
         save_steps=2,
         ds3_gather_for_generation=not options.no_ds3_gather,
+        max_tokens_per_microbatch=options.max_tokens_per_microbatch,
+        num_samples_per_prompt=options.samples_per_prompt,
     )
     recorder.trainer = trainer
     if options.nan_grad_at is not None:
