@@ -621,6 +621,19 @@ def test_weights_only_resume_loads_the_weights_and_warns(run_dir, tmp_path, capl
     assert "resume_weights_only=True" in caplog.text and "restart" in caplog.text
 
 
+def test_a_checkpoint_without_config_json_resumes_into_the_existing_models(run_dir, tmp_path):
+    """Issue 26, bad 1: without config.json, from_pretrained on the folder used to build a default-size (7B) Llama."""
+    for name in ("config.json", "critic/config.json"):
+        (run_dir / "checkpoint-2" / name).unlink()
+    trainer = make_trainer(tmp_path, **RUN)
+    trainer.add_callback(start := PolicyAtStart())
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 3
+    saved = load_file(run_dir / "checkpoint-2" / "model.safetensors")
+    for name, value in start.params.items():
+        assert torch.equal(value, saved[name]), name
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -659,6 +672,7 @@ CHANGES = {
     "episodes": (dict(total_episodes=32), ["total_episodes: checkpoint 48, now 32", "num_total_batches"]),
     "seed": (dict(seed=1), ["seed: checkpoint 0, now 1"]),
     "preset": (dict(preset="vanilla"), ["preset: checkpoint 'ppo_max', now 'vanilla'"]),
+    "learning rate": (dict(learning_rate=5e-4), ["learning_rate: checkpoint 0.001, now 0.0005"]),
     "dataset": (
         dict(dataset=Dataset.from_dict({"prompt": prompt_texts(40)})),
         ["train_dataset_size: checkpoint 32, now 40"],
@@ -684,6 +698,30 @@ def test_resume_allow_changes_continues_with_a_warning(run_dir, tmp_path, caplog
         trainer.train(resume_from_checkpoint=True)
     assert "total_episodes: checkpoint 48, now 64" in caplog.text
     assert trainer.state.global_step == 4 and trainer.state.episode == 64
+
+
+class LearningRates(TrainerCallback):
+    """Records each parameter group's learning rate, by model, when an iteration begins."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.at_start = trainer, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.at_start.append({group["model"]: group["lr"] for group in self.trainer.optimizer.param_groups})
+
+
+def test_a_changed_learning_rate_applies_on_resume_when_changes_are_allowed(run_dir, tmp_path, caplog):
+    """Issue 26, bad 4: the saved schedule used to restore the old base rate silently."""
+    trainer = make_trainer(tmp_path, **RUN, learning_rate=2e-4, critic_learning_rate=3e-4, resume_allow_changes=True)
+    trainer.add_callback(rates := LearningRates(trainer))
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=True)
+    assert "learning_rate: checkpoint 0.001, now 0.0002" in caplog.text
+    policy, critic = trainer.lr_scheduler.base_lrs[0], trainer.lr_scheduler.base_lrs[-1]
+    assert (policy, critic) == (2e-4, 3e-4)
+    step = trainer.lr_scheduler.last_epoch - trainer.args.num_ppo_epochs * trainer.args.num_mini_batches
+    fraction = trainer.lr_scheduler.lr_lambdas[0](step)  # the schedule's position when iteration 3 began
+    assert rates.at_start[0] == pytest.approx({"policy": 2e-4 * fraction, "critic": 3e-4 * fraction})
 
 
 def test_old_checkpoint_without_run_settings_resumes_with_a_warning(run_dir, tmp_path, caplog):

@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, rotat
 from transformers.utils import PushInProgress
 from transformers.utils.hub import hf_api
 
-from . import checks
+from . import checks, optim
 from .files import (
     CRITIC_DIR,
     PPO_STATE_NAME,
@@ -88,6 +88,8 @@ class CheckpointMixin:
         "seed",
         "data_seed",
         "preset",
+        "learning_rate",
+        "effective_critic_learning_rate",
     )
 
     def __init__(self, *args, **kwargs) -> None:
@@ -282,6 +284,7 @@ class CheckpointMixin:
         if not weights_only:
             with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
                 self._load_optimizer_and_scheduler(path)
+            optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)  # a changed rate applies
         planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):

@@ -382,15 +382,15 @@ def check_run_settings(path: str, saved: dict | None, current: dict, allow_chang
     message = f"The settings that define the run differ from those of the checkpoint {path}:\n{lines}\n"
     if allow_changes:
         logger.warning(
-            "%sresume_allow_changes=True: resuming anyway; episode counts, the data order and the schedule "
-            "follow the new settings.",
+            "%sresume_allow_changes=True: resuming anyway; episode counts, the data order, the schedule and the "
+            "learning rates follow the new settings.",
             message,
         )
         return
     raise CheckpointError(
         f"{message}Resume with the checkpoint's settings, set resume_allow_changes=True to continue with the new "
-        "ones anyway (episode counts, the data order and the schedule then follow them), or start a fresh run in "
-        "another output_dir."
+        "ones anyway (episode counts, the data order, the schedule and the learning rates then follow them), or start "
+        "a fresh run in another output_dir."
     )
 
 

@@ -307,11 +307,12 @@ def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
         set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
         return
     if isinstance(module, PreTrainedModel):
-        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out)
+        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out), with
+        # the module's own config: a missing or foreign config.json must not build another model (a default 7B Llama)
         if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
             raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
         dtype = next(module.parameters()).dtype
-        saved = type(module).from_pretrained(folder, dtype=dtype).state_dict()
+        saved = type(module).from_pretrained(folder, config=module.config, dtype=dtype).state_dict()
         missing, unexpected = module.load_state_dict(saved, strict=False)
     elif (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
         missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time

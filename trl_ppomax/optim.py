@@ -127,6 +127,20 @@ def after_critic_warmup(
     return LambdaLR(optimizer, [shifted(base, m) for base, m in zip(scheduler.lr_lambdas, models, strict=True)])
 
 
+def rebase_learning_rates(optimizer, scheduler, args) -> None:
+    """After a resume restored the checkpoint's schedule, give every parameter group its base rate from ``args``
+    (``learning_rate``, the critic's rate) at the schedule's position: ``lr = base · λ(step)`` (``LambdaLR``; a no-op
+    when the rates are unchanged)."""
+    if not isinstance(scheduler, LambdaLR):
+        return
+    rates = {"policy": args.learning_rate, "critic": args.effective_critic_learning_rate}
+    for index, group in enumerate(optimizer.param_groups):
+        base = rates[group.get("model", "policy")]
+        scheduler.base_lrs[index] = group["initial_lr"] = base
+        group["lr"] = base * scheduler.lr_lambdas[index](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def optimizer_step(model_wrapped, accelerator, optimizer, lr_scheduler, args, critic_only: bool) -> dict | None:
     """Clip the gradients (per model or jointly, App. C.2), then step the optimizer and the schedule — unless a
     gradient is non-finite: then nothing steps and None is returned (the gradients are identical on every process).
