@@ -41,7 +41,7 @@ def test_ppo_max_has_none_of_the_options_and_ppo_max_robust_adds_them_to_it():
 
 @pytest.mark.parametrize("freeze", [False, True])
 def test_reward_norm_freeze_stops_the_moments_after_the_seeding_iterations(tmp_path, freeze):
-    trainer = make_trainer(tmp_path, reward_norm_freeze=freeze, critic_warmup_steps=2)
+    trainer = make_trainer(tmp_path, reward_norm_freeze=freeze, critic_warmup_steps=2, total_episodes=48)
     rollout, moments = first_rollout(trainer), trainer.ppo_state.running_reward
     counts = []
     for iteration in (1, 2, 3, 4):  # iterations 1 and 2 sample the starting policy (critic warm-up)

@@ -23,9 +23,9 @@ from datasets import Dataset, DatasetDict, IterableDataset
 from helpers import TINY, StopAt, changed, make_trainer, snapshot
 from safetensors.torch import load_file
 from test_core import run_distributed
-from transformers import TrainerCallback
+from transformers import AutoModelForSequenceClassification, TrainerCallback
 
-from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core, data, hub
+from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core, data, hub, rewards
 from trl_ppomax import metrics as M
 from trl_ppomax.checks import CheckpointError
 from trl_ppomax.cli import main
@@ -34,7 +34,7 @@ from trl_ppomax.moss.recovery import TensorFolder, recover
 from trl_ppomax.ppo_state import PPOState
 from trl_ppomax.rewards import call_reward_function
 from trl_ppomax.rollout import Rollout, drop_non_finite, kept_gather
-from trl_ppomax.tiny import build_models, prompt_texts, save_tiny_models
+from trl_ppomax.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts, save_tiny_models
 
 # ==================================================================================================================
 # Bad input and settings: each fails before the first rollout, naming the setting and the fix.
@@ -162,6 +162,19 @@ def iterable_prompts(_):
 @lazy
 def dataset_dict(_):
     return DatasetDict({"train": Dataset.from_dict({"prompt": prompt_texts(32)})})
+
+
+def foreign_scorer(tmp_path, saved: bool):
+    """A reward model built for a larger LLaMA-style tokenizer: loaded from a folder holding that tokenizer, or in
+    memory with no tokenizer beside it."""
+    other = build_llama_style_tokenizer()
+    model = AutoModelForSequenceClassification.from_config(llama_config(other, num_labels=1, pad_token_id=0))
+    assert model.get_input_embeddings().num_embeddings > VOCAB
+    if not saved:
+        return model
+    model.save_pretrained(tmp_path / "foreign-rm")
+    other.save_pretrained(tmp_path / "foreign-rm")
+    return AutoModelForSequenceClassification.from_pretrained(tmp_path / "foreign-rm")
 
 
 @lazy
@@ -357,6 +370,41 @@ CASES = [
         ValueError,
         r"metric_for_best_model='objective/scores' is never logged.*Close names: eval_val_objective/scores",
     ),
+    # 9. issue 26: a reward model or critic built for another tokenizer, without reward_processing_classes
+    (
+        "reward_model-saved-with-another-tokenizer",
+        trainer(reward_model=lazy(lambda tmp_path: foreign_scorer(tmp_path, saved=True))),
+        ValueError,
+        r"reward_model comes with another tokenizer .*: \d+ tokens; the policy's has 49.*reward_processing_classes",
+    ),
+    (
+        "reward_model-larger-vocabulary-no-tokenizer",
+        trainer(reward_model=lazy(lambda tmp_path: foreign_scorer(tmp_path, saved=False))),
+        ValueError,
+        r"reward_model reads \d+ token ids, more than the policy's 49: it was built for another tokenizer.*"
+        r"reward_processing_classes",
+    ),
+    (
+        "value_model-saved-with-another-tokenizer",
+        trainer(value_model=lazy(lambda tmp_path: foreign_scorer(tmp_path, saved=True))),
+        ValueError,
+        r"value_model comes with another tokenizer.*Use a value_model built on the policy's tokenizer",
+    ),
+    # 9. issue 26: conversations with unknown roles or no user turn; a critic warm-up as long as the run
+    (
+        "conversation-role-usr",
+        trainer(train_dataset=prompts((3, [{"role": "usr", "content": "hi"}]), column="conversation")),
+        ValueError,
+        r"row 3 has a message with the role 'usr'; a conversation's roles must be one of \('system', 'user'",
+    ),
+    (
+        "conversations-without-a-user-turn",
+        trainer(
+            train_dataset=lazy(lambda _: Dataset.from_dict({"prompt": [[{"role": "system", "content": "x"}]] * 32}))
+        ),
+        ValueError,
+        r"32 of 32 conversations have an empty message .* or no user turn: no prompt is left",
+    ),
 ]
 
 
@@ -378,6 +426,73 @@ def test_bad_input_fails_before_the_first_rollout(tmp_path, rollout_forbidden, b
 )
 def test_valid_edge_values_are_accepted(tmp_path, overrides):
     config(**overrides)(tmp_path)
+
+
+def test_a_reward_model_with_its_tokenizer_given_is_accepted(tmp_path):
+    """Issue 26, bad 7: with reward_processing_classes the foreign reward model re-tokenizes the texts."""
+    tokenizer, policy, critic = build_models()
+    other = build_llama_style_tokenizer()
+    other.pad_token = other.unk_token
+    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY)
+    trainer = PPOMaxTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=foreign_scorer(tmp_path, saved=True),
+        reward_processing_classes=[other],
+        value_model=critic,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+    )
+    assert trainer.reward_sources.processing_classes[0] is other
+
+
+def test_a_critic_warmup_as_long_as_the_run_is_said_loudly(tmp_path, caplog):
+    """Issue 26, bad 6: the policy never moved, and nothing said so."""
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo_config"):
+        make_trainer(tmp_path, critic_warmup_steps=2)
+    assert (
+        "critic_warmup_steps=2 is not below the run's 2 iterations (total_episodes=32 ÷ batch_size=16" in caplog.text
+    )
+    assert "the policy will not change" in caplog.text
+
+
+def test_a_reward_model_with_its_own_tokenizer_reads_the_policys_words_on_text_prompts(tmp_path, monkeypatch):
+    """Issue 26, item 11: prompt and completion were decoded apart and joined with nothing between them; a word-level
+    policy tokenizer decodes a completion without its leading space, so the last prompt word and the first
+    completion word fused (0 of 8 rows reached the reward model as the policy's words)."""
+    tokenizer, policy, critic = build_models()
+    other = build_llama_style_tokenizer()
+    other.pad_token = other.unk_token
+    seen: list[str] = []
+    original = rewards.score_with_own_tokenizer
+
+    def spy(model, reward_tokenizer, sequences, device):
+        seen.extend(sequences)
+        return original(model, reward_tokenizer, sequences, device)
+
+    monkeypatch.setattr(rewards, "score_with_own_tokenizer", spy)
+    trainer = PPOMaxTrainer(
+        args=PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY),
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=foreign_scorer(tmp_path, saved=False),
+        reward_processing_classes=[other],
+        value_model=critic,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
+    )
+    batch = trainer.prompt_batches[0]
+    rollout = trainer.rollout(batch["input_ids"], batch["attention_mask"])
+    vocabulary = set(tokenizer.get_vocab())
+    assert len(seen) == len(rollout.scores) == 16
+    for text, ids, mask, response, response_mask in zip(
+        seen, rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask, strict=True
+    ):
+        words = tokenizer.decode(
+            torch.cat([ids[mask.bool()], response[response_mask.bool()]]), skip_special_tokens=True
+        )
+        assert text == words and set(text.split()) <= vocabulary, text
 
 
 def test_a_prompt_budget_of_one_token_is_accepted(tmp_path, rollout_forbidden):
@@ -1062,6 +1177,22 @@ def test_skips_in_a_row_are_counted_and_stop_the_run(pattern, limit, total, stop
     assert stops_at is None
     assert counters[M.SKIPPED_ITERATIONS] == pattern.count("S")
     assert counters[M.SKIPPED_IN_A_ROW] == len(pattern) - len(pattern.rstrip("S"))
+
+
+def test_a_run_whose_every_optimizer_step_is_skipped_stops_with_an_error(tmp_path, monkeypatch):
+    """Issue 26, bad 5: skipped updates used to end the run normally, untrained; they count as skipped iterations."""
+    trainer = make_trainer(tmp_path, total_episodes=64, max_skipped_iterations=2)
+    original = trainer.micro_batch_loss
+
+    def poisoned(*args):
+        loss, stats = original(*args)
+        return loss * math.nan, stats
+
+    monkeypatch.setattr(trainer, "micro_batch_loss", poisoned)
+    before = snapshot(trainer.model)
+    with pytest.raises(RuntimeError, match=r"Stopped at iteration 2: 2 iterations in a row .*all 2 optimizer steps"):
+        trainer.train()
+    assert changed(before, trainer.model) == 0
 
 
 def test_a_short_run_whose_every_iteration_is_skipped_fails(tmp_path):

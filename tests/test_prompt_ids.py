@@ -189,7 +189,7 @@ def test_conversations_with_an_empty_turn_are_dropped_and_counted(empty, caplog)
     with caplog.at_level(logging.WARNING, logger="trl_ppomax.data"):
         kept = prepare_prompt_dataset(dataset, tokenizer, name="train_dataset")
     assert kept["row"] == [0, 3]
-    assert "train_dataset: 2 of 4 conversations have an empty turn" in caplog.text
+    assert "train_dataset: 2 of 4 conversations have an empty message" in caplog.text
     with pytest.raises(ValueError, match="no prompt is left"):
         prepare_prompt_dataset(dataset.select([1, 2]), tokenizer)
 

@@ -111,7 +111,8 @@ def test_reward_model_with_its_own_tokenizer(tmp_path):
 
     # scored as the model itself scores the re-encoded text, right-padded
     prompts, completions = ["hello there", "a"], [" how are you", " b c"]
-    scores = rewards.score_with_own_tokenizer(foreign, other, prompts, completions, torch.device("cpu"))
+    texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+    scores = rewards.score_with_own_tokenizer(foreign, other, texts, torch.device("cpu"))
     for prompt, completion, score in zip(prompts, completions, scores, strict=True):
         alone = foreign(**other(prompt + completion, return_tensors="pt")).logits[0, 0]
         assert score.item() == pytest.approx(alone.item(), abs=1e-5)

@@ -230,6 +230,7 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
         )
     for name in [name for name in built if name != "policy"]:
         size = embedding_size(built.get(name))
+        check_same_tokenizer(name, built.get(name), tokenizer, size, policy_size)
         if size is not None and size < tokens:
             raise ValueError(
                 f"{name} has an embedding for {size} token ids, fewer than the tokenizer's {tokens} tokens: prompts "
@@ -247,6 +248,52 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
                 tokens,
                 name,
             )
+
+
+#: A text whose ids tell two tokenizers apart (words, digits, punctuation, accents, CJK).
+TOKENIZER_PROBE = "The quick brown fox paid 12.50 for 3 naïve cafés; 你好, world!"
+
+
+def own_tokenizer(model: nn.Module):
+    """The tokenizer saved beside ``model`` (the local folder it was loaded from), or None."""
+    folder = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        return None
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception:  # an unreadable or foreign tokenizer: judged by the vocabulary size alone
+        return None
+
+
+def check_same_tokenizer(name: str, model, tokenizer, size: int | None, policy_size: int | None) -> None:
+    """A model that reads the policy's token ids must have been built for the policy's tokenizer: its own tokenizer
+    (saved beside it) must give the same vocabulary and the same ids for :data:`TOKENIZER_PROBE`; without one, an
+    embedding larger than the policy's means another tokenizer. Else it would score the policy's ids as its own."""
+    if not isinstance(model, nn.Module):
+        return
+    own = own_tokenizer(model)
+    fix = (
+        "pass its tokenizer, reward_processing_classes=[...] with one entry per reward source, so that the texts are "
+        "re-tokenized for it"
+        if name.startswith("reward_model")
+        else f"use a {name} built on the policy's tokenizer"
+    )
+    if own is not None:
+        ours, theirs = (t(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"] for t in (tokenizer, own))
+        if len(own) != len(tokenizer) or ours != theirs:
+            raise ValueError(
+                f"{name} comes with another tokenizer ({own.name_or_path}: {len(own)} tokens; the policy's has "
+                f"{len(tokenizer)}, and {TOKENIZER_PROBE!r} becomes other ids): it would read the policy's token ids "
+                f"as its own words. {fix[0].upper() + fix[1:]}."
+            )
+    elif size is not None and policy_size is not None and size > policy_size:
+        raise ValueError(
+            f"{name} reads {size} token ids, more than the policy's {policy_size}: it was built for another "
+            f"tokenizer, and would read the policy's token ids as its own words. {fix[0].upper() + fix[1:]}; if it "
+            f"does share the policy's tokenizer, resize it: {name}.resize_token_embeddings({policy_size})."
+        )
 
 
 def check_stop_token_id(stop_token_id: int | None, tokenizer, policy_size: int | None) -> None:

@@ -148,6 +148,8 @@ def prepare_prompt_dataset(
     for column in ("prompt", "input_ids"):
         if column in columns:
             _refuse_empty_prompts(dataset[column], column, name)
+    if "prompt" in columns:
+        _refuse_unknown_roles(dataset["prompt"], name)
     if "input_ids" in columns:
         if "prompt" in columns:
             _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
@@ -186,20 +188,40 @@ def _is_blank(content) -> bool:
     return content is None or (isinstance(content, str) and not content.strip())
 
 
-def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Dataset:
-    """``dataset`` without the conversations that have an empty turn (the release's ``all(sample)``), counted in a
-    warning; raises when none is left."""
+#: The roles a prompt conversation may hold.
+ROLES = ("system", "user", "assistant")
 
-    def complete(example: dict) -> bool:  # no user or assistant turn whose content is None, empty or blank
+
+def _refuse_unknown_roles(prompts: list, name: str) -> None:
+    """Refuse conversations with a message whose role is not one of :data:`ROLES` (e.g. "usr", "human")."""
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            unknown = sorted({str(m.get("role")) for m in prompt if isinstance(m, dict)} - set(ROLES))
+            if unknown:
+                raise ValueError(
+                    f"{name}: row {row} has a message with the role {unknown[0]!r}; a conversation's roles must be "
+                    f"one of {ROLES} (chat templates read no other). Rename it, e.g. with dataset.map(...)."
+                )
+
+
+def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Dataset:
+    """``dataset`` without the conversations that have an empty turn (the release's ``all(sample)``) or no user turn,
+    counted in a warning; raises when none is left."""
+
+    def complete(example: dict) -> bool:  # a user turn, and no message whose content is None, empty or blank
         prompt = example["prompt"]
-        turns = _split_system(prompt)[1] if is_conversational({"prompt": prompt}) else []
-        return not any(_is_blank(m.get("content")) for m in turns)
+        if not isinstance(prompt, list):
+            return True
+        return any(m.get("role") == "user" for m in prompt) and not any(_is_blank(m.get("content")) for m in prompt)
 
     kept = dataset.filter(complete, num_proc=num_proc, desc="Dropping empty turns")
     dropped = len(dataset) - len(kept)
     if dropped == 0:
         return dataset
-    message = f"{name}: {dropped} of {len(dataset)} conversations have an empty turn (content None, empty or blank)"
+    message = (
+        f"{name}: {dropped} of {len(dataset)} conversations have an empty message (content missing, None, empty or "
+        "blank) or no user turn"
+    )
     if len(kept) == 0:
         raise ValueError(f"{message}: no prompt is left. Fill in or remove the empty turns.")
     logger.warning("%s; they were dropped, as the MOSS-RLHF release drops such samples.", message)

@@ -312,14 +312,24 @@ def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
         if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
             raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
         dtype = next(module.parameters()).dtype
-        saved = type(module).from_pretrained(folder, config=module.config, dtype=dtype).state_dict()
-        missing, unexpected = module.load_state_dict(saved, strict=False)
-    elif (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
+        loaded, info = type(module).from_pretrained(
+            folder, config=module.config, dtype=dtype, output_loading_info=True
+        )
+        mismatched = [key for key, *_ in info.get("mismatched_keys", [])]  # left at from_pretrained's random init
+        _check_weights_fit(module, folder, [*info["missing_keys"], *mismatched], list(info["unexpected_keys"]))
+        module.load_state_dict(loaded.state_dict())
+        return
+    if (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
         missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
     else:
         if not (folder / SAFE_WEIGHTS_NAME).exists():
             raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
         missing, unexpected = module.load_state_dict(load_file(folder / SAFE_WEIGHTS_NAME), strict=False)
+    _check_weights_fit(module, folder, missing, unexpected)
+
+
+def _check_weights_fit(module: nn.Module, folder: Path, missing: list[str], unexpected: list[str]) -> None:
+    """Tied weights may be absent from a saved folder; any other missing or unexpected weight is an error."""
     tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
     missing = [key for key in missing if key not in tied]
     if missing or unexpected:

@@ -611,6 +611,16 @@ class PPOMaxConfig(TrainingArguments):
         episodes_per_epoch = dataset_size * self.num_samples_per_prompt
         self.total_episodes = self.total_episodes or int(self.num_train_epochs * episodes_per_epoch)
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        if self.critic_warmup_steps >= self.num_total_batches:
+            logger.warning(
+                "critic_warmup_steps=%d is not below the run's %d iterations (total_episodes=%d ÷ batch_size=%d, "
+                "rounded up): only the critic trains, the policy will not change. Lower critic_warmup_steps or raise "
+                "total_episodes to train the policy.",
+                self.critic_warmup_steps,
+                self.num_total_batches,
+                self.total_episodes,
+                self.batch_size,
+            )
 
 
 def render_field_docs(cls: type, base: type, always: tuple[str, ...] = ()) -> str:

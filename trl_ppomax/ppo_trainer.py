@@ -233,14 +233,16 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         n = self.args.num_samples_per_prompt
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
         experience, metrics = self.make_experience(rollout)
-        args = self.args
-        self.ppo_state.count_iteration(
-            self._skip_reason, iteration, self.num_total_batches, args.max_skipped_iterations
-        )
+        args, problem = self.args, self._skip_reason
         if experience is not None:
-            metrics.update(self.ppo_update(experience, critic_only=iteration <= self.args.critic_warmup_steps))
-            if self.vllm is not None and iteration > self.args.critic_warmup_steps:
+            skipped = self.ppo_state.counters[M.SKIPPED_UPDATES]
+            metrics.update(self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps))
+            steps = args.num_ppo_epochs * args.num_mini_batches
+            if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:  # nothing was trained
+                problem = f"non-finite gradients: all {steps} optimizer steps skipped"
+            elif self.vllm is not None and iteration > args.critic_warmup_steps:
                 self.vllm.mark_stale()  # the policy changed: its weights go to vLLM before the next rollout
+        self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
         metrics.update(self.vllm.pop_metrics() if self.vllm is not None else {})
         if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
             optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it

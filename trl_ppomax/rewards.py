@@ -162,21 +162,24 @@ def score_responses(
         tokenizer, (ids[:, :query_width], query_mask, ids[:, query_width:], response_mask), columns
     )
     if isinstance(reward, nn.Module):
-        return score_with_own_tokenizer(reward, reward_tokenizer, given["prompts"], given["texts"][1], ids.device)
+        prompts, completions = given["prompts"], given["texts"][1]
+        if is_conversational({"prompt": prompts[0]}):
+            sequences = [[*p, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions, strict=True)]
+        else:  # the very text the policy saw: decoded whole, so that no word boundary is lost between the two parts
+            sequences = decode_texts(tokenizer, ids, inputs["attention_mask"])
+        return score_with_own_tokenizer(reward, reward_tokenizer, sequences, ids.device)
     return call_reward_function(reward, given.pop("prompts"), given.pop("completions"), ids.device, **given)
 
 
-def score_with_own_tokenizer(
-    model: nn.Module, tokenizer, prompts: list, completions: list[str], device
-) -> torch.Tensor:
-    """Scores (B,) of a reward model with its own tokenizer (TRL's ``reward_processing_classes``): prompt ⊕
-    completion re-encoded with ``tokenizer`` (its chat template for a conversation), right-padded."""
-    if is_conversational({"prompt": prompts[0]}):
-        conversations = [[*p, {"role": "assistant", "content": c}] for p, c in zip(prompts, completions, strict=True)]
-        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+def score_with_own_tokenizer(model: nn.Module, tokenizer, sequences: list, device) -> torch.Tensor:
+    """Scores (B,) of a reward model with its own tokenizer (TRL's ``reward_processing_classes``): each prompt ⊕
+    completion, a text or a conversation ending with the assistant's answer, encoded with ``tokenizer`` (its chat
+    template for a conversation), right-padded."""
+    if is_conversational({"prompt": sequences[0]}):
+        texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in sequences]
         encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     else:
-        encoded = [tokenizer(p + c)["input_ids"] for p, c in zip(prompts, completions, strict=True)]
+        encoded = [tokenizer(text)["input_ids"] for text in sequences]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     from trl.trainer.utils import pad
 
