@@ -7,10 +7,14 @@ trainers in fresh processes, alternating, and reports medians and ratios.
 
     python benchmarks/speed.py --runs 3 --output benchmarks/results/speed.json
     python benchmarks/speed.py --vllm --runs 3 --output benchmarks/results/speed_vllm.json   # after bash .ci/vllm.sh
+    python benchmarks/speed.py --batching --runs 3 --output benchmarks/results/speed_batching.json
 
 ``--vllm`` compares, in the vLLM environment that ``.ci/vllm.sh`` builds (``--vllm-python``), the same PPO run with
 ``model.generate`` and with a colocated vLLM engine (``use_vllm=True``): generation time, weight-sync time per
 iteration and episodes per second.
+
+``--batching`` measures ``max_tokens_per_microbatch`` (padded tokens computed, forward and update time) against the row
+split on prompts of widely varying lengths, and ``num_samples_per_prompt=4`` against 4× the prompts.
 """
 
 from __future__ import annotations
@@ -116,6 +120,42 @@ def vllm_main(args) -> None:
     report(results, medians, ratios, keys, args.output)
 
 
+def batching_main(args) -> None:
+    """Token-budget micro-batches against the row split on prompts of widely varying lengths, and 4 samples per prompt
+    against 4× the prompts (the vanilla preset, the same episodes)."""
+    assets = build_assets(HERE / ".cache" / "speed-assets")
+    budget = f"tokens={args.token_budget}"
+    presets = ["vanilla+varied", f"vanilla+varied+{budget}", "vanilla", "vanilla+n=4"]
+    results = run_alternating([("ppomax", preset, sys.executable) for preset in presets], assets, args)
+    keys = [
+        "episodes_per_second",
+        "train_seconds",
+        "process_seconds",
+        "generation_seconds",
+        "scoring_forwards_seconds",
+        "update_and_rest_seconds",
+        "padded_tokens",
+        "padding_share",
+        "peak_rss_gb",
+        "mean_response_length",
+    ]
+    m = median_fields(results, keys)
+    rows, packed = m["ppomax/vanilla+varied"], m[f"ppomax/vanilla+varied+{budget}"]
+    one, four = m["ppomax/vanilla"], m["ppomax/vanilla+n=4"]
+    ratios = {
+        "padded tokens computed (rows / token budget), varied lengths": rows["padded_tokens"]
+        / packed["padded_tokens"],
+        "scoring forwards seconds (rows / token budget)": rows["scoring_forwards_seconds"]
+        / packed["scoring_forwards_seconds"],
+        "update and rest seconds (rows / token budget)": rows["update_and_rest_seconds"]
+        / packed["update_and_rest_seconds"],
+        "episodes_per_second (token budget / rows)": packed["episodes_per_second"] / rows["episodes_per_second"],
+        "episodes_per_second (n=4 / 4x the prompts)": four["episodes_per_second"] / one["episodes_per_second"],
+        "generation seconds (4x the prompts / n=4)": one["generation_seconds"] / four["generation_seconds"],
+    }
+    report(results, m, ratios, keys, args.output)
+
+
 def run_alternating(configs: list[tuple[str, str, str]], assets: Path, args) -> dict[str, list[dict]]:
     """``args.runs`` rounds of every ``(impl, preset, python)`` config, the order reversed every other round."""
     results: dict[str, list[dict]] = {f"{impl}/{preset}": [] for impl, preset, _ in configs}
@@ -159,13 +199,24 @@ def report(results: dict, medians: dict, ratios: dict, keys: list[str], output: 
     )
 
 
+#: Variants a config's preset may carry after ``+``, as the worker's flags.
+VARIANTS = {
+    "vanilla_sampling": ["--vanilla-sampling"],  # PPO-max maths with trl's sampling settings
+    "varied": ["--varied-lengths"],  # prompts of widely varying lengths
+    "n": ["--samples-per-prompt"],  # n=K: K samples per prompt
+    "tokens": ["--max-tokens"],  # tokens=K: micro-batches under a K-token budget
+}
+
+
 def run(python: str, impl: str, preset: str, assets: Path, episodes: int, length: int, no_stop: bool = False) -> dict:
-    """One worker process; ``preset`` may end with ``+vanilla_sampling`` (PPO-max maths, trl's sampling); with
+    """One worker process; ``preset`` may carry :data:`VARIANTS`, e.g. ``vanilla+varied+tokens=1024``; with
     ``no_stop`` every response is ``length`` tokens (identical work for every config)."""
-    name, _, variant = preset.partition("+")
+    name, *variants = preset.split("+")
     command = [python, str(HERE / "speed_worker.py"), "--impl", impl, "--preset", name, "--assets", str(assets)]
     command += ["--episodes", str(episodes), "--response-length", str(length)]
-    command += ["--vanilla-sampling"] if variant == "vanilla_sampling" else []
+    for variant in variants:
+        key, _, value = variant.partition("=")
+        command += VARIANTS[key] + ([value] if value else [])
     command += ["--no-stop-token"] if no_stop else []
     start = time.perf_counter()
     out = subprocess.run(
@@ -196,11 +247,19 @@ def main() -> None:
         "--no-stop-token", action="store_true", help="no stop token: every response is --response-length tokens"
     )
     parser.add_argument("--output", default=str(HERE / "results" / "speed.json"))
+    parser.add_argument("--token-budget", type=int, default=1024, help="--batching: max_tokens_per_microbatch")
     parser.add_argument("--vllm", action="store_true", help="HF generation vs a colocated vLLM engine")
+    parser.add_argument(
+        "--batching",
+        action="store_true",
+        help="token-budget vs row micro-batches on prompts of varied lengths; n=4 samples per prompt vs 4× the prompts",
+    )
     parser.add_argument("--vllm-python", default=str(HERE.parent / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
     if args.vllm:
         return vllm_main(args)
+    if args.batching:
+        return batching_main(args)
     trl112 = str(ensure_trl112_env(HERE / ".venv-trl112"))
     assets = build_assets(HERE / ".cache" / "speed-assets")
     configs = [

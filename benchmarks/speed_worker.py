@@ -65,6 +65,36 @@ def instrument(impl: str) -> None:
             wrap(owner, name, "scoring_forwards", no_grad_only=True)
 
 
+TOKENS = {"padded": 0, "real": 0}
+
+
+def count_tokens() -> None:
+    """Count the padded and real tokens of every forward's inputs (``sequence_inputs``: rollout forwards and update)."""
+    import trl_ppomax.ppo_trainer as trainer
+
+    original = trainer.sequence_inputs
+
+    def counted(*args, **kwargs):
+        inputs = original(*args, **kwargs)
+        TOKENS["padded"] += inputs["input_ids"].numel()
+        TOKENS["real"] += int(inputs["attention_mask"].sum())
+        return inputs
+
+    trainer.sequence_inputs = counted
+
+
+def varied_prompts(dataset, tokenizer, seed: int = 0):
+    """The prompts with a random prefix of 0–48 filler words each: widely varying prompt (and so sequence) lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    filler = tokenizer.convert_tokens_to_ids([f"w{i}" for i in range(100, 400)])
+
+    def prefixed(row, index):
+        n = int(torch.randint(0, 49, (1,), generator=generator))
+        return {"input_ids": [filler[(index * 7 + k) % len(filler)] for k in range(n)] + row["input_ids"]}
+
+    return dataset.map(prefixed, with_indices=True)
+
+
 def peak_rss_bytes() -> int:
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read())[1]) * 1024
 
@@ -78,6 +108,9 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=48)
     parser.add_argument("--vanilla-sampling", action="store_true", help="ppomax: trl's sampling (no top-p/penalty)")
     parser.add_argument("--no-stop-token", action="store_true", help="every response is --response-length tokens")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppomax: num_samples_per_prompt")
+    parser.add_argument("--max-tokens", type=int, default=None, help="ppomax: max_tokens_per_microbatch")
+    parser.add_argument("--varied-lengths", action="store_true", help="prompts of widely varying lengths")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -92,11 +125,14 @@ def main() -> None:
 
         kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}
+        extra.update(num_samples_per_prompt=args.samples_per_prompt, max_tokens_per_microbatch=args.max_tokens)
         if args.vanilla_sampling:
             extra.update(top_p=1.0, repetition_penalty=1.0)
         if args.impl == "ppomax+vllm":
             extra.update(use_vllm=True, vllm_gpu_memory_utilization=0.3)
     instrument(args.impl)
+    if args.impl.startswith("ppomax"):
+        count_tokens()
     tokenizer = AutoTokenizer.from_pretrained(f"{args.assets}/sft", padding_side="left")
     config = PPOConfig(
         output_dir="/tmp/speed-run",
@@ -120,6 +156,8 @@ def main() -> None:
         seed=0,
         **extra,
     )
+    prompts = load_from_disk(f"{args.assets}/prompts")
+    prompts = varied_prompts(prompts, tokenizer) if args.varied_lengths else prompts
     trainer = PPOTrainer(
         args=config,
         processing_class=tokenizer,
@@ -127,9 +165,10 @@ def main() -> None:
         ref_model=AutoModelForCausalLM.from_pretrained(f"{args.assets}/sft"),
         reward_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
         value_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
-        train_dataset=load_from_disk(f"{args.assets}/prompts"),
+        train_dataset=prompts,
     )
     PHASES.clear()
+    TOKENS.update(padded=0, real=0)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -155,6 +194,8 @@ def main() -> None:
                 "update_and_rest_seconds": update,
                 "peak_rss_gb": peak_rss_bytes() / 1e9,
                 "mean_response_length": sum(lengths) / len(lengths) if lengths else None,
+                "padded_tokens": TOKENS["padded"] or None,
+                "padding_share": 1 - TOKENS["real"] / TOKENS["padded"] if TOKENS["padded"] else None,
             }
         ),
         flush=True,
