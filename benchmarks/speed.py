@@ -30,6 +30,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VOCAB_SIZE = 16_000
+#: The fields reported for each config (medians over its runs).
+KEYS = [
+    "episodes_per_second",
+    "train_seconds",
+    "process_seconds",
+    "generation_seconds",
+    "scoring_forwards_seconds",
+    "update_and_rest_seconds",
+    "peak_rss_gb",
+    "mean_response_length",
+]
 
 
 def ensure_trl112_env(path: Path) -> Path:
@@ -127,18 +138,7 @@ def batching_main(args) -> None:
     budget = f"tokens={args.token_budget}"
     presets = ["vanilla+varied", f"vanilla+varied+{budget}", "vanilla", "vanilla+n=4"]
     results = run_alternating([("ppomax", preset, sys.executable) for preset in presets], assets, args)
-    keys = [
-        "episodes_per_second",
-        "train_seconds",
-        "process_seconds",
-        "generation_seconds",
-        "scoring_forwards_seconds",
-        "update_and_rest_seconds",
-        "padded_tokens",
-        "padding_share",
-        "peak_rss_gb",
-        "mean_response_length",
-    ]
+    keys = [*KEYS, "padded_tokens", "padding_share"]
     m = median_fields(results, keys)
     rows, packed = m["ppomax/vanilla+varied"], m[f"ppomax/vanilla+varied+{budget}"]
     one, four = m["ppomax/vanilla"], m["ppomax/vanilla+n=4"]
@@ -269,16 +269,7 @@ def main() -> None:
         ("ppomax", "ppo_max+vanilla_sampling", sys.executable),  # PPO-max maths with trl's sampling settings
     ]
     results = run_alternating(configs, assets, args)
-    keys = [
-        "episodes_per_second",
-        "train_seconds",
-        "process_seconds",
-        "generation_seconds",
-        "scoring_forwards_seconds",
-        "update_and_rest_seconds",
-        "peak_rss_gb",
-        "mean_response_length",
-    ]
+    keys = KEYS
     medians = median_fields(results, keys)
     base, ours, ppo_max = medians["trl112/vanilla"], medians["ppomax/vanilla"], medians["ppomax/ppo_max"]
     maths_only = medians["ppomax/ppo_max+vanilla_sampling"]
