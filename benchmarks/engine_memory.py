@@ -94,9 +94,10 @@ def config_path(name: str, fallback: str) -> Path:
 
 def launch(config: Path, options: list[str], extra_env: dict, output: Path, processes: int, timeout: int) -> float:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra_env}
-    command = [
-        "accelerate",
-        "launch",
+    command = [  # accelerate of this interpreter: `accelerate` on PATH is not there in a venv that is not activated
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
         "--config_file",
         str(config),
         "--num_processes",

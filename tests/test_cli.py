@@ -166,3 +166,89 @@ def module_config(name: str) -> str:
     from trl_ppomax.scripts import resolve_config
 
     return resolve_config(name)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The command line's rough edges (issue 26, item 10, and its poor cases)
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def demo_runs(monkeypatch):
+    """The toy world's ``run_demo`` calls (their keyword arguments), instead of running it."""
+    from trl_ppomax.toyworld import demo
+
+    calls = []
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: calls.append((args, kwargs)))
+    return calls
+
+
+def test_ppo_with_only_an_output_dir_runs_the_toy_world_there(demo_runs, tmp_path):
+    folder = str(tmp_path / "toy")
+    assert main(["ppo", "--output_dir", folder]) == 0
+    assert main(["ppo", f"--output_dir={folder}"]) == 0
+    assert main(["ppo"]) == 0  # its default folder
+    assert demo_runs == [((), {"output_dir": folder}), ((), {"output_dir": folder}), ((), {})]
+
+
+def test_ppo_with_other_settings_and_no_dataset_says_what_to_set(demo_runs, tmp_path):
+    with pytest.raises(ValueError, match=r"Set dataset_name.*--output_dir"):
+        main(["ppo", "--output_dir", str(tmp_path), "--kl_coef", "0.02"])  # not the toy world: it has no kl_coef
+    assert demo_runs == []
+
+
+def test_evaluate_takes_judge_as_judges_and_no_flag_prefixes(capsys):
+    from trl_ppomax.cli import build_parser
+
+    base = ["evaluate", "--policy", "p", "--output", "o"]
+    assert build_parser().parse_args([*base, "--judge", "llm", "--judge-model", "m"]).judges == ["llm"]
+    for prefix in (["--judge-m", "gpt-4o"], ["--num", "3"]):  # unique prefixes of --judge-model, --num-prompts
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, *prefix])
+        assert f"unrecognized arguments: {prefix[0]}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--iter", "3"])
+    assert "unrecognized arguments: --iter" in capsys.readouterr().err
+
+
+def test_demo_refuses_zero_iterations_when_parsed(demo_runs, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--iterations", "0"])
+    assert exit_.value.code == 2 and demo_runs == []
+    assert "argument --iterations: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.fixture
+def evaluate_base(tmp_path, monkeypatch):
+    """``trl-ppomax evaluate`` arguments on existing folders and prompts, with nothing allowed to load."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("prompts or models loaded before the settings were checked")
+
+    from trl_ppomax.judging import generation, run
+
+    monkeypatch.setattr(generation, "load_prompts", forbidden)
+    monkeypatch.setattr(run, "evaluate_policy", forbidden)
+    for name in ("policy", "sft"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    flags = {"--policy": "policy", "--baseline": "sft", "--prompts": "prompts.jsonl", "--output": "eval"}
+    paths = [item for flag, name in flags.items() for item in (flag, str(tmp_path / name))]
+    return ["evaluate", "--judges", "gold", *paths]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        (["--temperature", "0"], "--temperature must be > 0 for sampling, got 0.0; for greedy decoding use --greedy"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    ],
+)
+def test_evaluate_refuses_settings_that_cannot_work_before_loading(evaluate_base, capsys, flags, message):
+    assert main([*evaluate_base, *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"trl-ppomax evaluate: error: {message}"
+
+
+def test_evaluate_takes_temperature_zero_with_greedy(evaluate_base):
+    with pytest.raises(AssertionError, match="loaded before the settings were checked"):  # got past the checks
+        main([*evaluate_base, "--temperature", "0", "--greedy"])

@@ -4,7 +4,9 @@ configs, running ``tests/scripts/engine_run.py`` (4 PPO-max iterations of the ti
 For each engine: it trains; a run stopped after iteration 2 and resumed ends exactly where an uninterrupted run
 ends; ``save_model`` writes a plain transformers model that loads without the engine and gives the in-process
 logits; the running reward moments are the same on both ranks. Plus a simulated 2-node run (one process per
-``machine_rank``, meeting at 127.0.0.1). Slow (a few minutes on 2 cores): ``pytest -m slow tests/test_engines.py``.
+``machine_rank``, meeting at 127.0.0.1), and the ``ppo`` / ``reward`` commands and the recipe under ZeRO-2/3 with a
+DeepSpeed JSON of the user's own (explicit batch sizes), loading their models from disk. Slow (a few minutes on
+2 cores): ``pytest -m slow tests/test_engines.py``.
 """
 
 from __future__ import annotations
@@ -243,7 +245,10 @@ def test_zero3_generation_gathers_the_policy_only(tmp_path):
         "--output",
         str(output),
     ]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=900)
+    # as from a virtual environment that is not activated: no `accelerate` on PATH (the benchmark launches through
+    # its interpreter)
+    path = os.pathsep.join(p for p in ENV.get("PATH", "").split(os.pathsep) if not (Path(p) / "accelerate").exists())
+    result = subprocess.run(command, env={**ENV, "PATH": path}, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     (run,) = json.loads(output.read_text())["summary"]
     held, full = run["measured_max_over_ranks"], run["full_size"]
@@ -275,3 +280,95 @@ def test_token_budget_micro_batches_and_samples_per_prompt_under_zero(tmp_path, 
     assert main["global_step"] == STEPS and main["counters"]["skipped/updates"] == 0
     assert main["checksum"] != main["checksum_initial"] and main["metrics_finite"]
     assert run[0]["logits_sum"] == pytest.approx(run[1]["logits_sum"], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A DeepSpeed JSON of the user's own (issue 26, item 8): explicit batch sizes, as DeepSpeed-Chat and many teams write
+# them, not accelerate's "auto"; the models are loaded by the command (under ZeRO-3 inside zero.Init), not built first.
+# ------------------------------------------------------------------------------------------------------------------
+TINY_CPU = ROOT / "recipes" / "configs" / "tiny_cpu.yaml"
+
+
+def user_deepspeed_config(folder: Path, stage: int) -> Path:
+    """A DeepSpeed JSON with every number written out (tiny_cpu.yaml's 4 prompts per micro-batch × 2 accumulation
+    steps × 2 processes) and the accelerate config that points at it, as `accelerate config` writes one."""
+    zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if stage == 3:
+        zero |= {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    deepspeed = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 100,
+        "zero_optimization": zero,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "wall_clock_breakdown": False,
+    }
+    path = folder / f"ds_zero{stage}.json"
+    path.write_text(json.dumps(deepspeed, indent=2))
+    config = folder / f"accelerate_zero{stage}.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\n"
+        "distributed_type: DEEPSPEED\n"
+        "deepspeed_config:\n"
+        f"  deepspeed_config_file: {path}\n"
+        f"  zero3_init_flag: {str(stage == 3).lower()}\n"
+        f"main_process_port: {free_port()}\n"
+        "num_machines: 1\n"
+        "num_processes: 2\n"
+        "use_cpu: true\n"
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    "stage, entry",
+    [(2, "command"), (3, "command"), (3, "recipe")],
+    ids=["zero2-command", "zero3-command", "zero3-recipe"],
+)
+def test_a_deepspeed_json_of_the_users_own(tmp_path, stage, entry):
+    """`trl-ppomax ppo --accelerate_config FILE` (and the recipe under `accelerate launch`) on 2 CPU processes with a
+    user's DeepSpeed JSON: the models load (under ZeRO-3 inside zero.Init, which checks train_batch_size against the
+    world size: 16 = 4 × 2 × 2), train under that ZeRO stage, and the saved policy loads without DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+
+    config = user_deepspeed_config(tmp_path, stage)
+    flags = ["--disable_tqdm", "True", "--eval_strategy", "no", "--save_strategy", "no"]
+    if entry == "command":
+        command = [sys.executable, "-m", "trl_ppomax.cli", "ppo", "--config", "tiny_cpu", "--accelerate_config"]
+        command += [str(config), *flags]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        command += [str(ROOT / "recipes" / "ppo_max.py"), "--config", str(TINY_CPU), *flags]
+    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, failure_tail(result.stderr)
+    assert "devices   : 2 × cpu (DeepSpeed), fp32" in result.stdout  # the plan: 2 processes under DeepSpeed
+    assert "'objective/kl'" in result.stdout  # trained
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "output" / "ppo-max-tiny", output_loading_info=True)
+    assert model.config.model_type == "llama" and not info["missing_keys"]  # whole weights, gathered from ZeRO-3
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny" / "sft", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]  # the tiny models, built whole on first use
+
+
+def test_the_reward_command_with_a_deepspeed_json_of_the_users_own_under_zero3(tmp_path):
+    """`trl-ppomax reward` with the imitation loss under ZeRO-3 and a user's DeepSpeed JSON: the causal LM is loaded
+    inside zero.Init (partitioned), the reward model is built around it, trains, and saves whole."""
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForSequenceClassification
+
+    config = user_deepspeed_config(tmp_path, 3)
+    command = [sys.executable, "-m", "trl_ppomax.cli", "reward", "--config", "reward_tiny_cpu", "--accelerate_config"]
+    command += [str(config), "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    command += ["--num_train_epochs", "1", "--disable_tqdm", "True"]
+    result = subprocess.run(
+        command, cwd=tmp_path, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, failure_tail(result.stderr)
+    folder = tmp_path / "output" / "reward-tiny"
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and model.config.num_labels == 1
+    assert model.score.weight.shape == (1, model.config.hidden_size)

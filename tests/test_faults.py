@@ -30,6 +30,7 @@ from trl_ppomax import metrics as M
 from trl_ppomax.checks import CheckpointError
 from trl_ppomax.cli import main
 from trl_ppomax.data import looks_local, tokenize_prompt
+from trl_ppomax.files import LOCK_NAME, DiskFullError, OutputDirInUse
 from trl_ppomax.moss.recovery import TensorFolder, recover
 from trl_ppomax.ppo_state import PPOState
 from trl_ppomax.rewards import call_reward_function
@@ -404,6 +405,100 @@ CASES = [
         ),
         ValueError,
         r"32 of 32 conversations have an empty message .* or no user turn: no prompt is left",
+    ),
+    # 10. issue 26, poor cases: a setting, argument or column named before anything runs
+    (
+        "repetition_penalty=0",
+        config(repetition_penalty=0.0),
+        ValueError,
+        r"repetition_penalty must be a finite number > 0; got 0.0\. .*1.0 disables it",
+    ),
+    ("repetition_penalty<0", config(repetition_penalty=-1.1), ValueError, r"repetition_penalty must be .*> 0"),
+    (
+        "policy-vocab-smaller-than-tokenizer",  # not blamed on the ref_model the user never passed
+        trainer(model=causal_with_vocab(VOCAB - 9)),
+        ValueError,
+        rf"^The policy \(model\) has an embedding for 40 token ids, fewer than the tokenizer's \(processing_class\) "
+        rf"{VOCAB} tokens.*processing_class.*model\.resize_token_embeddings\({VOCAB}\)",
+    ),
+    (
+        "model-local-path-missing",
+        trainer(model="./no/such/dir"),
+        FileNotFoundError,
+        r"^model='\./no/such/dir' could not be loaded: the local path /.*/no/such/dir does not exist",
+    ),
+    (
+        "model-local-path-missing-no-tokenizer",  # the tokenizer would be loaded from it first
+        trainer(model="./no/such/dir", processing_class=None),
+        FileNotFoundError,
+        r"^model='\./no/such/dir' could not be loaded: the local path .* does not exist",
+    ),
+    (
+        "reward_model-local-path-missing",
+        trainer(reward_model=["../rm-typo/final"]),
+        FileNotFoundError,
+        r"^reward_model='\.\./rm-typo/final' could not be loaded: the local path .* does not exist",
+    ),
+    (
+        "reward-function-p-c-kwargs",
+        trainer(reward_model=lambda p, c, **k: [0.0] * len(p)),
+        TypeError,
+        r"The reward function '<lambda>'\(p, c, \*\*k\) cannot be called: its parameters p, c would get no value\. "
+        r".*f\(prompts=\.\.\., completions=\.\.\., completion_ids=\.\.\., \*\*dataset columns \(none here\)\).*"
+        r"f\(prompts, completions\), and no \*\*kwargs",
+    ),
+    (
+        "reward-function-one-argument",
+        trainer(reward_model=lambda a: [0.0] * len(a)),
+        TypeError,
+        r"The reward function '<lambda>'\(a\) cannot be called: its parameter a would get no value",
+    ),
+    (
+        "reward-function-unknown-column",
+        trainer(
+            reward_model=lambda prompts, completions, answer: [0.0] * len(prompts),
+            train_dataset=lazy(lambda _: Dataset.from_dict({"prompt": prompt_texts(32), "solution": ["x"] * 32})),
+        ),
+        TypeError,
+        r"its parameter answer would get no value.*dataset columns \(here: solution\)",
+    ),
+    (
+        "rollout-metric-one-argument",
+        trainer(rollout_metrics={"gold": lambda texts: [0.0] * len(texts)}),
+        TypeError,
+        r"The rollout metric '<lambda>'\(texts\) cannot be called",
+    ),
+    (
+        "model-sequence-classifier",
+        trainer(model=lazy(lambda _: build_models()[2])),
+        TypeError,
+        r"^model is a LlamaForSequenceClassification, which cannot generate text: the policy must be a causal "
+        r"language model with generate\(\).*AutoModelForCausalLM.*reward_model= or value_model=",
+    ),
+    (
+        "ref_model-sequence-classifier",
+        trainer(ref_model=lazy(lambda _: build_models()[2])),
+        TypeError,
+        r"^ref_model is a LlamaForSequenceClassification, which cannot generate text: the reference policy",
+    ),
+    (
+        "prompt-column-of-integers",
+        trainer(train_dataset=lazy(lambda _: Dataset.from_dict({"prompt": list(range(32))}))),
+        ValueError,
+        r"^train_dataset: row 0 of the 'prompt' column holds int 0; each row must be a text \(str\) or a "
+        r"conversation.*'input_ids' column",
+    ),
+    (
+        "prompt-column-of-token-ids",
+        trainer(eval_dataset=lazy(lambda _: Dataset.from_dict({"prompt": [[5, 6, 7]] * 4}))),
+        ValueError,
+        r"^eval_dataset: row 0 of the 'prompt' column holds list \[5, 6, 7\]; each row must be a text",
+    ),
+    (
+        "input_ids-column-of-integers",
+        trainer(train_dataset=lazy(lambda _: Dataset.from_dict({"input_ids": list(range(1, 33))}))),
+        ValueError,
+        r"^train_dataset: row 0 of the 'input_ids' column holds int 1; each row must be a list of token ids",
     ),
 ]
 
@@ -1405,6 +1500,90 @@ def test_what_looks_like_a_local_path(tmp_path, monkeypatch, name, data, local):
     assert looks_local(name, data) is local
 
 
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        ("", r"(\(the file is empty\)|holds no rows)"),
+        ("\n\n", r"(\(the file is empty\)|holds no rows)"),
+        ('{"prompt": "hi", "chosen": "a", "rejected": "b"}\n{"prompt": "a\n', r"\(line 2 is not JSON: "),
+    ],
+    ids=["empty", "blank-lines", "broken-line"],
+)
+@pytest.mark.parametrize("command", ["ppo", "reward", "evaluate"])
+def test_an_empty_or_broken_jsonl_through_the_cli_names_the_file(
+    workdir, monkeypatch, capsys, command, content, named
+):
+    """`trl-ppomax ppo|reward|evaluate` on an empty or broken JSONL file: an error naming the file (and the bad line),
+    before any model or tokenizer loads (not StopIteration / ArrowInvalid from inside datasets)."""
+    for recipe in map(load_recipe, ("ppo_max", "reward_modeling")):
+        for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer"):
+            monkeypatch.setattr(recipe, name, NoLoading)
+    file = "tiny/preferences.jsonl" if command == "reward" else "tiny/prompts.jsonl"
+    (workdir / file).write_text(content)
+    pattern = f"^{re.escape(file)} .*{named}"
+    common = ["--output_dir", str(workdir / "out"), "--report_to", "none", "--bf16", "False"]
+    if command == "evaluate":
+        argv = ["--policy", "tiny/sft", "--baseline", "tiny/sft", "--prompts", file, "--judges", "gold"]
+        assert main(["evaluate", *argv, "--output", str(workdir / "eval")]) == 2
+        error = capsys.readouterr().err.splitlines()[-1]  # after the progress bars of datasets
+        assert re.search(pattern, error.removeprefix("trl-ppomax evaluate: error: "))
+        return
+    argv = [item for pair in PPO_VALID.items() for item in pair]
+    if command == "reward":
+        argv = ["--model_name_or_path", "tiny/sft", "--dataset_name", file]
+    with pytest.raises(ValueError, match=pattern):
+        main([command, *argv, *common])
+
+
+@pytest.mark.parametrize(
+    "written, named",
+    [
+        ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}, "train_micro_batch_size_per_gpu=8"),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1"),
+        ({"train_micro_batch_size_per_gpu": 4}, r"gradient_accumulation_steps=1 \(accelerate's value"),
+    ],
+    ids=["micro-batch", "accumulation", "accumulation-missing"],
+)
+def test_a_deepspeed_json_whose_batch_is_not_the_runs_is_refused(tmp_path, monkeypatch, written, named):
+    """A user's DeepSpeed JSON with other batch numbers than the run's: DeepSpeed would step the optimizer after its
+    own accumulation count (accelerate only warns), silently changing every update. Refused when the config is made."""
+    pytest.importorskip("deepspeed")
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**written, "zero_optimization": {"stage": 2}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    try:
+        with pytest.raises(ValueError, match=f"The DeepSpeed config says {named}.*set them equal"):
+            PPOMaxConfig(output_dir=str(tmp_path / "out"), use_cpu=True, **TINY)  # 4 per device × 2 accumulation
+        run = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8}
+        path.write_text(json.dumps({**run, "zero_optimization": {"stage": 2}}))
+        PPOMaxConfig(output_dir=str(tmp_path / "out"), use_cpu=True, **TINY)  # the run's numbers: accepted
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_the_engine_memory_benchmark_launches_accelerate_of_this_interpreter(tmp_path, monkeypatch):
+    """From a virtual environment that is not activated, `accelerate` on PATH is another install or none: the
+    benchmark (and tests/test_engines.py through it) runs `python -m accelerate.commands.launch` of its interpreter."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_memory.py"
+    spec = importlib.util.spec_from_file_location("engine_memory", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    commands = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda command, **_: commands.append(command) or SimpleNamespace(returncode=0)
+    )
+    benchmark.launch(tmp_path / "zero3.yaml", [], {}, tmp_path / "run.json", 2, 60)
+    (command,) = commands
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # moss recover: a truncated .bin shard is named
 # ------------------------------------------------------------------------------------------------------------------
@@ -1509,3 +1688,183 @@ def test_preference_row_check_covers_ids_and_conversations(rows, message):
     with pytest.raises(ValueError, match=message):
         check_preference_rows(Dataset.from_list(rows), "train")
     check_preference_rows(Dataset.from_list(rows[:1]), "train")  # a complete row passes
+
+
+# ==================================================================================================================
+# Issue 26, poor cases: what was late, raw or misleading now fails early, naming the setting, file or argument
+# (the construction-time ones are in CASES, section 10)
+# ==================================================================================================================
+HOLD_LOCK = """
+import fcntl, os, socket, sys, time
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+lock.seek(0); lock.truncate(); lock.write(f"{os.getpid()} on {socket.gethostname()}\\n"); lock.flush()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_holder(tmp_path, monkeypatch):
+    """Two runs at once in one output_dir: the second crashed with a raw error. Now it is refused before its first
+    rollout, naming the folder and the PID holding the lock; once that process is gone, the lock is free."""
+    pytest.importorskip("fcntl")
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-c", HOLD_LOCK, str(out / LOCK_NAME)]
+    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        trainer = no_rollout(make_trainer(tmp_path), monkeypatch)
+        with pytest.raises(OutputDirInUse) as caught:
+            trainer.train()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    message = str(caught.value)
+    for text in (repr(str(out)), f"process {holder.pid} on ", LOCK_NAME, "another output_dir", "no file needs"):
+        assert text in message, text
+    with pytest.raises(AssertionError, match="a rollout started"):  # the holder is gone: the same trainer starts
+        trainer.train()
+    assert (out / LOCK_NAME).read_text().startswith(f"{os.getpid()} on ")
+    trainer._unlock_output_dir()
+
+
+def test_the_output_dir_lock_is_released_when_training_ends(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    make_trainer(tmp_path, total_episodes=16).train()
+    with open(tmp_path / "out" / LOCK_NAME) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the finished run still held it
+
+
+def _basic_ios(*args, **kwargs):
+    raise RuntimeError("basic_ios::clear: iostream error")
+
+
+def _file_write_failed(*args, **kwargs):
+    raise RuntimeError(
+        "[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file data/0: file write failed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "fail"),
+    [
+        ("transformers.modeling_utils", "safe_save_file", disk_full),
+        ("torch", "save", _basic_ios),
+        ("torch", "save", _file_write_failed),
+    ],
+    ids=["ENOSPC", "basic_ios", "file-write-failed"],
+)
+def test_a_full_disk_is_said_with_the_folder_and_its_free_space(tmp_path, monkeypatch, module, name, fail):
+    """A full disk gave "basic_ios::clear: iostream error" (data safe, but nothing said so)."""
+    trainer = make_trainer(tmp_path)
+    final = tmp_path / "final"
+    trainer.save_model(str(final))
+    before = all_bytes(final)
+    monkeypatch.setattr(importlib.import_module(module), name, fail)
+    with pytest.raises(DiskFullError) as caught:
+        trainer.save_model(str(final))
+    message = str(caught.value)
+    assert message.startswith(f"The disk is full: writing {final} failed"), message
+    assert re.search(r"; [\d.]+ [KMGT]?B free on the disk of ", message), message
+    assert "Nothing was overwritten" in message and "save again" in message
+    assert isinstance(caught.value, OSError) and caught.value.errno == errno.ENOSPC
+    assert all_bytes(final) == before
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_saying_how_to_resume(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, **RUN)
+    monkeypatch.setattr(torch, "save", _basic_ios)
+    with pytest.raises(DiskFullError) as caught:
+        trainer.train()
+    message, out = str(caught.value), tmp_path / "out"
+    assert f"The disk is full: writing {out / 'checkpoint-1'} failed (RuntimeError: basic_ios::clear" in message
+    assert "Training stopped at iteration 1" in message and "train(resume_from_checkpoint=True)" in message
+    assert not list(out.glob("*checkpoint-1"))  # neither the checkpoint nor its temporary folder
+
+
+def test_save_model_onto_a_file_is_refused_naming_it(tmp_path):
+    trainer = make_trainer(tmp_path)
+    file = tmp_path / "policy.safetensors"
+    file.write_bytes(b"keep me")
+    with pytest.raises(NotADirectoryError, match=rf"^Cannot save to {re.escape(str(file))}: it is an existing file"):
+        trainer.save_model(str(file))
+    with pytest.raises(NotADirectoryError, match=rf"it is under {re.escape(str(file))}, which is an existing file"):
+        trainer.save_model(str(file / "policy"))
+    assert file.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "policy.safetensors"]
+
+
+@pytest.mark.parametrize(("total", "rounded"), [(20, True), (32, False)])
+def test_total_episodes_rounded_up_to_whole_batches_is_said(tmp_path, caplog, total, rounded):
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo_config"):
+        trainer = make_trainer(tmp_path, total_episodes=total)
+    assert trainer.args.num_total_batches == 2
+    said = (
+        "total_episodes=20 is not a multiple of the rollout batch, batch_size=16 (per_device_train_batch_size × "
+        "gradient_accumulation_steps × num_mini_batches × processes): the run trains 2 iterations = 32 episodes, 12 "
+        "more than asked. Set total_episodes to a multiple of 16 (e.g. 16 or 32)"
+    )
+    assert (said in caplog.text) is rounded
+    assert ("not a multiple of the rollout batch" in caplog.text) is rounded
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_reward_config_refuses_a_non_finite_or_negative_lm_loss_coef(tmp_path, value):
+    from trl_ppomax import PPOMaxRewardConfig
+
+    with pytest.raises(ValueError, match=rf"^lm_loss_coef \(β_rm\) must be a finite number ≥ 0, got {value!r}:"):
+        PPOMaxRewardConfig(output_dir=str(tmp_path), lm_loss_coef=value, report_to="none")
+
+
+@pytest.mark.parametrize(
+    "function", [lambda p, c, **k: [0.0] * len(p), lambda a: [0.0] * len(a)], ids=["p-c-kwargs", "one-argument"]
+)
+def test_a_reward_function_that_cannot_be_called_is_told_how_reward_functions_are_called(function):
+    """Old-style fn(p, c, **k) and fn(a) gave a raw TypeError naming a lambda (from inside the call)."""
+    with pytest.raises(TypeError) as caught:
+        call_reward_function(function, ["p"] * 2, ["c"] * 2, torch.device("cpu"), completion_ids=[[1], [2]])
+    message = str(caught.value)
+    assert re.match(r"The reward function '<lambda>'\(.+\) cannot be called: its parameters? .+ would get no", message)
+    assert "f(prompts=..., completions=..., completion_ids=..., **dataset columns" in message
+    assert "f(prompts, completions), and no **kwargs" in message
+
+
+def test_reward_functions_callable_either_way_are_accepted_and_their_own_type_errors_kept():
+    def solution_reward(prompts, completions, solution, **kwargs):
+        return [0.0] * len(prompts)
+
+    accepted = [solution_reward, lambda p, c: [0.0], lambda completions, **kw: [0.0], lambda prompts, x=1: [0.0]]
+    rewards.check_reward_functions(accepted, ["prompt", "input_ids", "solution"])
+
+    def buggy(prompts, completions):
+        raise TypeError("unsupported operand type(s) inside the function")
+
+    with pytest.raises(TypeError, match=r"^unsupported operand type"):  # its own error, not ours
+        call_reward_function(buggy, ["p"], ["c"], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flag", ["--raw", "--diff"])
+def test_moss_recover_names_a_local_folder_that_does_not_exist(tmp_path, capsys, flag):
+    """`moss recover --diff ./typo` was reported as a malformed Hub repo id."""
+    paths = {"--raw": str(tmp_path), "--diff": str(tmp_path), flag: "./no/such/release"}
+    argv = [item for pair in paths.items() for item in pair]
+    code = main(["moss", "recover", *argv, "--output", str(tmp_path / "out"), "--model-type", "reward"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} ./no/such/release: the local folder " in err and "does not exist" in err
+    assert "Repo id" not in err and "repo_id" not in err
+
+
+def test_the_card_of_an_in_memory_policy_links_no_base_model(tmp_path):
+    """Reported as `[None](…/None)`; the trainer's card (as create_model_card and push_to_hub write it) of a policy
+    built in memory must name no base model at all (a regression guard: not reproduced on the current code)."""
+    trainer = make_trainer(tmp_path)
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "None](" not in card and "huggingface.co/None" not in card and "base_model" not in card
+    assert "starting from" not in card and "on the Hugging Face stack." in card

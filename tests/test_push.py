@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -34,9 +35,12 @@ class FakeApi:
     def create_branch(self, repo_id, **kwargs):
         self.calls.append(("create_branch", repo_id, kwargs))
 
-    def create_commit(self, repo_id, operations, **kwargs):
-        operations = list(operations)
-        self.calls.append(("create_commit", repo_id, {**kwargs, "operations": operations}))
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        """Records the staged folder as it is during the call: each file's content, and where a link points."""
+        root = Path(folder_path)
+        files = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        staged = {rel: (p.resolve() if p.is_symlink() else p.read_bytes()) for rel, p in files.items()}
+        self.calls.append(("upload_folder", repo_id, {**kwargs, "folder_path": folder_path, "files": staged}))
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc123", oid="abc123")
 
     def named(self, name):
@@ -131,30 +135,30 @@ def test_push_folder_one_commit(converted):
     card = moss_model_card(converted, "me/moss-reward")
     paths = hub.push_folder(converted, "me/moss-reward", card=card, api=api).files
     assert paths == [*EXPECTED, "README.md"]
-    assert [c[0] for c in api.calls] == ["create_repo", "create_commit"]
+    assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]  # one upload_folder call: one commit
     _, repo_id, kwargs = api.named("create_repo")[0]
     assert repo_id == "me/moss-reward"
     assert kwargs == {"private": False, "exist_ok": True, "repo_type": "model"}
-    _, repo_id, commit = api.named("create_commit")[0]
-    assert repo_id == "me/moss-reward" and commit["revision"] is None and commit["repo_type"] == "model"
-    assert commit["commit_message"]
-    ops = {op.path_in_repo: op for op in commit["operations"]}
-    assert sorted(ops) == sorted(paths)
-    assert ops["config.json"].path_or_fileobj == str(converted / "config.json")
-    readme = ops["README.md"].path_or_fileobj
-    assert isinstance(readme, bytes)
-    card = readme.decode()
+    _, repo_id, upload = api.named("upload_folder")[0]
+    assert repo_id == "me/moss-reward" and upload["revision"] is None and upload["repo_type"] == "model"
+    assert upload["commit_message"]
+    staged = upload["files"]
+    assert sorted(staged) == sorted(paths)  # the planned files and the card, nothing else
+    assert staged["config.json"] == (converted / "config.json").resolve()  # linked, not copied
+    card = staged["README.md"].decode()
     assert "license: agpl-3.0" in card and "PPOMaxTrainer" in card and "old card" not in card
     assert (converted / "README.md").read_text() == "old card"  # the folder is left alone
+    assert not Path(upload["folder_path"]).exists()  # the staging folder is gone
+    assert converted not in Path(upload["folder_path"]).parents
 
 
 def test_private_and_revision_passed_through(converted):
     api = FakeApi()
     hub.push_folder(converted, "me/m", private=True, revision="v1", commit_message="first", api=api)
-    assert [c[0] for c in api.calls] == ["create_repo", "create_branch", "create_commit"]
+    assert [c[0] for c in api.calls] == ["create_repo", "create_branch", "upload_folder"]
     assert api.named("create_repo")[0][2]["private"] is True
     assert api.named("create_branch")[0][2] == {"branch": "v1", "repo_type": "model", "exist_ok": True}
-    commit = api.named("create_commit")[0][2]
+    commit = api.named("upload_folder")[0][2]
     assert commit["revision"] == "v1" and commit["commit_message"] == "first"
 
     api = FakeApi()
@@ -169,8 +173,8 @@ def test_cli_push_prints_repo_and_commit(converted, fake_hfapi, capsys):
     assert "https://huggingface.co/me/m" in out and "commit/abc123" in out
     (api,) = fake_hfapi.instances
     assert api.named("create_repo")[0][2]["private"] is True
-    assert api.named("create_commit")[0][2]["revision"] == "dev"
-    assert api.named("create_commit")[0][2]["commit_message"] == "hi"
+    assert api.named("upload_folder")[0][2]["revision"] == "dev"
+    assert api.named("upload_folder")[0][2]["commit_message"] == "hi"
 
 
 def test_missing_folder_and_folder_without_config(tmp_path, saved, capsys):
@@ -211,8 +215,8 @@ def test_token_never_printed_or_written(converted, fake_hfapi, monkeypatch, caps
     captured = capsys.readouterr()
     assert SENTINEL not in captured.out + captured.err
     (api,) = fake_hfapi.instances
-    readme = {op.path_in_repo: op for op in api.named("create_commit")[0][2]["operations"]}["README.md"]
-    assert SENTINEL not in readme.path_or_fileobj.decode()
+    readme = api.named("upload_folder")[0][2]["files"]["README.md"]
+    assert SENTINEL not in readme.decode()
     assert SENTINEL not in str(moss_model_card(converted, "me/m"))
 
     # Even a token that slipped into the conversion info is redacted from the card.
@@ -267,3 +271,30 @@ def test_create_model_card_still_works(saved):
     args = SimpleNamespace(output_dir="out/run")
     card = hub.create_model_card(model, args, "me/run", None, None, ["x"], ["trl"])
     assert "ppo-max" in card.data.tags and "x" in card.data.tags
+
+
+def test_push_carries_the_trainers_card(saved, tmp_path):
+    """A folder the trainer saved keeps its card's settings, final evaluation and tracker URLs on the Hub; the
+    rest of the card is drawn for the repo pushed to."""
+    from transformers import AutoConfig
+
+    folder = tmp_path / "run"
+    shutil.copytree(saved / "sft", folder)
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(folder))
+    args = SimpleNamespace(output_dir=str(folder), preset="ppo_max", kl_coef=0.01)
+    history = [{"step": 2, "eval_objective/scores": 0.25}]
+    written = hub.create_model_card(model, args, None, None, None, None, ["trl"], history)
+    written.save(folder / "README.md")
+    assert "## PPO-max settings" in str(written) and 'REPO = "run"' in str(written)
+
+    api = FakeApi()
+    result = hub.push_folder(folder, "me/pushed", card=moss_model_card(folder, "me/pushed"), api=api)
+    card = api.named("upload_folder")[0][2]["files"]["README.md"].decode()
+    assert card == str(result.card)
+    assert "## PPO-max settings" in card and "| `kl_coef` | `0.01` |" in card
+    assert "## Final evaluation" in card and "eval_objective/scores" in card
+    assert 'REPO = "me/pushed"' in card and "# pushed" in card and "No licence is set" in card
+    assert "## PPO-max settings" in str(hub.model_card(folder, "me/pushed"))  # push_folder's default card too
+
+    (folder / "README.md").write_text("# my own notes\n\n## PPO-max settings\n\nnot from trl-ppomax\n")
+    assert "not from trl-ppomax" not in str(moss_model_card(folder, "me/pushed"))

@@ -18,6 +18,7 @@ _LAZY = {
     "PPOMaxRewardConfig": ".reward_config",
     "PPOMaxRewardTrainer": ".reward_trainer",
     "PPOMaxTrainer": ".ppo_trainer",
+    "RemoteRewardModel": ".remote_reward",
     "RunningMoments": ".core",
     "WinRateCallback": ".judging.callback",
     "evaluate_policy": ".judging.run",
@@ -29,6 +30,7 @@ __all__ = [
     "PPOMaxRewardConfig",
     "PPOMaxRewardTrainer",
     "PPOMaxTrainer",
+    "RemoteRewardModel",
     "RunningMoments",
     "WinRateCallback",
     "__version__",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported 
     from .monitor import CollapseMonitor
     from .ppo_config import PPOMaxConfig
     from .ppo_trainer import PPOMaxTrainer
+    from .remote_reward import RemoteRewardModel
     from .reward_config import PPOMaxRewardConfig
     from .reward_trainer import PPOMaxRewardTrainer
 

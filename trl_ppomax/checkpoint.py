@@ -8,9 +8,11 @@ loads it); ``critic/``; ``optimizer.pt``/``scheduler.pt`` (or a DeepSpeed engine
 the initial policy, is written when its step-0 evaluation is the best so far and the best model must be loadable.
 
 Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.checks`): a trainer trains
-once; a fresh run does not reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is
-complete (unless ``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``).
-``output_dir`` is checked writable at init. ``training_args.bin`` is written without secrets (no token on disk).
+once; one run at a time holds ``output_dir`` (a lock file, released at the end of ``train()``); a fresh run does not
+reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless
+``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``). A full disk is
+reported as such, naming the folder and its free space (nothing is overwritten). ``output_dir`` is checked writable
+at init. ``training_args.bin`` is written without secrets (no token on disk).
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from . import checks, optim
 from .files import (
     CRITIC_DIR,
     PPO_STATE_NAME,
+    DiskFullError,
+    OutputDirInUse,
     atomic_directory,
     checkpoint_folders,
     checkpoint_number,
+    lock_output_dir,
     probe_writable,
     read_json,
+    unlock_output_dir,
     write_json,
 )
 from .hub import without_secrets
@@ -57,6 +63,16 @@ class _WaitForHubPush(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._finish_current_push()
+
+
+class _UnlockOutputDir(TrainerCallback):
+    """At the end of training, release the ``output_dir`` lock taken when it started."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._unlock_output_dir()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,9 +115,11 @@ class CheckpointMixin:
         self._model_identity = model_identity(model) if hasattr(model, "policy") else {}
         self._run_started = False
         self._resume_path: str | None = None
+        self._lock_owner = object()  # this trainer's token for the output_dir lock
         super().__init__(*args, **kwargs)
         if self.args.push_to_hub:
             self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
+        self.add_callback(_UnlockOutputDir(self))
 
     # -- before the first rollout -----------------------------------------------------------------------------------
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
@@ -113,11 +131,35 @@ class CheckpointMixin:
                 "a stopped run, build a new PPOMaxTrainer and call train(resume_from_checkpoint=True) (or the path of "
                 "a checkpoint)."
             )
-        if resume_from_checkpoint:
-            self._resume_path = self._checked_checkpoint(resume_from_checkpoint)
-        else:
-            self._claim_output_dir()
+        self._lock_output_dir()
+        try:
+            if resume_from_checkpoint:
+                self._resume_path = self._checked_checkpoint(resume_from_checkpoint)
+            else:
+                self._claim_output_dir()
+        except BaseException:
+            self._unlock_output_dir()
+            raise
         self._run_started = True
+
+    def _lock_output_dir(self) -> None:
+        """One run per ``output_dir``: the main process holds its lock (:func:`~trl_ppomax.files.lock_output_dir`)
+        from here to the end of ``train()`` (or the process); every process raises when another run holds it."""
+        from accelerate.utils import broadcast_object_list
+
+        refused = None
+        if self.is_world_process_zero() and self.args.should_save:
+            try:
+                lock_output_dir(self.args.output_dir, self._lock_owner)
+            except OutputDirInUse as err:
+                refused = str(err)
+        refused = broadcast_object_list([refused])[0]
+        if refused:
+            raise OutputDirInUse(refused)
+
+    def _unlock_output_dir(self) -> None:
+        if self.is_world_process_zero():
+            unlock_output_dir(self.args.output_dir, self._lock_owner)
 
     def _claim_output_dir(self) -> None:
         """Refuse a fresh run in an ``output_dir`` holding checkpoints, or (``overwrite_output_dir``) delete them."""
@@ -197,14 +239,20 @@ class CheckpointMixin:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if self.state.best_global_step == step or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
-        with atomic_directory(final, self.accelerator) as folder:
-            self._save_weights(folder, with_critic=True)
-            if not self.args.save_only_model:
-                self._save_optimizer_and_scheduler(folder)
-                self._save_rng_state(folder)
-            if self.args.should_save:
-                self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
-                write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+        try:
+            with atomic_directory(final, self.accelerator) as folder:
+                self._save_weights(folder, with_critic=True)
+                if not self.args.save_only_model:
+                    self._save_optimizer_and_scheduler(folder)
+                    self._save_rng_state(folder)
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+                    write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+        except DiskFullError as err:
+            raise DiskFullError(
+                f"{err} Training stopped at iteration {step}; the checkpoints written before are complete: once there "
+                "is space, continue the run with train(resume_from_checkpoint=True)."
+            ) from err.__cause__
         if self.args.push_to_hub:
             self._push_from_checkpoint(final)
         if self.args.should_save:
@@ -284,7 +332,8 @@ class CheckpointMixin:
         if not weights_only:
             with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
                 self._load_optimizer_and_scheduler(path)
-            optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)  # a changed rate applies
+            if self._learning_rates_changed(path):  # allowed by resume_allow_changes: the new rates apply
+                optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)
         planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
@@ -305,6 +354,13 @@ class CheckpointMixin:
             with checks.reading(path, "rng_state*.pth", loading=True):
                 self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
+
+    def _learning_rates_changed(self, path: str) -> bool:
+        """Whether this run's learning rates differ from those the checkpoint ``path`` was written with."""
+        saved = read_json(os.path.join(path, PPO_STATE_NAME)).get("run") or {}
+        current = self._run_settings()
+        names = ("learning_rate", "effective_critic_learning_rate")
+        return any(name in saved and saved[name] != current[name] for name in names)
 
     def _load_weights_from(self, path: str) -> None:
         if self.is_deepspeed_enabled:  # the engine checkpoint holds the weights (and optimizer)

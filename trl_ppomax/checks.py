@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import get_last_checkpoint
 
-from . import data, modeling
+from . import data, modeling, rewards
 from . import metrics as M
 from .files import (
     CRITIC_DIR,
@@ -74,6 +74,10 @@ def check_inputs(
         _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
         raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
+    rewards.check_reward_functions(models["reward_model"], train_dataset.column_names)
+    for name, value in models.items():  # a missing local folder, before loading anything (a tokenizer first)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            check_model_path(name, item)
     if processing_class is None:
         if not _is_path(models["model"]):
             raise ValueError(
@@ -85,6 +89,8 @@ def check_inputs(
     _check_stop_token(args, processing_class)
     loaded = {name: load_model(name, value) for name, value in models.items()}  # last: loading may take minutes
     check_model_arguments(loaded, peft_config)
+    for name in ("model", "ref_model"):
+        check_generates(name, loaded[name])
     return processing_class, loaded["model"], loaded["ref_model"], loaded["reward_model"], loaded["value_model"]
 
 
@@ -106,6 +112,23 @@ def check_model_arguments(models: dict, peft_config=None) -> None:
         raise ValueError("A PEFT policy's reference is the model with its adapter disabled: pass ref_model=None.")
 
 
+def check_generates(name: str, model) -> None:
+    """The policy (``model``) and its reference must be causal LMs: the rollout calls ``generate`` and reads the
+    next-token logits; a sequence classifier (a reward model passed as the policy) would fail there."""
+    if model is None:
+        return
+    base = model.get_base_model() if modeling.is_peft(model) else model
+    kind = type(base).__name__
+    if callable(getattr(base, "generate", None)) and not kind.endswith("ForSequenceClassification"):
+        return
+    role = "the policy" if name == "model" else "the reference policy"
+    raise TypeError(
+        f"{name} is a {kind}, which cannot generate text: {role} must be a causal language model with generate(), "
+        "e.g. AutoModelForCausalLM.from_pretrained(<the SFT model>). A *ForSequenceClassification model is a reward "
+        "model or critic: pass it as reward_model= or value_model=."
+    )
+
+
 def _is_path(value) -> bool:
     return isinstance(value, str | os.PathLike)
 
@@ -116,6 +139,7 @@ def load_model(name: str, value):
         return [load_model(name, item) for item in value]
     if not _is_path(value):
         return value
+    check_model_path(name, value)
     cls, kwargs = MODEL_LOADERS[name]
     logger.info("Loading %s from %s with %s.from_pretrained.", name, value, cls.__name__)
     try:
@@ -123,6 +147,22 @@ def load_model(name: str, value):
     except (OSError, ValueError) as error:
         kind = OSError if isinstance(error, OSError) else ValueError
         raise kind(f"{name}={os.fspath(value)!r} could not be loaded with {cls.__name__}: {error}") from error
+
+
+def check_model_path(name: str, value) -> None:
+    """A ``FileNotFoundError`` naming the argument when ``value`` is meant as a local path (a ``Path``, or a string
+    :func:`data.looks_local` says is one) that does not exist: a typo, not a Hub id to look up."""
+    if not _is_path(value):
+        return
+    text = os.fspath(value)
+    local = isinstance(value, os.PathLike) or data.looks_local(text)
+    path = os.path.expanduser(text)
+    if local and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name}={text!r} could not be loaded: the local path {os.path.abspath(path)} does not exist (no such "
+            "file or folder). Fix the path (relative paths start from the current folder, "
+            f"{os.getcwd()}); a Hub model is named 'org/name'."
+        )
 
 
 def _check_dataset_type(name: str, dataset) -> None:
@@ -186,6 +226,7 @@ def prepare_and_check(
         eval_dataset = {key: prepared(value, f"eval_dataset[{key!r}]") for key, value in eval_dataset.items()}
     elif eval_dataset is not None:
         eval_dataset = prepared(eval_dataset, "eval_dataset")
+    rewards.check_reward_functions(list((rollout_metrics or {}).values()), what="rollout metric")
     check_best_metric(args.metric_for_best_model, eval_dataset, rollout_metrics)
     return train_dataset, eval_dataset
 
@@ -227,6 +268,13 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
             f"The tokenizer's pad token id {tokenizer.pad_token_id} is outside the policy's embedding ({policy_size} "
             f"ids), so padded batches would fail. Resize the policy after adding tokens: "
             f"model.resize_token_embeddings(len(tokenizer)) (= {tokens}), or use a pad token the policy knows."
+        )
+    if policy_size is not None and policy_size < tokens:  # not blamed on the reference, a copy when ref_model=None
+        raise ValueError(
+            f"The policy (model) has an embedding for {policy_size} token ids, fewer than the tokenizer's "
+            f"(processing_class) {tokens} tokens: prompts can hold ids up to {tokens - 1}, which the policy cannot "
+            "read (nor its reference, a copy of it when ref_model=None). Pass the policy's own tokenizer as "
+            f"processing_class, or resize the policy after adding tokens: model.resize_token_embeddings({tokens})."
         )
     for name in [name for name in built if name != "policy"]:
         size = embedding_size(built.get(name))

@@ -98,6 +98,14 @@ def _fail(command: str, error) -> int:
     return 2
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number ≥ 1 (``--iterations 0`` is refused when parsed, naming the flag)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def show_env(_: argparse.Namespace) -> int:
     """Print the platform, package versions, GPUs and accelerate config to paste into a bug report."""
     print("Copy-paste the following information when reporting an issue:\n")
@@ -198,8 +206,8 @@ def recover_moss(args: argparse.Namespace) -> int:
         return _fail("moss recover", "use --expected-sum or --skip-integrity-check, not both")
     try:
         output = recover(
-            resolve_source(args.raw),
-            resolve_source(args.diff),
+            resolve_source(args.raw, "--raw"),
+            resolve_source(args.diff, "--diff"),
             args.output,
             args.model_type,
             lang=args.lang,
@@ -234,10 +242,50 @@ def plot_run(args: argparse.Namespace) -> int:
             raise ValueError(f"--compare name {name!r} is the name of RUN_DIR; choose another")
         output = args.output or run_dir / "training_dynamics.png"
         path = plot_training_dynamics(history, output, title=args.title or name, extra=extra or None, name=name)
+        logged = _log_figure(args, run_dir, name, path, history) if args.report_to else []
     except (ValueError, OSError) as err:
         return _fail("plot", err)
     print(path)
+    if logged:
+        print(f"Logged as training_dynamics to {', '.join(logged)}")
     return 0
+
+
+def _log_figure(args: argparse.Namespace, run_dir: Path, name: str, path: str, history: list[dict]) -> list[str]:
+    """Log the figure as ``training_dynamics`` (at the run's last step) to the ``--report-to`` trackers, through
+    :func:`trl_ppomax.plotting.log_image`: TensorBoard in ``--logging-dir`` (default: ``$TENSORBOARD_LOGGING_DIR``,
+    else the newest ``RUN_DIR/runs/*`` folder with events, which is where the Trainer wrote, else ``RUN_DIR/runs``);
+    wandb and trackio in a run started here, with ``resume="allow"`` (wandb resumes the run ``WANDB_RUN_ID`` names).
+    Raises ValueError naming the tracker that is not installed."""
+    import importlib
+    from types import SimpleNamespace
+
+    from .plotting import log_image
+
+    logging_dir = args.logging_dir or os.getenv("TENSORBOARD_LOGGING_DIR")
+    if logging_dir is None:
+        folders = [events.parent for events in run_dir.glob("runs/*/events.out.tfevents.*")]
+        logging_dir = str(max(folders, key=lambda folder: folder.stat().st_mtime)) if folders else None
+    started = []
+    try:
+        for tracker in dict.fromkeys(args.report_to):
+            try:
+                module = importlib.import_module("torch.utils.tensorboard" if tracker == "tensorboard" else tracker)
+            except ImportError as err:
+                raise ValueError(f"--report-to {tracker}: {err} (pip install 'trl-ppomax[{tracker}]')") from err
+            if tracker != "tensorboard":
+                project = args.project or (os.getenv("WANDB_PROJECT") if tracker == "wandb" else None)
+                try:
+                    module.init(project=project or "huggingface", name=args.run_name or name, resume="allow")
+                except Exception as err:  # login, network, a run id of another project: one line, exit 2
+                    raise ValueError(f"--report-to {tracker}: no run started ({type(err).__name__}: {err})") from err
+                started.append(module)
+        steps = [entry["step"] for entry in history if isinstance(entry.get("step"), int)]
+        where = SimpleNamespace(report_to=args.report_to, output_dir=str(run_dir), logging_dir=logging_dir)
+        return log_image(where, "training_dynamics", path, max(steps, default=None))
+    finally:
+        for module in started:
+            module.finish()
 
 
 def run_toy_world(args: argparse.Namespace) -> int:
@@ -258,10 +306,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose help (and its sub-commands' help) shows the defaults."""
+    """An argument parser whose help (and its sub-commands' help) shows the defaults, and which takes flags only as
+    spelt (no prefix matching, which made ``--judge`` ambiguous and would take ``--judge-m`` for ``--judge-model``)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
@@ -357,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _command(commands, "presets", show_presets)
     demo = _command(commands, "demo", run_toy_world)
     demo.add_argument("--output-dir", default="output/toyworld", help="where the figure and summary go")
-    demo.add_argument("--iterations", type=int, default=100, help="PPO-max iterations (32 prompts each)")
+    demo.add_argument("--iterations", type=positive_int, default=100, help="PPO-max iterations (32 prompts each)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     tiny = _command(commands, "tiny", save_tiny)
     tiny.add_argument("output_dir", metavar="OUTPUT_DIR", help="folder to create (must be absent or empty)")
@@ -431,6 +481,27 @@ def _add_plot(commands) -> None:
         help="other runs to overlay on the same panels, named in the legend",
     )
     plot.add_argument("--title", help="figure title (default: the name of RUN_DIR)")
+    plot.add_argument(
+        "--report-to",
+        nargs="+",
+        action="extend",
+        default=[],
+        choices=("tensorboard", "wandb", "trackio"),  # trl_ppomax.plotting.TRACKERS (not imported for --help)
+        metavar="TRACKER",
+        help="also log the figure, as training_dynamics, to these trackers: tensorboard, wandb, trackio",
+    )
+    plot.add_argument(
+        "--logging-dir",
+        metavar="DIR",
+        help="TensorBoard folder (default: $TENSORBOARD_LOGGING_DIR, else the newest RUN_DIR/runs/* folder with "
+        "events, where the Trainer wrote, else RUN_DIR/runs)",
+    )
+    plot.add_argument("--project", help="wandb / trackio project (default: $WANDB_PROJECT for wandb; huggingface)")
+    plot.add_argument(
+        "--run-name",
+        help="wandb / trackio run, resumed if it exists (default: the name of RUN_DIR; wandb resumes the run "
+        "$WANDB_RUN_ID names)",
+    )
 
 
 def _add_evaluate(commands) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Literal
@@ -145,6 +146,7 @@ def prepare_prompt_dataset(
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
+    _refuse_wrong_prompt_types(dataset, name)
     for column in ("prompt", "input_ids"):
         if column in columns:
             _refuse_empty_prompts(dataset[column], column, name)
@@ -226,6 +228,48 @@ def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Data
         raise ValueError(f"{message}: no prompt is left. Fill in or remove the empty turns.")
     logger.warning("%s; they were dropped, as the MOSS-RLHF release drops such samples.", message)
     return kept
+
+
+#: What each prompt column must hold: (test of one value, what the message says it must be).
+PROMPT_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "prompt": (
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, dict) for m in v)),
+        "a text (str) or a conversation (a list of {'role': ..., 'content': ...} messages)",
+    ),
+    "input_ids": (
+        lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v),
+        "a list of token ids (ints)",
+    ),
+}
+
+
+def _column_type_fits(feature, column: str) -> bool:
+    """Whether the Arrow type of ``column`` alone shows that every row has the right type (no pass over the rows)."""
+    inner = getattr(feature, "feature", None)  # the item type of a list column
+    if column == "prompt":
+        return getattr(feature, "dtype", None) in ("string", "large_string") or isinstance(inner, dict)
+    return str(getattr(inner, "dtype", "")).startswith(("int", "uint"))
+
+
+def _refuse_wrong_prompt_types(dataset: Dataset, name: str) -> None:
+    """Refuse a ``prompt`` column that holds neither texts nor conversations (e.g. numbers, or token ids), or an
+    ``input_ids`` column that holds no lists of ints, naming the column and the first such row."""
+    for column, (fits, expected) in PROMPT_TYPES.items():
+        if column not in dataset.column_names or _column_type_fits(dataset.features[column], column):
+            continue
+        wrong = ((row, v) for row, v in enumerate(dataset[column]) if v is not None and not fits(v))
+        row, value = next(wrong, (None, None))
+        if row is None:
+            continue
+        hint = (
+            " If these are token ids, put them, one list per row, in an 'input_ids' column instead."
+            if column == "prompt"
+            else " Tokenize the prompts (or pass texts in a 'prompt' column and let the trainer tokenize them)."
+        )
+        raise ValueError(
+            f"{name}: row {row} of the {column!r} column holds {type(value).__name__} {reprlib.repr(value)}; each "
+            f"row must be {expected}.{hint}"
+        )
 
 
 def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
@@ -431,10 +475,49 @@ def load_any_dataset(
     files = release_files(name, split)
     if files:
         return read_release_files(files, kind)
-    extension = os.path.splitext(name)[1]
-    if os.path.isfile(name) and extension in FILE_BUILDERS:
-        return load_dataset(FILE_BUILDERS[extension], data_files={split: name}, split=split)
+    if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
+        return load_data_file(name, split)
     return load_dataset(name, name=config, split=split)
+
+
+def load_data_file(path: str, split: str = "train") -> Dataset:
+    """The rows of a local data file (:data:`FILE_BUILDERS`) as the split ``split``. An empty file, or one its
+    builder cannot read (a broken JSON line, a damaged Parquet file), fails here with a ``ValueError`` naming the
+    file (and the first bad line of a JSON file), not deep in ``datasets`` without it."""
+    from datasets import load_dataset
+
+    builder = FILE_BUILDERS[os.path.splitext(path)[1]]
+    try:
+        dataset = load_dataset(builder, data_files={split: path}, split=split)
+    except Exception as err:  # StopIteration, ArrowInvalid, DatasetGenerationError, …: none names the file
+        where = _first_bad_json_line(path) if builder == "json" else ""
+        raise ValueError(
+            f"{path} could not be read as a {builder} data file{where}: {type(err).__name__}: {err}"
+        ) from err
+    if len(dataset) == 0:
+        raise ValueError(f"{path} holds no rows: give a data file with one row per example.")
+    return dataset
+
+
+def _first_bad_json_line(path: str) -> str:
+    """`` (line N is not JSON)`` for the first non-blank line of a JSON-lines file that does not parse; `` (the
+    file is empty)``; or nothing (a whole-file JSON document, or every line parses)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as file:
+        text = file.read()
+    if not text.strip():
+        return " (the file is empty)"
+    try:
+        json.loads(text)
+        return ""
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            if line.strip():
+                json.loads(line)
+        except json.JSONDecodeError as err:
+            return f" (line {number} is not JSON: {err.msg})"
+    return ""
 
 
 #: Split names read from the files of a release folder whose names end with another word (``*valid.json``).

@@ -23,7 +23,8 @@ class EvaluationMixin:
     """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
     The contract with the trainer (besides ``transformers.Trainer``'s own attributes): it calls the trainer's
-    ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.rollout.Rollout`, ``_shape_scores(rollout)``
+    ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.rollout.Rollout` (``sample_and_score`` for
+    sample tables: responses and scores only), ``_shape_scores(rollout)``
     → (scores, kl), ``_response_metrics(rollout, scores, kl)`` → per-response metrics and ``_reduce_sum``; it reads
     nothing else of the trainer's and changes nothing but the log and the callbacks' control."""
 
@@ -96,10 +97,11 @@ class EvaluationMixin:
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:
         """Generate for a few evaluation (or training) prompts, print a table (and log it as ``completions`` to
-        wandb/trackio when ``report_to`` names them) and return the rows."""
+        wandb/trackio, as text to TensorBoard, when ``report_to`` names them) and return the rows."""
         dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
         with self._own_random_stream():
-            rollout = self._rollout_rows(dataset, list(range(min(num_prompts, len(dataset)))), sampling)
+            rows = list(range(min(num_prompts, len(dataset))))
+            rollout = self._rollout_rows(dataset, rows, sampling, scores_only=True)
         tokenizer = self.processing_class
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
@@ -112,7 +114,8 @@ class EvaluationMixin:
             scores = {"score": [row["score"] for row in rows]}
             queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
-            log_table(self.args, "completions", rows, self.state.global_step)  # to wandb / trackio, when reported to
+            # to wandb / trackio / TensorBoard (as text), when reported to
+            log_table(self.args, "completions", rows, self.state.global_step, self.callback_handler.callbacks)
         return rows
 
     def _own_random_stream(self):
@@ -133,7 +136,10 @@ class EvaluationMixin:
         )
         card.save(f"{self.args.output_dir}/README.md")
 
-    def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool):
+    def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False):
+        """The rollout of ``rows`` of ``dataset``; with ``scores_only``, responses and scores alone
+        (``sample_and_score``)."""
         batch = self.data_collator([dataset[i] for i in rows])
         batch, columns = split_batch(batch, self.accelerator.device)  # columns: for the reward functions
-        return self.rollout(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)
+        run = self.sample_and_score if scores_only else self.rollout
+        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)

@@ -3,10 +3,13 @@ looks), JSON in and out, checkpoint folder names."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
+import logging
 import os
 import shutil
+import socket
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +18,8 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+logger = logging.getLogger(__name__)
 
 #: Names inside a ``checkpoint-N`` folder (the rest are transformers').
 PPO_STATE_NAME = "ppo_state.json"
@@ -42,6 +47,7 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
     config files go last, so ``final`` never has a config without the complete weights next to it.
     """
     final = Path(final)
+    refuse_file_in_the_way(final)  # on every process, before any barrier
     temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
     is_main = accelerator is None or accelerator.is_main_process
     barrier = accelerator.wait_for_everyone if accelerator is not None else (lambda: None)
@@ -51,9 +57,12 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
     barrier()
     try:
         yield str(temporary)
-    except BaseException:
+    except BaseException as err:
         if is_main:
             shutil.rmtree(temporary, ignore_errors=True)
+        if is_disk_full(err):  # also one from a file written inside: the message names this folder
+            cause = err.__cause__ if isinstance(err, DiskFullError) and err.__cause__ else err
+            raise DiskFullError(disk_full_message(final, cause)) from cause
         raise
     barrier()
     if is_main and merge:
@@ -105,8 +114,65 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield temporary
         os.replace(temporary, path)
+    except Exception as err:
+        if is_disk_full(err) and not isinstance(err, DiskFullError):
+            temporary.unlink(missing_ok=True)
+            raise DiskFullError(disk_full_message(path, err)) from err
+        raise
     finally:
         temporary.unlink(missing_ok=True)
+
+
+class DiskFullError(OSError):
+    """A write failed because the disk is full (``ENOSPC``, or torch's ``basic_ios::clear`` / ``file write failed``);
+    the message names the folder, its free space, and says that nothing was overwritten."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+#: What torch (``torch.save``'s C++ stream writer) and safetensors say when a write runs out of space.
+_DISK_FULL_MESSAGES = ("basic_ios::clear", "iostream error", "file write failed", "No space left", "StorageFull")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` says the disk (or the user's quota) is full: an ``OSError`` with ``ENOSPC``/``EDQUOT``, or
+    an error whose message is torch's or safetensors' for a failed write (:data:`_DISK_FULL_MESSAGES`); a
+    :class:`DiskFullError` itself."""
+    if isinstance(error, DiskFullError) or not isinstance(error, Exception):
+        return isinstance(error, DiskFullError)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(text in str(error) for text in _DISK_FULL_MESSAGES)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def disk_full_message(target: str | os.PathLike, error: BaseException) -> str:
+    """The message of a :class:`DiskFullError` while writing ``target``: its folder, the free space there, and that
+    nothing was overwritten (the atomic writers leave the previous version in place)."""
+    target = Path(target)
+    existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
+    try:
+        free = f"{_size(shutil.disk_usage(existing).free)} free"
+    except OSError:
+        free = "free space unknown"
+    reason = " ".join(str(error).split())[:200]
+    return (
+        f"The disk is full: writing {target} failed ({type(error).__name__}: {reason}); {free} on the disk of "
+        f"{existing}. Nothing was overwritten: what {target} held before (if anything) is intact and the partial "
+        "write was removed. Free some space, or write to another disk (output_dir, or the path you save to), then "
+        "save again."
+    )
 
 
 def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
@@ -168,6 +234,87 @@ def probe_writable(folder: str | os.PathLike) -> None:
             f"output_dir {str(folder)!r} is not writable ({type(err).__name__}: {err.strerror or err}); the run would "
             "be lost at its first save. Set output_dir to a folder you can write to, or fix its permissions."
         ) from err
+
+
+def refuse_file_in_the_way(folder: str | os.PathLike) -> None:
+    """A ``NotADirectoryError`` naming the path when ``folder``, or the nearest existing folder above it, is a file:
+    a model or checkpoint is written as a folder, and nothing is written over a file."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or existing.is_dir():
+        return
+    where = "is" if existing == folder else f"is under {existing}, which is"
+    raise NotADirectoryError(
+        f"Cannot save to {folder}: it {where} an existing file, not a folder. A model (or checkpoint) is saved as a "
+        "folder of files (config.json, the weights, the tokenizer): pass the path of a folder, new or existing, or "
+        "move the file away. Nothing was written."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One run per output_dir: an exclusive lock file, held by the main process while train() runs
+# ----------------------------------------------------------------------------------------------------------------
+#: The lock file in ``output_dir`` (hidden, so pushes skip it); it holds the PID and host of the run holding it.
+LOCK_NAME = ".trl-ppomax.lock"
+#: The locks this process holds: resolved ``output_dir`` → (open lock file, owner token).
+_HELD: dict[str, tuple] = {}
+
+
+class OutputDirInUse(RuntimeError):
+    """Another process is training in the same ``output_dir``."""
+
+
+def lock_output_dir(folder: str | os.PathLike, owner: object) -> None:
+    """Take the exclusive lock of ``folder`` (``flock`` on :data:`LOCK_NAME`, non-blocking) for ``owner``; an
+    :class:`OutputDirInUse` naming the folder and the holder's PID when another process holds it. The lock is released
+    by :func:`unlock_output_dir` or when the process exits (the system drops it: a crash never leaves a stale lock).
+    Within one process a later owner takes the lock over (a trainer whose ``train()`` ended with an error keeps it
+    until then). Where ``flock`` is missing (Windows) or not supported by the file system, runs are not guarded."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        _HELD[key] = (_HELD[key][0], owner)
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    file = open(os.path.join(folder, LOCK_NAME), "a+", encoding="utf-8")  # noqa: SIM115 (held until unlocked)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            logger.warning("Could not lock %s (%s): two runs in this output_dir would not be told apart.", folder, err)
+            return
+        pid, _, host = holder.partition(" on ")
+        raise OutputDirInUse(
+            f"output_dir {str(folder)!r} is in use by another training run: process {pid}"
+            f"{f' on {host}' if host else ''} holds its lock file {os.path.join(folder, LOCK_NAME)}. Two runs in one "
+            "output_dir would overwrite each other's checkpoints and logs. Wait for that run to end (or stop it), or "
+            "set another output_dir. The lock goes with the process that holds it: no file needs deleting."
+        ) from err
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()} on {socket.gethostname()}\n")
+    file.flush()
+    _HELD[key] = (file, owner)
+
+
+def unlock_output_dir(folder: str | os.PathLike, owner: object) -> None:
+    """Release the lock :func:`lock_output_dir` took on ``folder`` for ``owner`` (nothing if another owner holds it).
+    The lock file stays: removing it could let two runs lock two different files."""
+    key = os.path.realpath(folder)
+    held = _HELD.get(key)
+    if held is None or held[1] is not owner:
+        return
+    del _HELD[key]
+    import fcntl
+
+    fcntl.flock(held[0], fcntl.LOCK_UN)
+    held[0].close()
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:

@@ -13,12 +13,15 @@ import fnmatch
 import logging
 import os
 import re
+import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from .files import read_json
@@ -98,6 +101,26 @@ def training_sections(args, log_history=None, urls: dict[str, str] | None = None
     if urls:
         parts.append("## Training logs\n\n" + "\n".join(f"- {name}: <{url}>" for name, url in urls.items()))
     return "\n\n".join(parts)
+
+
+#: The headings of :func:`training_sections`, by which :func:`trainer_sections` finds them in a written card.
+TRAINING_HEADINGS = ("## PPO-max settings", "## Final evaluation", "## Training logs")
+
+
+def trainer_sections(folder: str | os.PathLike) -> list[str]:
+    """The :func:`training_sections` (settings, final evaluation, tracker URLs) of the card a trl-ppomax trainer wrote
+    as ``folder/README.md`` (tagged ``trl-ppomax``), for the card ``trl-ppomax push`` uploads in its place; none when
+    the folder has no such card."""
+    path = Path(folder).expanduser() / "README.md"
+    if not path.is_file():
+        return []
+    try:
+        card = ModelCard.load(path)
+    except Exception:  # unreadable or not a card: nothing to carry over
+        return []
+    if "trl-ppomax" not in (card.data.tags or []):
+        return []
+    return [part.strip() for part in re.split(r"(?m)^(?=## )", card.text) if part.startswith(TRAINING_HEADINGS)]
 
 
 def create_model_card(
@@ -404,9 +427,10 @@ def model_card(
     lang: str | None = None,
     base_model: str | None = None,
 ) -> ModelCard:
-    """The generic trl-ppomax card (README.md) for a model folder about to be pushed to ``repo_id``; it sets no
-    licence. ``model_type`` ("reward", "sft" or "policy"), ``lang`` and ``base_model`` override what config.json /
-    adapter_config.json say. (``trl-ppomax push`` gives a folder converted from MOSS-RLHF its own card:
+    """The generic trl-ppomax card (README.md) for a model folder about to be pushed to ``repo_id``, with the
+    :func:`trainer_sections` of the card the trainer wrote there, if any; it sets no licence. ``model_type``
+    ("reward", "sft" or "policy"), ``lang`` and ``base_model`` override what config.json / adapter_config.json say.
+    (``trl-ppomax push`` gives a folder converted from MOSS-RLHF its own card:
     :func:`trl_ppomax.moss.card.moss_model_card`.)
 
     Raises:
@@ -420,6 +444,7 @@ def model_card(
         repo_id,
         model_type=model_type,
         intro=trained_intro(model_type, base_model),
+        sections=(*trainer_sections(folder.path), NO_LICENCE_SECTION),
         base_model=base_model,
         lang=lang,
         peft=folder.peft,
@@ -480,6 +505,23 @@ def upload_files(folder: str | os.PathLike, include_internals: bool = False) -> 
     return upload_plan(folder, include_internals)[0]
 
 
+@contextmanager
+def staging_folder(root: Path, files: Sequence[str], card: str) -> Iterator[str]:
+    """A temporary folder holding ``files`` (relative paths in ``root``) as symbolic links, or copies where links are
+    not allowed, and ``card`` as README.md: what :func:`push_folder` hands to ``HfApi.upload_folder``, so that the
+    card goes up with the files without being written into the user's folder. Removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="trl-ppomax-push-") as stage:
+        for rel in files:
+            target = Path(stage, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                target.symlink_to((root / rel).resolve())
+            except OSError:  # no symbolic links (Windows without developer mode): a copy
+                shutil.copy2(root / rel, target)
+        Path(stage, "README.md").write_text(card, encoding="utf-8")
+        yield stage
+
+
 @dataclass
 class PushResult:
     """What :func:`push_folder` did: the uploaded paths (README.md last), the repo URL and the commit (None in a dry
@@ -510,9 +552,11 @@ def push_folder(
 
     Uploads :func:`upload_plan`'s files (checkpoint internals are left out, with a warning, unless
     ``include_internals``) plus README.md (``card``, by default the generic :func:`model_card`; ``trl-ppomax push``
-    passes :func:`trl_ppomax.moss.card.moss_model_card`). Creates the repo (``private`` only applies then) and, for a
-    ``revision`` other than "main", the branch. The token comes from huggingface_hub (``HF_TOKEN`` or ``hf auth
-    login``), never from an argument. With ``dry_run`` nothing is sent. ``api`` defaults to ``HfApi()``.
+    passes :func:`trl_ppomax.moss.card.moss_model_card`) with one ``HfApi.upload_folder`` call on a
+    :func:`staging_folder` (the user's folder is not written to; with ``hf_xet`` a very large folder goes up in
+    several resumable commits). Creates the repo (``private`` only applies then) and, for a ``revision`` other than
+    "main", the branch. The token comes from huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an
+    argument. With ``dry_run`` nothing is sent. ``api`` defaults to ``HfApi()``.
 
     Returns:
         A :class:`PushResult` (in a dry run, of what would be uploaded).
@@ -543,15 +587,14 @@ def push_folder(
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision and revision != "main":
         api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(root / rel)) for rel in files]
-    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=redact_token(str(card)).encode()))
-    info = api.create_commit(
-        repo_id,
-        operations=operations,
-        commit_message=commit_message or f"Upload {root.name} with trl-ppomax",
-        repo_type="model",
-        revision=revision,
-    )
+    with staging_folder(root, files, redact_token(str(card))) as staged:
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=staged,
+            commit_message=commit_message or f"Upload {root.name} with trl-ppomax",
+            repo_type="model",
+            revision=revision,
+        )
     return PushResult(
         paths,
         card,

@@ -79,6 +79,17 @@ class PolicyAndCritic(nn.Module):
             getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
 
 
+def without_zero3_init():
+    """A context in which transformers builds whole models (``from_config``) even under a DeepSpeed ZeRO-3 launch,
+    where it would build them inside ``zero.Init``, partitioned over the processes: for a model that one process
+    builds and writes (the tiny models), or a shell whose parameters are all replaced (``with_lm_head``)."""
+    from contextlib import nullcontext
+
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "set_zero3_state", nullcontext)()  # marks zero.Init as already entered
+
+
 def _accepts(module: nn.Module, argument: str) -> bool:
     return argument in inspect.signature(module.forward).parameters
 

@@ -263,12 +263,86 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
     return [entry for entry in history if isinstance(entry, dict)]
 
 
-# Trackers: what the terminal shows (sample tables, figures) also goes to wandb / trackio when they are reported to.
-TRACKERS = ("wandb", "trackio")
+# Trackers: what the terminal shows (sample tables, figures) also goes to wandb / trackio / TensorBoard when they are
+# reported to (``report_to``), each through an adaptor with ``table(key, frame, step)`` and ``image(key, path, step)``.
+TRACKERS = ("wandb", "trackio", "tensorboard")
 
 
-def active_trackers(args) -> list[Any]:
-    """The tracker modules (wandb with a run, trackio) that ``args.report_to`` names; imported only then."""
+class ModuleTracker:
+    """wandb or trackio: a table or an image as the module's own ``Table`` / ``Image``, logged with its ``log``."""
+
+    def __init__(self, module) -> None:
+        self.module, self.name = module, module.__name__
+
+    def table(self, key: str, frame, step: int | None) -> None:
+        self.module.log({key: self.module.Table(dataframe=frame)})
+
+    def image(self, key: str, path: str | Path, step: int | None) -> None:
+        self.module.log({key: self.module.Image(str(path))})
+
+
+class TensorBoardTracker:
+    """TensorBoard: a table as Markdown text (:func:`markdown_table`), an image as an image, in ``logging_dir``.
+
+    Each call opens a ``SummaryWriter`` of its own and closes it (TensorBoard reads every event file of the folder):
+    the Trainer's ``TensorBoardCallback`` closes its writer before the end-of-training figure is drawn."""
+
+    name = "tensorboard"
+
+    def __init__(self, logging_dir: str) -> None:
+        self.logging_dir = logging_dir
+
+    def _write(self, add) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(self.logging_dir)
+        try:
+            add(writer)
+        finally:
+            writer.close()  # flushes
+
+    def table(self, key: str, frame, step: int | None) -> None:
+        self._write(lambda writer: writer.add_text(key, markdown_table(frame), step))
+
+    def image(self, key: str, path: str | Path, step: int | None) -> None:
+        import numpy as np
+        from matplotlib.image import imread
+
+        pixels = imread(str(path))
+        pixels = np.repeat(pixels[..., None], 3, axis=-1) if pixels.ndim == 2 else pixels[..., :3]  # RGB, no alpha
+        self._write(lambda writer: writer.add_image(key, pixels, step, dataformats="HWC"))
+
+
+def markdown_table(frame) -> str:
+    """A pandas DataFrame as a Markdown table (header, separator, a row per row), with ``|`` escaped and line breaks
+    written as ``<br>``: what TensorBoard's text panel shows as a table."""
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>").replace("\r", "<br>")
+
+    lines = [[cell(c) for c in frame.columns], ["---"] * len(frame.columns)]
+    lines += [[cell(v) for v in row] for row in frame.itertuples(index=False)]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def tensorboard_dir(args, callbacks: Sequence[TrainerCallback] = ()) -> str:
+    """Where this run's TensorBoard events go: the folder of the Trainer's ``TensorBoardCallback`` among
+    ``callbacks`` (known once training starts), else ``args.logging_dir`` (transformers < 5, ``trl-ppomax plot
+    --logging-dir``), else ``$TENSORBOARD_LOGGING_DIR`` (transformers 5's setting), else ``OUTPUT_DIR/runs``."""
+    import os
+
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback) and getattr(callback, "logging_dir", None):
+            return callback.logging_dir
+    folder = getattr(args, "logging_dir", None) or os.getenv("TENSORBOARD_LOGGING_DIR")
+    return os.path.expanduser(folder) if folder else os.path.join(args.output_dir, "runs")
+
+
+def active_trackers(args, callbacks: Sequence[TrainerCallback] = ()) -> list[ModuleTracker | TensorBoardTracker]:
+    """The trackers that ``args.report_to`` names and that are installed: wandb (only with a run: ``wandb.log``
+    would start one), trackio, TensorBoard (in :func:`tensorboard_dir` of ``callbacks``). Imported only then."""
     import importlib
 
     report_to = getattr(args, "report_to", None) or []
@@ -278,43 +352,57 @@ def active_trackers(args) -> list[Any]:
         if name not in report_to and "all" not in report_to:
             continue
         try:
-            module = importlib.import_module(name)
-        except ImportError:
+            module = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
+        except ImportError:  # not installed (torch.utils.tensorboard needs the tensorboard package)
             continue
-        if name == "wandb" and getattr(module, "run", None) is None:
-            continue  # no run: wandb.log would start one
-        found.append(module)
+        if name == "tensorboard":
+            found.append(TensorBoardTracker(tensorboard_dir(args, callbacks)))
+        elif name != "wandb" or getattr(module, "run", None) is not None:
+            found.append(ModuleTracker(module))
     return found
 
 
-def log_table(args, key: str, rows: Sequence[Mapping[str, Any]], step: int | None = None) -> list[str]:
+def log_table(
+    args,
+    key: str,
+    rows: Sequence[Mapping[str, Any]],
+    step: int | None = None,
+    callbacks: Sequence[TrainerCallback] = (),
+) -> list[str]:
     """Log ``rows`` (dicts with the same keys) as the table ``key`` to each :func:`active_trackers` (as GRPO's
-    ``log_completions``); returns the names of the trackers logged to."""
-    trackers = active_trackers(args)
+    ``log_completions``; TensorBoard gets it as text); returns the names of the trackers logged to."""
+    trackers = active_trackers(args, callbacks)
     if not trackers or not rows:
         return []
     import pandas as pd
 
     frame = pd.DataFrame({"step": [step] * len(rows), **{c: [r[c] for r in rows] for c in rows[0]}})
     for tracker in trackers:
-        tracker.log({key: tracker.Table(dataframe=frame)})
-    return [t.__name__ for t in trackers]
+        tracker.table(key, frame, step)
+    return [t.name for t in trackers]
 
 
-def log_image(args, key: str, path: str | Path) -> list[str]:
+def log_image(
+    args, key: str, path: str | Path, step: int | None = None, callbacks: Sequence[TrainerCallback] = ()
+) -> list[str]:
     """Log the image file ``path`` as ``key`` to each :func:`active_trackers`; returns their names."""
-    trackers = active_trackers(args)
+    trackers = active_trackers(args, callbacks)
     for tracker in trackers:
-        tracker.log({key: tracker.Image(str(path))})
-    return [t.__name__ for t in trackers]
+        tracker.image(key, path, step)
+    return [t.name for t in trackers]
 
 
 class DynamicsFigureCallback(TrainerCallback):
     """At the end of training, draw :func:`plot_training_dynamics` into ``output_dir/training_dynamics.png`` and log
-    it to the active trackers (only when one is on)."""
+    it to the active trackers (only when one is on). ``callbacks`` is the trainer's list (where TensorBoard's
+    callback is found, see :func:`tensorboard_dir`)."""
+
+    def __init__(self, callbacks: Sequence[TrainerCallback] = ()) -> None:
+        self.callbacks = callbacks
 
     def on_train_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or not active_trackers(args):
+        on = state.is_world_process_zero and panels_for(state.log_history)  # the main process, with a panel to draw
+        if not on or not active_trackers(args, self.callbacks):
             return
         path = plot_training_dynamics(state.log_history, Path(args.output_dir) / "training_dynamics.png")
-        log_image(args, "training_dynamics", path)
+        log_image(args, "training_dynamics", path, state.global_step, self.callbacks)

@@ -126,6 +126,11 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("temperature", "> 0", "The sampling temperature; 1.0 samples the model as it is."),
     ("logprob_temperature", "> 0, or None", "None uses the sampling temperature; 1.0 the model's raw logits."),
     ("top_p", "in (0, 1]", "The nucleus-sampling threshold; 1.0 disables it."),
+    (
+        "repetition_penalty",
+        "> 0",
+        "CTRL's penalty θ on tokens already generated (> 1 discourages repeats); 1.0 disables it, the release used 1.1.",
+    ),
     ("critic_adam_epsilon", "> 0, or None", "None uses adam_epsilon; the release used 1e-8 for the critic."),
     ("max_skipped_iterations", "≥ 1", "Consecutive skipped iterations before the run stops with an error."),
     ("stop_token_id", "≥ 0, or None", "A token id of the tokenizer; None uses stop_token."),
@@ -523,6 +528,7 @@ class PPOMaxConfig(TrainingArguments):
         if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # trl's default; `--gradient_checkpointing False` still turns it off
         super().__post_init__()
+        self._check_deepspeed_batch()
         self._derive_sizes()
 
     # -- helpers ----------------------------------------------------------------------------------------------------
@@ -572,6 +578,27 @@ class PPOMaxConfig(TrainingArguments):
                 "would change the loss; set entropy_target=None (the plain bonus) or max_tokens_per_microbatch=None."
             )
 
+    def _check_deepspeed_batch(self) -> None:
+        """A DeepSpeed JSON of the user's own that writes its batch sizes out must say what this run does: DeepSpeed
+        steps the optimizer after its own ``gradient_accumulation_steps`` micro-batches, so another number would
+        silently change every update (accelerate only warns, and uses DeepSpeed's)."""
+        plugin = getattr(self, "deepspeed_plugin", None)
+        config = plugin.deepspeed_config if plugin is not None else {}
+        for key, name in [
+            ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+            ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ]:
+            given = config.get(key, "auto")
+            if given != "auto" and int(given) != getattr(self, name):
+                missing = (
+                    " (accelerate's value when the file has none)" if key == "gradient_accumulation_steps" else ""
+                )
+                raise ValueError(
+                    f"The DeepSpeed config says {key}={given}{missing}, but {name}={getattr(self, name)}: set them "
+                    f'equal, or {key} to "auto" in the DeepSpeed config (and train_batch_size to their product × the '
+                    'number of processes, or "auto").'
+                )
+
     def _derive_sizes(self) -> None:
         self.local_batch_size = (
             self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
@@ -609,8 +636,24 @@ class PPOMaxConfig(TrainingArguments):
                 f"÷ num_samples_per_prompt = {prompts}); add prompts or lower those sizes."
             )
         episodes_per_epoch = dataset_size * self.num_samples_per_prompt
+        given = self.total_episodes
         self.total_episodes = self.total_episodes or int(self.num_train_epochs * episodes_per_epoch)
         self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        trained = self.num_total_batches * self.batch_size
+        if trained != self.total_episodes:  # PPO trains whole rollout batches
+            (logger.warning if given else logger.info)(
+                "total_episodes=%d%s is not a multiple of the rollout batch, batch_size=%d (per_device_train_batch_size "
+                "× gradient_accumulation_steps × num_mini_batches × processes): the run trains %d iterations = %d "
+                "episodes, %d more than asked. Set total_episodes to a multiple of %d (e.g. %s) to train exactly that.",
+                self.total_episodes,
+                "" if given else " (num_train_epochs × prompts × num_samples_per_prompt)",
+                self.batch_size,
+                self.num_total_batches,
+                trained,
+                trained - self.total_episodes,
+                self.batch_size,
+                " or ".join(str(n) for n in (trained - self.batch_size, trained) if n > 0),
+            )
         if self.critic_warmup_steps >= self.num_total_batches:
             logger.warning(
                 "critic_warmup_steps=%d is not below the run's %d iterations (total_episodes=%d ÷ batch_size=%d, "

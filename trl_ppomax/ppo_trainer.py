@@ -126,9 +126,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
-            callbacks=[*(callbacks or []), DynamicsFigureCallback()],  # the training-dynamics figure to the trackers
+            callbacks=callbacks,
             optimizers=optimizers,
         )
+        # The training-dynamics figure to the trackers; the live callback list says where TensorBoard writes
+        self.add_callback(DynamicsFigureCallback(self.callback_handler.callbacks))
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
         self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
@@ -331,6 +333,21 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             ]
         self.model.train()
         return merge_rollouts(parts[: len(groups)], groups, pad_id)
+
+    @torch.no_grad()
+    def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
+        """Responses to left-padded prompts and their scores (after the missing-stop-token penalty), for sample tables:
+        a :class:`Rollout` without the log-prob and value forwards of :meth:`rollout` (those fields are empty)."""
+        self.model.eval()
+        with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
+            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
+                responses, mask, _ = self._sample(wrapper, query_ids, query_mask, sampling, 1)
+            inputs = sequence_inputs(query_ids, query_mask, responses, mask)
+            scores, _ = self.reward_sources.score(self.processing_class, inputs, query_mask, mask, columns)
+        self.model.train()
+        scores = rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, self.args.missing_eos_penalty)
+        unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
+        return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
 
     def _sample(self, wrapper: PolicyAndCritic, query_ids, query_mask, sampling: bool, n: int):
         """``(responses, mask, sampler log-probs or None)`` (B·n, T) of one chunk of prompts, by ``generate`` or

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from trl import RewardConfig
@@ -35,8 +37,13 @@ class PPOMaxRewardConfig(RewardConfig):
     )
 
     def __post_init__(self) -> None:
-        if self.lm_loss_coef < 0:
-            raise ValueError(f"lm_loss_coef (β_rm) must be ≥ 0, got {self.lm_loss_coef}.")
+        coef = self.lm_loss_coef
+        if not (isinstance(coef, numbers.Real) and not isinstance(coef, bool) and math.isfinite(coef) and coef >= 0):
+            raise ValueError(
+                f"lm_loss_coef (β_rm) must be a finite number ≥ 0, got {coef!r}: it weights the imitation loss on the "
+                "chosen response (the paper uses 1; 0 trains with the pairwise loss alone). NaN or inf would make "
+                "every loss non-finite."
+            )
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16)
         super().__post_init__()

@@ -23,7 +23,7 @@ from trl import RewardTrainer
 from trl.data_utils import is_conversational
 
 from . import core
-from .modeling import score_head, score_position
+from .modeling import score_head, score_position, without_zero3_init
 from .plotting import log_image
 from .reward_config import PPOMaxRewardConfig
 from .reward_stats import fold_reward_stats, reward_statistics, store_reward_stats
@@ -42,11 +42,12 @@ def with_lm_head(causal_lm: PreTrainedModel) -> PreTrainedModel:
     config = copy.deepcopy(causal_lm.config)
     config.num_labels = 1
     config.architectures = None
-    with torch.device("meta"):
+    with torch.device("meta"), without_zero3_init():  # a shell: every parameter is replaced below
         reward_model = AutoModelForSequenceClassification.from_config(config)
     setattr(reward_model, reward_model.base_model_prefix, getattr(causal_lm, causal_lm.base_model_prefix))
     weight = head.weight
-    reward_model.score = nn.Linear(weight.shape[1], 1, bias=False, device=weight.device, dtype=weight.dtype)
+    width = getattr(weight, "ds_shape", weight.shape)[1]  # under ZeRO-3 the weight is a partitioned placeholder
+    reward_model.score = nn.Linear(width, 1, bias=False, device=weight.device, dtype=weight.dtype)
     nn.init.normal_(reward_model.score.weight, std=getattr(config, "initializer_range", 0.02))
     reward_model.lm_head = head
     leftover = [name for name, p in reward_model.named_parameters() if p.is_meta]
@@ -182,7 +183,8 @@ class PPOMaxRewardTrainer(RewardTrainer):
         if self.args.reward_histogram and self.accelerator.is_main_process:
             path = os.path.join(self.args.output_dir, HISTOGRAM_NAME)
             save_margin_histogram(pairs[:, 0] - pairs[:, 1], path)
-            log_image(self.args, "reward_margins", path)  # to wandb / trackio, when reported to
+            # to wandb / trackio / TensorBoard, when reported to
+            log_image(self.args, "reward_margins", path, self.state.global_step, self.callback_handler.callbacks)
         return metrics
 
     def train(self, *args, **kwargs):

@@ -53,6 +53,52 @@ def is_positional_pair(function, available: Sequence[str] = ()) -> bool:
     return not all(p.name in available and p.kind != inspect.Parameter.POSITIONAL_ONLY for p in parameters)
 
 
+#: The keywords every reward function is offered (the dataset's other columns come with them).
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids")
+#: Dataset columns that are not passed to reward functions (``prompt`` comes as ``prompts=``).
+NOT_PASSED_COLUMNS = ("prompt", "input_ids", "attention_mask", "loss_mask")
+
+
+def reward_function_problem(function, available: Sequence[str], what: str = "reward function") -> str | None:
+    """Why ``function`` cannot be called in either of the two ways :func:`call_reward_function` calls it (with the
+    keywords ``available``, or as an old-style positional pair), or None when it can (or has no signature to read):
+    a parameter without a default that is not among the keywords, e.g. ``f(p, c, **kwargs)`` or ``f(a)``."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if is_positional_pair(function, available):
+        return None
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p for p in parameters if p.default is inspect.Parameter.empty and p.kind not in variadic]
+    missing = [p.name for p in required if p.kind == inspect.Parameter.POSITIONAL_ONLY or p.name not in available]
+    if not missing:
+        return None
+    name = getattr(function, "__name__", type(function).__name__)
+    columns = [key for key in available if key not in REWARD_KEYWORDS]
+    column_text = f" (here: {', '.join(columns)})" if columns else " (none here)"
+    shown = ", ".join(str(p) for p in parameters)
+    return (
+        f"The {what} {name!r}({shown}) cannot be called: its parameter{'s' if len(missing) > 1 else ''} "
+        f"{', '.join(missing)} would get no value. A {what} is called in one of two ways: with keywords, as TRL's "
+        "GRPOTrainer calls them, f(prompts=..., completions=..., completion_ids=..., **dataset columns"
+        f"{column_text}), each parameter named after one of them (or **kwargs for the rest); or, old style, with "
+        "exactly two positional parameters, f(prompts, completions), and no **kwargs. Rename its parameters, e.g. "
+        "def reward(prompts, completions, **kwargs), or drop the **kwargs of a two-parameter function."
+    )
+
+
+def check_reward_functions(sources, columns: Sequence[str] = (), what: str = "reward function") -> None:
+    """A ``TypeError`` (:func:`reward_function_problem`) for a function among ``sources`` (one source or a list; models
+    and paths are skipped) that could not be called with the keywords and the dataset ``columns``."""
+    available = [*REWARD_KEYWORDS, *(c for c in columns if c not in NOT_PASSED_COLUMNS)]
+    for source in sources if isinstance(sources, list | tuple) else [sources]:
+        if callable(source) and not isinstance(source, nn.Module):
+            problem = reward_function_problem(source, available, what)
+            if problem:
+                raise TypeError(problem)
+
+
 def _accepted_keywords(function, keywords: dict) -> dict:
     """``keywords`` restricted to the parameters of ``function`` unless it takes ``**kwargs``."""
     try:
@@ -83,6 +129,9 @@ def call_reward_function(
     It must return one number (None becomes NaN, as in GRPO; NaN and ±inf pass) per completion as a list, tuple,
     numpy array or 1-D tensor; anything else raises a ``ValueError`` blaming it and showing what it returned."""
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
+    problem = reward_function_problem(function, list(keywords))
+    if problem:  # before calling it: a TypeError raised inside the function is its own
+        raise TypeError(problem)
     if is_positional_pair(function, keywords):
         returned = function(*(texts or (prompts, completions)))
     else:
@@ -288,9 +337,14 @@ class RewardSources:
 
 def load_reward_function(path: str) -> RewardFunction:
     """The reward function at a dotted path ``pkg.module.fn`` (the recipes' ``--reward_funcs``), as TRL's scripts
-    resolve theirs."""
+    resolve theirs; an ``http://`` or ``https://`` URL is a reward server
+    (:class:`~trl_ppomax.remote_reward.RemoteRewardModel` with its defaults)."""
     import importlib
 
+    if path.startswith(("http://", "https://")):
+        from .remote_reward import RemoteRewardModel
+
+        return RemoteRewardModel(path)
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
         raise ValueError(f"--reward_funcs {path!r} is not a dotted path: use 'pkg.module.function'.")

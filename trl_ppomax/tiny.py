@@ -40,6 +40,7 @@ from transformers import (
 )
 
 from .files import atomic_directory
+from .modeling import without_zero3_init
 
 __all__ = [
     "ARCHITECTURES",
@@ -238,9 +239,10 @@ def build_models(
     tokenizer = build_tokenizer()
     config = model_config(arch, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
-    policy = AutoModelForCausalLM.from_config(config)
-    config.num_labels = 1
-    reward = AutoModelForSequenceClassification.from_config(config)
+    with without_zero3_init():  # whole models, even under a ZeRO-3 launch: one process writes them
+        policy = AutoModelForCausalLM.from_config(config)
+        config.num_labels = 1
+        reward = AutoModelForSequenceClassification.from_config(config)
     return tokenizer, policy, reward
 
 

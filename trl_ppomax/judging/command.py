@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pairwise.add_argument("--category-column", help="column holding each prompt's category")
     pairwise.add_argument("--num-prompts", type=int, help="a fixed random subset of this many prompts per source")
-    pairwise.add_argument("--judges", nargs="+", choices=JUDGES, default=[], help="judges to ask (combinable)")
+    pairwise.add_argument(
+        "--judges", "--judge", nargs="+", choices=JUDGES, default=[], help="judges to ask (combinable)"
+    )
     pairwise.add_argument("--reward-model", help="rm: the reward model (folder or Hub id)")
     pairwise.add_argument("--tie-threshold", type=float, default=0.0, help="rm, gold: |score margin| ≤ this is a tie")
     pairwise.add_argument("--gold-function", help="gold: MODULE:FUNCTION (default: the toy world's gold reward)")
@@ -71,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate as the flags say; a bad flag or input is one error line and exit status 2, nothing half-written."""
     try:
+        check_settings(args)
         check_paths(args)
         if args.task == "mcq":
             return _run_mcq(args)
@@ -83,6 +86,26 @@ def run(args: argparse.Namespace) -> int:
 def split_category(item: str) -> tuple[str, str, str]:
     """``"helpful=Anthropic/hh-rlhf#helpful-base"`` → ``("helpful", "=", "Anthropic/hh-rlhf#helpful-base")``."""
     return item.partition("=") if "=" in item.split("#")[0] else ("", "", item)
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    """Numbers that cannot work fail here, naming the flag, before anything loads."""
+    for flag in ("num_prompts", "max_questions", "batch_size", "max_new_tokens", "judge_concurrency"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.few_shot < 0:
+        raise ValueError(f"--few-shot must be 0 or more, got {args.few_shot}")
+    if args.greedy or args.task != "pairwise":
+        return  # the sampling settings are not used
+    if not args.temperature > 0:
+        raise ValueError(
+            f"--temperature must be > 0 for sampling, got {args.temperature}; for greedy decoding use --greedy"
+        )
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not args.repetition_penalty > 0:
+        raise ValueError(f"--repetition-penalty must be > 0 (1 is none), got {args.repetition_penalty}")
 
 
 def check_paths(args: argparse.Namespace) -> None:

@@ -16,7 +16,17 @@ from huggingface_hub import ModelCard
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from ..files import read_json
-from ..hub import MODEL_KINDS, PAPER_LINK, ModelFolder, check_model_type, render_card, repo_like, trained_intro
+from ..hub import (
+    MODEL_KINDS,
+    PAPER_LINK,
+    ModelFolder,
+    check_model_type,
+    model_card,
+    render_card,
+    repo_like,
+    trained_intro,
+    trainer_sections,
+)
 from .prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
 from .recovery import CONVERSION_INFO, RELEASES, recovery_command
 
@@ -110,7 +120,8 @@ def moss_model_card(
     base_model: str | None = None,
 ) -> ModelCard:
     """The model card (README.md) for a model folder about to be pushed to ``repo_id``: the MOSS-RLHF card for a
-    converted folder (or one whose base model is a MOSS-RLHF model), else the generic trl-ppomax card.
+    converted folder (or one whose base model is a MOSS-RLHF model), else the generic trl-ppomax card; either with
+    the training sections of the card a trl-ppomax trainer wrote in the folder (:func:`~.hub.trainer_sections`).
 
     ``model_type`` ("reward", "sft" or "policy"), ``lang`` ("en" or "zh") and ``base_model`` override what the
     conversion record and config.json say.
@@ -133,7 +144,7 @@ def moss_model_card(
     base_model = base_model or model.base_model
     common = dict(model_type=model_type, base_model=base_model, lang=lang, peft=model.peft)
     if not converted and "moss-rlhf" not in (base_model or "").lower():
-        return render_card(repo_id, intro=trained_intro(model_type, base_model), **common)
+        return model_card(model.path, repo_id, model_type=model_type, lang=lang, base_model=base_model)
 
     name = repo_id.rstrip("/").split("/")[-1]
     sections = [_recovery_section(conversion, base_model, name, model_type, lang)] if converted else []
@@ -141,7 +152,7 @@ def moss_model_card(
         repo_id,
         intro=_release_intro(model_type, lang, base_model) if converted else trained_intro(model_type, base_model),
         prompt_section=_prompt_section(lang),
-        sections=[*sections, LICENCE_SECTION],
+        sections=[*sections, *trainer_sections(model.path), LICENCE_SECTION],
         license="agpl-3.0",
         extra_tags=["moss-rlhf"],
         **common,

@@ -480,10 +480,21 @@ def recovery_command(raw, diff, output, model_type, lang, dtype=None) -> str:
     return " ".join(shlex.quote(str(part)) for part in parts)
 
 
-def resolve_source(path_or_repo: str) -> str:
-    """A local folder as is; otherwise a Hub repo id, downloaded (weights, config, tokenizer) with huggingface_hub."""
+def resolve_source(path_or_repo: str, setting: str = "source") -> str:
+    """A local folder as is; otherwise a Hub repo id, downloaded (weights, config, tokenizer) with huggingface_hub. A
+    ``FileNotFoundError`` naming ``setting`` for a local path (:func:`~trl_ppomax.data.looks_local`) that is no
+    folder, instead of a Hub error about a malformed repo id."""
+    from ..data import looks_local
+
     if os.path.isdir(path_or_repo):
         return path_or_repo
+    if os.path.exists(path_or_repo):
+        raise FileNotFoundError(f"{setting} {path_or_repo}: is a file, not a folder; pass the model's folder.")
+    if looks_local(path_or_repo):
+        raise FileNotFoundError(
+            f"{setting} {path_or_repo}: the local folder {os.path.abspath(os.path.expanduser(path_or_repo))} does not "
+            "exist. Fix the path; a Hub repository is named 'org/name'."
+        )
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "tokenizer*"]

@@ -92,6 +92,25 @@ def parse_script_args(dataclasses: tuple, argv: list[str] | None) -> tuple:
     return parsed
 
 
+def setup_distributed(training_args) -> None:
+    """Join the process group, DeepSpeed's included, before any model is loaded.
+
+    Under ZeRO-3, transformers builds each model inside DeepSpeed's ``zero.Init``, which checks the DeepSpeed config's
+    batch sizes against the world size of DeepSpeed's communication backend *before* setting that backend up: with a
+    DeepSpeed JSON of the user's own (explicit ``train_batch_size``) it saw one process and failed
+    ("train_batch_size 16 != 4 * 2 * 1"). The training arguments set the torch process group up (``device``);
+    on CPU processes accelerate leaves DeepSpeed's backend alone, so it is set up here, on top of that group."""
+    import torch.distributed
+
+    training_args.device  # noqa: B018  (sets up the distributed state once, as the Trainer would)
+    if getattr(training_args, "deepspeed_plugin", None) is None or not torch.distributed.is_initialized():
+        return
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+
+
 def model_kwargs(model_args) -> dict:
     """The ``from_pretrained`` keyword arguments of trl's ``ModelConfig``: revision, attention, dtype, quantisation."""
     from trl import get_quantization_config

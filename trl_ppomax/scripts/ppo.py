@@ -41,7 +41,7 @@ from trl_ppomax.plan import plan
 from trl_ppomax.ppo_config import PPOMaxConfig
 from trl_ppomax.ppo_trainer import PPOMaxTrainer
 from trl_ppomax.rewards import load_reward_function
-from trl_ppomax.scripts import model_kwargs, parse_script_args
+from trl_ppomax.scripts import model_kwargs, parse_script_args, setup_distributed
 
 
 @dataclass
@@ -90,7 +90,8 @@ class PPOMaxScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Reward functions added to the reward model, as dotted paths (pkg.module.fn), called as TRL's "
-            "GRPO calls its reward_funcs; weighted by reward_weights (reward model first). Default: none."
+            "GRPO calls its reward_funcs, or http(s):// URLs of reward servers (trl_ppomax.RemoteRewardModel); "
+            "weighted by reward_weights (reward model first). Default: none."
         },
     )
     tiny_models_dir: str | None = field(
@@ -153,7 +154,10 @@ def load_prompts(script_args):
 def check_combination(script_args, training_args: PPOMaxConfig, model_args: ModelConfig) -> None:
     """Fail before loading anything on settings that cannot work together."""
     if not script_args.dataset_name:
-        raise ValueError("Set dataset_name: a Hub id, a folder, or a prompt file.")
+        raise ValueError(
+            "Set dataset_name: a Hub id, a folder, or a prompt file. (The toy world takes no other setting: "
+            "`trl-ppomax ppo` alone, or with only --output_dir DIR.)"
+        )
     if training_args.ptx_coef > 0 and not script_args.ptx_dataset_name:
         raise ValueError("ptx_coef > 0 needs ptx_dataset_name (texts for the PPO-ptx loss).")
     if model_args.use_peft and script_args.value_model_path == (
@@ -180,10 +184,8 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
             "ptx_dataset_name": script_args.ptx_dataset_name,
         }
     )
-    peft_config = get_peft_config(model_args)
-    policy_path, policy, reference, reward, value = load_models(script_args, training_args, model_args, peft_config)
-    tokenizer = load_tokenizer(policy_path, script_args.prompt_format)
-    with PartialState().local_main_process_first():
+    setup_distributed(training_args)  # before any model: ZeRO-3 builds them inside zero.Init
+    with PartialState().local_main_process_first():  # the data first: an empty or broken file fails before the models
         train_prompts, eval_prompts = load_prompts(script_args)
         ptx = None
         if script_args.ptx_dataset_name:
@@ -193,6 +195,9 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
                 split=script_args.ptx_dataset_split,
                 kind="ptx",
             )
+    peft_config = get_peft_config(model_args)
+    policy_path, policy, reference, reward, value = load_models(script_args, training_args, model_args, peft_config)
+    tokenizer = load_tokenizer(policy_path, script_args.prompt_format)
 
     trainer = PPOMaxTrainer(
         args=training_args,
@@ -220,13 +225,27 @@ def main(argv: list[str] | None = None) -> PPOMaxTrainer:
     return trainer
 
 
-def run(argv: list[str] | None = None) -> None:
-    """`main`, or the toy world demo when there are no arguments (as `accelerate launch recipes/ppo_max.py`)."""
-    argv = sys.argv[1:] if argv is None else argv
+def toy_world_arguments(argv: list[str]) -> dict | None:
+    """``run_demo``'s arguments when ``argv`` asks for the toy world: nothing, or only ``--output_dir DIR`` (the
+    toy world's folder); None when ``argv`` says anything else (a real run)."""
     if not argv:
+        return {}
+    if len(argv) == 2 and argv[0] in ("--output_dir", "--output-dir"):
+        return {"output_dir": argv[1]}
+    if len(argv) == 1 and argv[0].startswith(("--output_dir=", "--output-dir=")):
+        return {"output_dir": argv[0].partition("=")[2]}
+    return None
+
+
+def run(argv: list[str] | None = None) -> None:
+    """`main`, or the toy world demo when there are no arguments or only ``--output_dir DIR`` (as
+    `accelerate launch recipes/ppo_max.py`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    demo = toy_world_arguments(argv)
+    if demo is not None:
         from trl_ppomax.toyworld.demo import run_demo
 
-        run_demo()
+        run_demo(**demo)
     else:
         main(argv)
 

@@ -27,11 +27,11 @@ from datasets import DatasetDict, load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
-from trl_ppomax.data import check_local_paths
+from trl_ppomax.data import check_local_paths, load_data_file
 from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 from trl_ppomax.reward_config import PPOMaxRewardConfig
 from trl_ppomax.reward_trainer import PPOMaxRewardTrainer
-from trl_ppomax.scripts import model_kwargs, parse_script_args
+from trl_ppomax.scripts import model_kwargs, parse_script_args, setup_distributed
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -51,7 +51,7 @@ def load_preferences(script_args: ScriptArguments) -> DatasetDict:
     name = script_args.dataset_name
     extension = os.path.splitext(name)[1]
     if os.path.isfile(name) and extension in FILE_BUILDERS:
-        dataset = load_dataset(FILE_BUILDERS[extension], data_files={"train": name})
+        dataset = DatasetDict({"train": load_data_file(name)})  # an empty or broken file is named
     else:
         dataset = load_dataset(name, name=script_args.dataset_config)
     if is_hh_rlhf(dataset[script_args.dataset_train_split]):
@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         (RewardScriptArguments, PPOMaxRewardConfig, ModelConfig), argv
     )
     check_local_paths({"model_name_or_path": model_args.model_name_or_path, "dataset_name": script_args.dataset_name})
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    with PartialState().local_main_process_first():
+    setup_distributed(training_args)  # before the model: ZeRO-3 builds it inside zero.Init
+    with PartialState().local_main_process_first():  # the data first: an empty or broken file fails before the model
         dataset = load_preferences(script_args)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         if script_args.dataset_test_split not in dataset:

@@ -1,0 +1,244 @@
+"""The remote reward source (:class:`trl_ppomax.RemoteRewardModel`) against a local HTTP server on 127.0.0.1:
+batching and order, the request's fields, response shapes, a timeout, a 5xx then success, a 4xx, an unreachable URL,
+wrong answers, the ``--reward_funcs URL`` form, and PPO-max training on it (with a server failure and a resume)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from helpers import changed, make_trainer, snapshot
+
+from trl_ppomax import RemoteRewardModel, rewards
+from trl_ppomax.remote_reward import RemoteRewardError
+from trl_ppomax.tiny import build_models
+
+FAST = dict(max_retries=1, backoff=0.0)  # no waiting between attempts in the failure tests
+
+
+class RewardServer:
+    """A reward server on 127.0.0.1 (a free port) in a thread. ``answer(payload, number) -> (status, body, delay)``
+    decides each answer (``number`` counts requests from 0; a ``bytes`` body is sent as it is); ``payloads`` records
+    every request."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict] = []
+        self.answer = lambda payload, number: (200, {"rewards": [len(c) / 10 for c in payload["completions"]]}, 0)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.payloads.append(payload)
+                status, body, delay = server.answer(payload, len(server.payloads) - 1)
+                time.sleep(delay)
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (a timeout test)
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # a proxy set in the environment must not intercept
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    running = RewardServer()
+    yield running
+    running.close()
+
+
+def texts(n: int) -> tuple[list[str], list[str]]:
+    return [f"prompt {i}: " for i in range(n)], [f"answer {i}" + "!" * i for i in range(n)]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_batches_keep_order_and_send_the_protocol(server, concurrency):
+    prompts, completions = texts(7)
+    remote = RemoteRewardModel(server.url, batch_size=3, concurrency=concurrency)
+    scores = remote(prompts, completions, solution=[str(i) for i in range(7)])
+    assert scores == [len(c) / 10 for c in completions]  # in order, whatever order the batches were answered in
+    assert sorted(len(p["prompts"]) for p in server.payloads) == [1, 3, 3]  # ceil(7 / 3) requests
+    first = next(p for p in server.payloads if p["prompts"][0] == prompts[0])
+    assert first["completions"] == completions[:3]
+    assert first["query"] == [p + c for p, c in zip(prompts[:3], completions[:3], strict=True)]
+    assert first["solution"] == ["0", "1", "2"]  # the dataset's other columns, batched alike
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"rewards": [1, 2.5]}, [1.0, 2.5]),  # OpenRLHF's serve_rm
+        ({"scores": [1, None]}, [1.0, None]),  # null: the sample is dropped
+        ({"rewards": [1, 2], "scores": [3, 4]}, [1.0, 2.0]),  # OpenRLHF's reward_func answers both: rewards win
+        ([0.5, -0.5], [0.5, -0.5]),
+    ],
+)
+def test_response_shapes(server, body, expected):
+    server.answer = lambda payload, number: (200, body, 0)
+    assert RemoteRewardModel(server.url)(*texts(2)) == expected
+
+
+def test_a_5xx_then_success_is_retried(server, caplog):
+    server.answer = lambda payload, number: (503, {"error": "loading"}, 0) if number == 0 else (200, [7.0], 0)
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.remote_reward"):
+        assert RemoteRewardModel(server.url, backoff=0.01)(*texts(1)) == [7.0]
+    assert len(server.payloads) == 2
+    assert server.url in caplog.text and "503" in caplog.text and "retrying" in caplog.text
+
+
+def test_a_timeout_is_retried_then_names_the_url(server):
+    server.answer = lambda payload, number: (200, [1.0], 1.0)
+    remote = RemoteRewardModel(server.url, timeout=0.2, **FAST)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"no answer within 0\.2 s") as raised:
+        remote(*texts(1))
+    assert time.monotonic() - start < 1.5  # two attempts of 0.2 s, not the server's second
+    assert server.url in str(raised.value) and "failed 2 time(s)" in str(raised.value)
+    assert len(server.payloads) == 2
+    assert raised.value.prompts == texts(1)[0]  # the batch that was not scored is kept
+
+
+def test_an_unreachable_url_names_the_url():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/score"
+    with pytest.raises(RemoteRewardError, match="Connection") as raised:
+        RemoteRewardModel(url, **FAST)(*texts(2))
+    assert url in str(raised.value) and "reachable" in str(raised.value)
+    assert raised.value.status is None and raised.value.completions == texts(2)[1]
+
+
+def test_a_4xx_is_not_retried(server):
+    server.answer = lambda payload, number: (401, {"detail": "bad token"}, 0)
+    with pytest.raises(RemoteRewardError, match="HTTP 401") as raised:
+        RemoteRewardModel(server.url, headers={"Authorization": "Bearer x"}, max_retries=3)(*texts(1))
+    assert server.url in str(raised.value) and "bad token" in str(raised.value) and raised.value.status == 401
+    assert len(server.payloads) == 1
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ({"rewards": [1.0]}, "answered 1 scores for a batch of 3"),
+        ({"rewards": [1.0, "high", 2.0]}, "not numbers"),
+        ({"rewards": [1.0, True, 2.0]}, "not numbers"),
+        ({"reward": [1.0, 2.0, 3.0]}, "without a 'rewards' or 'scores' key"),
+        (b"<html>oops</html>", "invalid JSON"),
+    ],
+)
+def test_a_wrong_answer_names_the_url(server, body, problem):
+    server.answer = lambda payload, number: (200, body, 0)
+    with pytest.raises(RemoteRewardError, match=problem) as raised:
+        RemoteRewardModel(server.url)(*texts(3))
+    assert server.url in str(raised.value)
+    assert len(server.payloads) == 1  # a wrong answer is the server's bug: not retried
+
+
+def test_conversations_are_sent_as_messages(server):
+    prompts = [[{"role": "user", "content": "hi"}]]
+    completions = [[{"role": "assistant", "content": "hello"}]]
+    RemoteRewardModel(server.url)(prompts, completions)
+    assert server.payloads[0]["prompts"] == prompts and server.payloads[0]["completions"] == completions
+    assert server.payloads[0]["query"] == [prompts[0] + completions[0]]
+
+    class Template:
+        def apply_chat_template(self, messages, tokenize):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    RemoteRewardModel(server.url, tokenizer=Template())(prompts, completions)
+    assert server.payloads[1]["query"] == ["<user>hi<assistant>hello"]
+
+
+def test_settings_are_checked_and_a_url_is_a_reward_function():
+    for bad in ("127.0.0.1:8000/score", "ftp://host/x", "http://"):
+        with pytest.raises(ValueError, match="http"):
+            RemoteRewardModel(bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        RemoteRewardModel("http://host/x", batch_size=0)
+    loaded = rewards.load_reward_function("https://rm.example.com:8443/score")  # the CLI's --reward_funcs URL
+    assert isinstance(loaded, RemoteRewardModel) and loaded.url == "https://rm.example.com:8443/score"
+    assert not rewards.is_positional_pair(loaded)  # called with keywords, as TRL's GRPO calls reward_funcs
+
+
+SETTINGS = dict(
+    gradient_accumulation_steps=1, num_mini_batches=1, total_episodes=8, save_strategy="steps", save_steps=1
+)
+
+
+def test_ppo_max_trains_on_a_remote_reward_and_resumes_after_a_failure(server, tmp_path):
+    """Iteration 1 is scored and saved; iteration 2's server failure stops the run before any update (no checkpoint
+    of it); the resumed run sends the same prompts again, trains and logs."""
+
+    def healthy(payload, number):
+        return 200, {"rewards": [len(c) / 10 for c in payload["completions"]]}, 0
+
+    server.answer = lambda payload, number: healthy(payload, number) if number < 2 else (503, {}, 0)
+    trainer = make_trainer(
+        tmp_path,
+        reward=[RemoteRewardModel(server.url, batch_size=3, **FAST)],
+        value_model=build_models()[2],
+        **SETTINGS,
+    )
+    before = snapshot(trainer.model.policy)
+    with pytest.raises(RemoteRewardError, match="HTTP 503"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and changed(before, trainer.model.policy) > 0
+    assert (tmp_path / "out" / "checkpoint-1").is_dir() and not (tmp_path / "out" / "checkpoint-2").exists()
+    assert [len(p["prompts"]) for p in server.payloads] == [3, 1, 3, 3]  # 4 prompts in batches of 3; one retry
+    failed = server.payloads[2]["prompts"]
+
+    server.payloads.clear()
+    server.answer = healthy
+    resumed = make_trainer(
+        tmp_path, reward=[RemoteRewardModel(server.url, batch_size=3)], value_model=build_models()[2], **SETTINGS
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+    assert server.payloads[0]["prompts"] == failed  # the failed iteration's prompts are scored again, not lost
+    logged = {key for entry in resumed.state.log_history for key in entry}
+    assert {"objective/scores", "rewards/remote_reward/mean"} <= logged
+
+
+def test_the_command_line_takes_a_reward_server_url(server, tmp_path):
+    """`trl-ppomax ppo --reward_funcs URL` adds the server to the reward model (two iterations of the tiny config)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": root,
+        "HF_HUB_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "NO_PROXY": "127.0.0.1",
+    }
+    overrides = ["--total_episodes", "16", "--eval_strategy", "no", "--num_sample_generations", "0"]
+    command = [sys.executable, "-m", "trl_ppomax.cli", "ppo", "--config", "tiny_cpu", "--reward_funcs", server.url]
+    command += [*overrides, "--save_strategy", "no", "--disable_tqdm", "True"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert sum(len(p["completions"]) for p in server.payloads) == 16, [len(p["completions"]) for p in server.payloads]
+    assert "rewards/remote_reward/mean" in result.stdout
