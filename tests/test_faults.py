@@ -525,21 +525,27 @@ def test_valid_edge_values_are_accepted(tmp_path, overrides):
 
 def test_a_reward_model_with_its_tokenizer_given_is_accepted(tmp_path):
     """Issue 26, bad 7: with reward_processing_classes the foreign reward model re-tokenizes the texts."""
+    trainer, other = trainer_with_foreign_reward_model(tmp_path, saved=True)
+    assert trainer.reward_sources.processing_classes[0] is other
+
+
+def trainer_with_foreign_reward_model(tmp_path, saved: bool):
+    """A trainer whose reward model reads a LLaMA-style tokenizer, given as ``reward_processing_classes``; and that
+    tokenizer."""
     tokenizer, policy, critic = build_models()
     other = build_llama_style_tokenizer()
     other.pad_token = other.unk_token
-    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY)
     trainer = PPOMaxTrainer(
-        args=args,
+        args=PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY),
         processing_class=tokenizer,
         model=policy,
         ref_model=None,
-        reward_model=foreign_scorer(tmp_path, saved=True),
+        reward_model=foreign_scorer(tmp_path, saved=saved),
         reward_processing_classes=[other],
         value_model=critic,
         train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
     )
-    assert trainer.reward_sources.processing_classes[0] is other
+    return trainer, other
 
 
 def test_a_critic_warmup_as_long_as_the_run_is_said_loudly(tmp_path, caplog):
@@ -556,9 +562,6 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_policys_words_on_text_p
     """Issue 26, item 11: prompt and completion were decoded apart and joined with nothing between them; a word-level
     policy tokenizer decodes a completion without its leading space, so the last prompt word and the first
     completion word fused (0 of 8 rows reached the reward model as the policy's words)."""
-    tokenizer, policy, critic = build_models()
-    other = build_llama_style_tokenizer()
-    other.pad_token = other.unk_token
     seen: list[str] = []
     original = rewards.score_with_own_tokenizer
 
@@ -567,16 +570,8 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_policys_words_on_text_p
         return original(model, reward_tokenizer, sequences, device)
 
     monkeypatch.setattr(rewards, "score_with_own_tokenizer", spy)
-    trainer = PPOMaxTrainer(
-        args=PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY),
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=foreign_scorer(tmp_path, saved=False),
-        reward_processing_classes=[other],
-        value_model=critic,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-    )
+    trainer, _ = trainer_with_foreign_reward_model(tmp_path, saved=False)
+    tokenizer = trainer.processing_class
     batch = trainer.prompt_batches[0]
     rollout = trainer.rollout(batch["input_ids"], batch["attention_mask"])
     vocabulary = set(tokenizer.get_vocab())
