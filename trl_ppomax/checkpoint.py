@@ -327,18 +327,18 @@ class CheckpointMixin:
         ``resume_from_checkpoint`` after checking it); with ``resume_weights_only`` not optimizer, scheduler, RNG."""
         path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
         weights_only = self.args.resume_weights_only
+        saved = read_json(os.path.join(path, PPO_STATE_NAME))
         with checks.reading(path, "the weights", loading=True):
             self._load_weights_from(path)
         if not weights_only:
             with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
                 self._load_optimizer_and_scheduler(path)
-            if self._learning_rates_changed(path):  # allowed by resume_allow_changes: the new rates apply
+            if self._learning_rates_changed(saved.get("run") or {}):  # resume_allow_changes: the new rates apply
                 optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)
         planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
             setattr(self.state, name, getattr(planned, name))
-        saved = read_json(os.path.join(path, PPO_STATE_NAME))
         with checks.reading(path, PPO_STATE_NAME):
             self.state.episode = saved["episode"]
             self.ppo_state.load_state_dict(saved)
@@ -355,9 +355,8 @@ class CheckpointMixin:
                 self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 
-    def _learning_rates_changed(self, path: str) -> bool:
-        """Whether this run's learning rates differ from those the checkpoint ``path`` was written with."""
-        saved = read_json(os.path.join(path, PPO_STATE_NAME)).get("run") or {}
+    def _learning_rates_changed(self, saved: dict) -> bool:
+        """Whether this run's learning rates differ from those of the checkpoint's run settings ``saved``."""
         current = self._run_settings()
         names = ("learning_rate", "effective_critic_learning_rate")
         return any(name in saved and saved[name] != current[name] for name in names)
