@@ -168,3 +168,63 @@ def test_stored_reward_statistics_follow_the_weight_and_not_a_sum():
     summed = rewards.initial_reward_moments(rewards.RewardSources([reward_model, len], weights=[1.0, 1.0]), "running")
     assert summed.count == 0  # the sum of two sources has no stored statistics
     assert rewards.initial_reward_moments(rewards.RewardSources(reward_model), "none").count == 0
+
+
+def test_async_reward_functions_are_awaited_concurrently(tmp_path):
+    """``async def`` reward functions, as GRPOTrainer awaits them: the two of a batch run at once (each waits until
+    the other has started, which would time out if they were awaited one after the other), and their scores are
+    combined like any function's."""
+    import asyncio
+
+    started: dict = {}  # per event loop (one per batch): the functions that have started
+
+    async def meet(name):
+        here = started.setdefault(id(asyncio.get_running_loop()), {"short": asyncio.Event(), "long": asyncio.Event()})
+        here[name].set()
+        await asyncio.wait_for(here["long" if name == "short" else "short"].wait(), timeout=5)
+
+    async def short(completions, **kwargs):
+        await meet("short")
+        return [-float(len(c)) for c in completions]
+
+    async def long(completions, completion_ids, **kwargs):
+        await meet("long")
+        return [float(len(ids)) for ids in completion_ids]
+
+    _, logged = train(tmp_path, reward_funcs=[short, long])
+    assert {"rewards/short/mean", "rewards/long/mean", "objective/scores"} <= logged
+
+
+def test_async_rollout_metrics_and_a_running_event_loop():
+    """``rewards.awaited`` also works where an event loop already runs (a notebook)."""
+    import asyncio
+
+    async def score(x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    async def inside_a_loop():
+        return rewards.awaited([score(1), 5, score(2)])
+
+    assert rewards.awaited([score(1), 5]) == [2, 5]
+    assert asyncio.run(inside_a_loop()) == [2, 5, 3]
+
+
+def test_a_function_returning_none_for_every_sample_is_said_as_none(tmp_path, caplog):
+    def abstains(completions, **kwargs):
+        return [None] * len(completions)
+
+    tokenizer, policy, _ = build_models("llama")
+    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), max_skipped_iterations=1, **SMALL)
+    trainer = PPOMaxTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_funcs=abstains,
+        train_dataset=Dataset.from_dict({"prompt": prompt_texts(8)}),
+        value_model=build_models("llama")[2],
+    )
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match=r"no finite reward \(None, NaN or inf\)"):
+        trainer.train()
+    assert "The reward function 'abstains' returned None for all 4 completions" in caplog.text

@@ -62,6 +62,6 @@ class PPOState:
             return
         raise RuntimeError(
             f"Stopped at iteration {iteration}: {what}; the last had {problem}. Check the reward function or model "
-            "(NaN/inf scores), the learning rate and mixed precision (non-finite log-probs or values), then resume from "
+            "(None, NaN or inf scores), the learning rate and mixed precision (non-finite log-probs or values), then resume from "
             "the last checkpoint; or raise max_skipped_iterations."
         )

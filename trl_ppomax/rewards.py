@@ -9,6 +9,7 @@ from the reward model's stored statistics (:func:`initial_reward_moments`, :mod:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -16,6 +17,7 @@ import numbers
 import os
 import reprlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -111,6 +113,15 @@ def _accepted_keywords(function, keywords: dict) -> dict:
     return {key: value for key, value in keywords.items() if key in names}
 
 
+def _names_parameter(function, name: str) -> bool:
+    """Whether ``function`` has a parameter ``name`` that can be given by keyword (``**kwargs`` does not count)."""
+    try:
+        parameter = inspect.signature(function).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+
+
 def call_reward_function(
     function: RewardFunction,
     prompts: list,
@@ -120,15 +131,20 @@ def call_reward_function(
     completion_ids: list[list[int]] | None = None,
     columns: dict[str, list] | None = None,
     texts: tuple[list[str], list[str]] | None = None,
+    sequence_texts: list[str] | None = None,
 ) -> torch.Tensor:
     """Scores (B,) of a Python reward ``function``, called as TRL's ``GRPOTrainer`` does:
     ``function(prompts=, completions=, completion_ids=, **columns)`` (only the keywords it accepts, unless it takes
     ``**kwargs``; conversational completions as ``[{"role": "assistant", "content": ...}]``), or, for an old-style
     two-argument function (:func:`is_positional_pair`), ``function(prompts, completions)`` on the decoded ``texts``.
+    A function naming a ``sequence_texts`` parameter (:class:`~trl_ppomax.remote_reward.RemoteRewardModel`) also
+    gets those (:func:`completion_texts`), over a dataset column of that name.
 
     It must return one number (None becomes NaN, as in GRPO; NaN and ±inf pass) per completion as a list, tuple,
     numpy array or 1-D tensor; anything else raises a ``ValueError`` blaming it and showing what it returned."""
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
+    if sequence_texts is not None and _names_parameter(function, "sequence_texts"):
+        keywords["sequence_texts"] = sequence_texts
     problem = reward_function_problem(function, list(keywords))
     if problem:  # before calling it: a TypeError raised inside the function is its own
         raise TypeError(problem)
@@ -136,15 +152,34 @@ def call_reward_function(
         returned = function(*(texts or (prompts, completions)))
     else:
         returned = function(**_accepted_keywords(function, keywords))
+    if inspect.isawaitable(returned):  # an async function: its scores once awaited (see awaited)
+
+        async def scores_when_done():
+            return checked_scores(function, await returned, len(prompts), device)
+
+        return scores_when_done()
+    return checked_scores(function, returned, len(prompts), device)
+
+
+def checked_scores(function: RewardFunction, returned, count: int, device: torch.device) -> torch.Tensor:
+    """The scores (``count``,) in what reward ``function`` ``returned``, None as NaN; a ``ValueError`` blaming it
+    when that is not one number (or None) per completion."""
     if isinstance(returned, torch.Tensor | np.ndarray) and returned.ndim == 1:
         values = returned.tolist()
     elif isinstance(returned, Sequence) and not isinstance(returned, str | bytes):
         values = list(returned)
     else:
-        raise _reward_function_fault(function, returned, len(prompts), "it did not return a sequence of scores")
-    if len(values) != len(prompts):
-        problem = f"it returned {len(values)} scores for {len(prompts)} completions"
-        raise _reward_function_fault(function, returned, len(prompts), problem)
+        raise _reward_function_fault(function, returned, count, "it did not return a sequence of scores")
+    if len(values) != count:
+        problem = f"it returned {len(values)} scores for {count} completions"
+        raise _reward_function_fault(function, returned, count, problem)
+    if values and all(value is None for value in values):
+        logger.warning(
+            "The reward function %r returned None for all %d completions: None marks a sample it does not score, "
+            "so these samples are dropped unless another reward source scores them.",
+            source_name(function),
+            count,
+        )
     values = [math.nan if value is None else value for value in values]
     wrong = [value for value in values if not _is_number(value)]
     if wrong:
@@ -152,8 +187,32 @@ def call_reward_function(
             f"it must return numbers, but {len(wrong)} of its {len(values)} scores are not (e.g. "
             f"{type(wrong[0]).__name__} {_SHORT.repr(wrong[0])})"
         )
-        raise _reward_function_fault(function, returned, len(prompts), problem)
+        raise _reward_function_fault(function, returned, count, problem)
     return torch.tensor([float(value) for value in values], device=device)
+
+
+def awaited(values: list) -> list:
+    """``values`` with every awaitable among them (the scores of ``async def`` reward functions) awaited, all at
+    once, as TRL's ``GRPOTrainer`` awaits its async reward functions concurrently: one ``asyncio.gather`` in an event
+    loop of its own (in a thread when one already runs here, as in a notebook)."""
+    pending = [i for i, value in enumerate(values) if inspect.isawaitable(value)]
+    if not pending:
+        return values
+
+    async def gather() -> list:
+        return await asyncio.gather(*(values[i] for i in pending))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        results = asyncio.run(gather())
+    else:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            results = pool.submit(asyncio.run, gather()).result()
+    done = list(values)
+    for i, result in zip(pending, results, strict=True):
+        done[i] = result
+    return done
 
 
 _SHORT = reprlib.Repr()  # a short repr of what a reward function returned, for the error message
@@ -179,7 +238,9 @@ def completion_texts(
     tokenizer, rollout_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], columns: dict | None
 ) -> dict:
     """What a reward source gets for ``(query_ids, query_mask, response_ids, response_mask)``: decoded ``texts``,
-    TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``."""
+    TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``,
+    and ``sequence_texts``: each row's prompt ⊕ response ids decoded once, padding removed, special tokens kept (an
+    EOS the response ended with too), OpenRLHF's remote reward ``query``."""
     query_ids, query_mask, response_ids, response_mask = rollout_ids
     texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
     columns = dict(columns or {})
@@ -188,7 +249,16 @@ def completion_texts(
     if is_conversational({"prompt": prompts[0]}):
         completions = [[{"role": "assistant", "content": text}] for text in completions]
     ids = [row[m.bool()].tolist() for row, m in zip(response_ids, response_mask, strict=True)]
-    return dict(prompts=prompts, completions=completions, completion_ids=ids, columns=columns, texts=texts)
+    prompt_ids = [row[m.bool()].tolist() for row, m in zip(query_ids, query_mask, strict=True)]
+    sequence_texts = [tokenizer.decode(p + r, skip_special_tokens=False) for p, r in zip(prompt_ids, ids, strict=True)]
+    return dict(
+        prompts=prompts,
+        completions=completions,
+        completion_ids=ids,
+        columns=columns,
+        texts=texts,
+        sequence_texts=sequence_texts,
+    )
 
 
 def score_responses(
@@ -317,9 +387,10 @@ class RewardSources:
     def score(self, tokenizer, inputs, query_mask, response_mask, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(combined (B,), per-source (B, S))`` scores of query ⊕ response ``inputs``."""
         each = [
-            score_responses(source, tokenizer, inputs, query_mask, response_mask, columns, reward_tokenizer).float()
+            score_responses(source, tokenizer, inputs, query_mask, response_mask, columns, reward_tokenizer)
             for source, reward_tokenizer in zip(self.sources, self.processing_classes, strict=True)
         ]
+        each = [scores.float() for scores in awaited(each)]  # async reward functions, concurrently
         per_source = torch.stack(each, dim=1)
         if len(each) == 1:
             return per_source[:, 0] * self.weights[0], per_source
@@ -338,9 +409,8 @@ class RewardSources:
 def load_reward_function(path: str) -> RewardFunction:
     """The reward function at a dotted path ``pkg.module.fn`` (the recipes' ``--reward_funcs``), as TRL's scripts
     resolve theirs; an ``http://`` or ``https://`` URL is a reward server
-    (:class:`~trl_ppomax.remote_reward.RemoteRewardModel` with its defaults)."""
-    import importlib
-
+    (:class:`~trl_ppomax.remote_reward.RemoteRewardModel` with its defaults). A module of the current folder is
+    found too."""
     if path.startswith(("http://", "https://")):
         from .remote_reward import RemoteRewardModel
 
@@ -349,12 +419,28 @@ def load_reward_function(path: str) -> RewardFunction:
     if not module_name:
         raise ValueError(f"--reward_funcs {path!r} is not a dotted path: use 'pkg.module.function'.")
     try:
-        function = getattr(importlib.import_module(module_name), attribute)
+        function = getattr(_import_from_here_too(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"--reward_funcs {path!r} could not be imported: {error}") from error
     if not callable(function):
         raise ValueError(f"--reward_funcs {path!r} is a {type(function).__name__}, not a function.")
     return function
+
+
+def _import_from_here_too(module_name: str):
+    """``importlib.import_module``, also finding a module of the current folder (``my_rewards.py`` beside the
+    user's config), which an installed command or a script elsewhere does not have on ``sys.path``."""
+    import importlib
+    import sys
+
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        here = os.getcwd()
+        if here in sys.path or error.name != module_name.partition(".")[0]:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module_name)
 
 
 def _load_tokenizer(value):
@@ -374,7 +460,8 @@ def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> di
     given = completion_texts(tokenizer, ids, None)
     prompts, completions, device = given["prompts"], given["completions"], rollout.scores.device
     keywords = {"completion_ids": given["completion_ids"], "texts": given["texts"]}
-    return {name: call_reward_function(f, prompts, completions, device, **keywords) for name, f in functions.items()}
+    scores = awaited([call_reward_function(f, prompts, completions, device, **keywords) for f in functions.values()])
+    return dict(zip(functions, scores, strict=True))
 
 
 def apply_missing_eos_penalty(

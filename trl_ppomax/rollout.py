@@ -206,7 +206,7 @@ def logprobs_and_perplexity(
 # Non-finite samples: the experience phase's guard
 # --------------------------------------------------------------------------------------------------------------------
 def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Tensor, int, str | None]:
-    """Mask out the samples whose score is NaN or ±inf: their response mask is zeroed and their score, log-probs and
+    """Mask out the samples whose score is NaN (a reward function's None) or ±inf: their response mask is zeroed and their score, log-probs and
     values set to 0, so that they add nothing to the running reward moments, advantages, losses or metrics.
 
     Returns ``(rollout, keep, dropped, problem)``: ``keep`` (B,) marks the samples kept on this process, ``dropped``
@@ -222,9 +222,9 @@ def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Te
     dropped, total, *bad = (int(n) for n in reduce(torch.stack(local).double()).tolist())
     problem = ", ".join(f"non-finite {name} ({n})" for name, n in zip(checked, bad, strict=True) if n) or None
     if problem is None and dropped == total:
-        problem = f"non-finite rewards (NaN or inf) for all {total} samples"
+        problem = f"no finite reward (None, NaN or inf) for all {total} samples"
     if problem is None and dropped:
-        logger.warning("Dropped %d of %d samples from the batch: their rewards were NaN or inf.", dropped, total)
+        logger.warning("Dropped %d of %d samples from the batch: their rewards were None, NaN or inf.", dropped, total)
     if problem is None and not keep.all():
         row = keep[:, None]
         zero_rows = {name: torch.where(row, getattr(rollout, name), 0.0) for name in ("logprobs", "ref_logprobs")}
