@@ -5,8 +5,10 @@ For each engine: it trains; a run stopped after iteration 2 and resumed ends exa
 ends; ``save_model`` writes a plain transformers model that loads without the engine and gives the in-process
 logits; the running reward moments are the same on both ranks. Plus a simulated 2-node run (one process per
 ``machine_rank``, meeting at 127.0.0.1), and the ``ppo`` / ``reward`` commands and the recipe under ZeRO-2/3 with a
-DeepSpeed JSON of the user's own (explicit batch sizes), loading their models from disk. Slow (a few minutes on
-2 cores): ``pytest -m slow tests/test_engines.py``.
+DeepSpeed JSON of the user's own (explicit batch sizes), loading their models from disk; and ZeRO-3 with a JSON that
+does not set ``stage3_gather_16bit_weights_on_model_save``: checkpoints and ``save_model`` hold the sharded engine
+checkpoint, a resume continues from it, and it consolidates into a plain model. Slow (a few minutes on 2 cores):
+``pytest -m slow tests/test_engines.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,7 +92,12 @@ NATIVE_ABORT = "terminate called without an active exception"
 
 
 def launch(config: str, output: Path, *worker_args: str) -> list[dict]:
-    command = launch_command(config, output, *worker_args)
+    return launch_logged(config, output, *worker_args)[0]
+
+
+def launch_logged(config: str | Path, output: Path, *worker_args: str) -> tuple[list[dict], str]:
+    """:func:`launch`, also returning the launch's stderr (the trainer's warnings)."""
+    command = launch_command(str(config), output, *worker_args)
     result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if result.returncode != 0 and NATIVE_ABORT in result.stderr:
         if "--resume" not in worker_args:  # a fresh run refuses a folder holding the aborted attempt's checkpoints
@@ -97,7 +105,7 @@ def launch(config: str, output: Path, *worker_args: str) -> list[dict]:
         result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"accelerate launch failed ({result.returncode}):\n{failure_tail(result.stderr)}")
-    return ranks(output)
+    return ranks(output), result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -372,3 +380,158 @@ def test_the_reward_command_with_a_deepspeed_json_of_the_users_own_under_zero3(t
     model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"] and model.config.num_labels == 1
     assert model.score.weight.shape == (1, model.config.hidden_size)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ZeRO-3 with a DeepSpeed JSON that does not gather the weights on save (issue 31, item 4): as transformers' Trainer,
+# the checkpoints and save_model hold the engine's sharded checkpoint, and the work is never lost.
+# ------------------------------------------------------------------------------------------------------------------
+#: What save_model's warning must tell: DeepSpeed's converters and the line that makes plain folders next time.
+CONSOLIDATION_ADVICE = (
+    "zero_to_fp32.py",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "consolidate_engine_checkpoint",
+    '"stage3_gather_16bit_weights_on_model_save": true under "zero_optimization"',
+)
+
+
+def non_gathering_zero3_config(folder: Path) -> Path:
+    """A DeepSpeed JSON as a user writes one, with "auto" sizes and no stage3_gather_16bit_weights_on_model_save
+    (so false), and the accelerate config that points at it."""
+    deepspeed = {
+        "zero_optimization": {"stage": 3},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+    }
+    path = folder / "ds_zero3.json"
+    path.write_text(json.dumps(deepspeed, indent=2))
+    config = folder / "accelerate_zero3.yaml"
+    config.write_text(
+        "compute_environment: LOCAL_MACHINE\n"
+        "distributed_type: DEEPSPEED\n"
+        "deepspeed_config:\n"
+        f"  deepspeed_config_file: {path}\n"
+        "  zero3_init_flag: false\n"
+        "num_machines: 1\n"
+        "num_processes: 2\n"
+        "use_cpu: true\n"
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def engine_only(tmp_path_factory):
+    """A run under that config stopped after iteration 2 (checkpoint-2, pushing to an intercepted Hub with
+    hub_strategy="checkpoint"), then resumed to iteration 4; each saves the policy to ``policy/``."""
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("zero3-engine-only")
+    config = non_gathering_zero3_config(root)
+    output = root / "run"
+    try:
+        stopped, stopped_log = launch_logged(config, output, *COMMON, "--stop-at", "2", "--push-offline")
+        policy = {p.relative_to(output).as_posix() for p in (output / "policy").rglob("*")}
+        resumed, resumed_log = launch_logged(config, output, *COMMON, "--resume")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        pytest.fail(str(error), pytrace=False)
+    return SimpleNamespace(
+        dir=output,
+        stopped=stopped,
+        stopped_log=stopped_log,
+        policy_after_stop=policy,
+        resumed=resumed,
+        resumed_log=resumed_log,
+    )
+
+
+def test_zero3_without_gathering_checkpoints_the_engine_and_warns_at_the_start(engine_only):
+    stopped, main = engine_only.stopped, engine_only.stopped[0]
+    assert [r["engine"] for r in stopped] == ["deepspeed-zero3"] * 2 and main["engine_checkpoint_only"]
+    assert main["global_step"] == 2 and len(main["metrics"]) == 2 and main["metrics_finite"]
+    assert main["checksum"]["policy"] != main["checksum_initial"]["policy"]  # trained
+    checkpoint = engine_only.dir / "checkpoint-2"
+    (engine,) = checkpoint.glob("global_step*")  # the engine's checkpoint holds the weights and optimizer states
+    assert (checkpoint / "latest").read_text().strip() == engine.name
+    assert len(list(engine.glob("*model_states.pt"))) == len(list(engine.glob("*optim_states.pt"))) == 2
+    for name in ("zero_to_fp32.py", "config.json", "critic/config.json", "tokenizer.json", "trainer_state.json"):
+        assert (checkpoint / name).is_file(), name
+    for name in ("ppo_state.json", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (checkpoint / name).is_file(), name
+    assert not list(checkpoint.glob("*.safetensors")) and not list(checkpoint.glob("critic/*.safetensors"))
+    assert not list(engine_only.dir.glob(".tmp-*"))  # written atomically, nothing left behind
+    log = engine_only.stopped_log
+    assert log.count("every checkpoint-N and save_model will hold DeepSpeed's sharded engine checkpoint") == 1
+    assert "Cannot get 16bit model weights" not in log
+
+
+def test_zero3_without_gathering_saves_the_engine_checkpoint_and_says_how_to_consolidate(engine_only):
+    files = engine_only.policy_after_stop
+    for name in ("policy/latest", "policy/zero_to_fp32.py", "policy/config.json", "policy/tokenizer.json"):
+        assert name in files, name
+    assert any(name.startswith("policy/global_step") and name.endswith("optim_states.pt") for name in files)
+    assert not any(name.endswith((".safetensors", "pytorch_model.bin")) for name in files)  # no bogus weights
+    warning = next(line for line in engine_only.stopped_log.splitlines() if line.startswith("save_model: "))
+    assert str(engine_only.dir / "policy") in warning
+    for text in CONSOLIDATION_ADVICE:
+        assert text in warning, text
+
+
+def test_zero3_without_gathering_pushes_no_model_but_the_checkpoint(engine_only):
+    """hub_strategy="checkpoint": checkpoint-2 goes to last-checkpoint (the engine folder with it); no plain model
+    exists to push, during training or at the end (push_to_hub warns and uploads nothing)."""
+    pushes = engine_only.stopped[0]["pushes"]
+    assert [push["path_in_repo"] for push in pushes] == ["last-checkpoint"]
+    assert any(name.startswith("global_step") for name in pushes[0]["files"])
+    assert "push_to_hub: not pushing" in engine_only.stopped_log and "trl-ppomax push" in engine_only.stopped_log
+
+
+def test_zero3_without_gathering_resumes_from_the_engine_checkpoint(engine_only):
+    stopped, resumed = engine_only.stopped[0], engine_only.resumed[0]
+    assert resumed["global_step"] == STEPS and engine_only.resumed[1]["global_step"] == STEPS
+    # the checkpoint's weights came back, then iterations 3 and 4 trained them further
+    assert resumed["checksum_at_train_begin"] == pytest.approx(stopped["checksum"], rel=1e-12)
+    assert resumed["checksum"]["policy"] != stopped["checksum"]["policy"]
+    assert resumed["checksum"]["critic"] != stopped["checksum"]["critic"]
+    assert len(resumed["metrics"]) == STEPS and resumed["metrics_finite"]
+    assert resumed["moments"]["count"] == 16 * STEPS and resumed["moments"] == engine_only.resumed[1]["moments"]
+    assert (engine_only.dir / "checkpoint-4" / "latest").is_file()
+    assert [p.name for p in (engine_only.dir / "policy").glob("global_step*")] == ["global_step8"]  # the newest only
+
+
+def test_zero3_engine_checkpoint_consolidates_into_a_loadable_model(engine_only, tmp_path):
+    """The routes the warning names: DeepSpeed's converter gives a state dict (policy entries under `policy.`) that
+    loads into the tiny model, and consolidate_engine_checkpoint a plain folder; both hold the trained weights."""
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ppomax.checkpoint import consolidate_engine_checkpoint
+    from trl_ppomax.modeling import sub_state_dict
+
+    main, folder = engine_only.resumed[0], engine_only.dir / "policy"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(main["fixed_input"], return_tensors="pt")["input_ids"]
+
+    def check(model):
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        assert torch.allclose(logits, torch.tensor(main["logits"]), atol=1e-5, rtol=1e-5)
+        total = sum(t.double().sum().item() for t in model.state_dict().values())
+        assert total == pytest.approx(main["checksum"]["policy"], rel=1e-9)
+
+    convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(tmp_path / "fp32"))
+    state = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    model.load_state_dict(sub_state_dict(state, "policy."), strict=True)
+    check(model)
+
+    plain = consolidate_engine_checkpoint(engine_only.dir / "checkpoint-4", tmp_path / "plain")
+    model, info = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    check(model)
+    critic, info = AutoModelForSequenceClassification.from_pretrained(plain / "critic", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    total = sum(t.double().sum().item() for t in critic.state_dict().values())
+    assert total == pytest.approx(main["checksum"]["critic"], rel=1e-9)

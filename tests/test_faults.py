@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,10 +28,10 @@ from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core, data, hub, rewards
 from trl_ppomax import metrics as M
-from trl_ppomax.checks import CheckpointError
+from trl_ppomax.checks import CheckpointError, required_checkpoint_files
 from trl_ppomax.cli import main
 from trl_ppomax.data import looks_local, tokenize_prompt
-from trl_ppomax.files import LOCK_NAME, DiskFullError, OutputDirInUse
+from trl_ppomax.files import LOCK_NAME, DiskFullError, OutputDirInUse, file_problem
 from trl_ppomax.moss.recovery import TensorFolder, recover
 from trl_ppomax.ppo_state import PPOState
 from trl_ppomax.rewards import call_reward_function
@@ -839,6 +840,66 @@ def test_a_checkpoint_without_config_json_resumes_into_the_existing_models(run_d
         assert torch.equal(value, saved[name]), name
 
 
+def engine_only_checkpoint(folder: Path) -> Path:
+    """A checkpoint of 2 processes as a ZeRO-3 run without stage3_gather_16bit_weights_on_model_save writes it: the
+    engine folder (named by ``latest``) holds the weights; configs, states, no plain weight files."""
+    engine = folder / "global_step4"
+    (folder / "critic").mkdir(parents=True)
+    engine.mkdir()
+    for name in ("config.json", "critic/config.json"):
+        (folder / name).write_text("{}")
+    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        torch.save({}, folder / name)
+    (folder / "latest").write_text("global_step4")
+    for rank in (0, 1):
+        for kind in ("model", "optim"):
+            torch.save({}, engine / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")
+    return folder
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_an_engine_only_checkpoint_is_complete_under_deepspeed(tmp_path, weights_only):
+    """Issue 31, item 4: no consolidated weights, the engine checkpoint holds them (read even by a weights-only
+    resume): required, and its files checked for damage."""
+    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
+    args = SimpleNamespace(resume_weights_only=weights_only, world_size=2)
+    files = required_checkpoint_files(str(path), args, "deepspeed")
+    engine = sorted(str(f) for f in (path / "global_step4").iterdir())
+    assert set(engine) <= set(files) and str(path / "latest") in files
+    (path / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
+    assert file_problem(path / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")  # a truncation shows
+
+
+@pytest.mark.parametrize(
+    "missing, named",
+    [
+        ("latest", "the DeepSpeed engine checkpoint"),
+        ("global_step4", "global_step4/ that `latest` names"),
+        (
+            "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "global_step4/ optimizer states of process(es) [1]",
+        ),
+        ("global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt", "global_step4/ model states of process(es) [0]"),
+        ("scheduler.pt", "scheduler.pt"),
+    ],
+)
+def test_an_incomplete_engine_only_checkpoint_is_refused(tmp_path, missing, named):
+    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
+    target = path / missing
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(CheckpointError) as caught:
+        required_checkpoint_files(str(path), SimpleNamespace(resume_weights_only=False, world_size=2), "deepspeed")
+    assert "incomplete" in str(caught.value) and named in str(caught.value)
+
+
+def test_an_engine_only_checkpoint_resumed_without_deepspeed_says_how(tmp_path):
+    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
+    with pytest.raises(CheckpointError) as caught:
+        required_checkpoint_files(str(path), SimpleNamespace(resume_weights_only=True, world_size=2), None)
+    message = str(caught.value)
+    assert "only a sharded DeepSpeed engine checkpoint" in message and "consolidate_engine_checkpoint" in message
+
+
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -876,6 +937,7 @@ CHANGES = {
     "batch size": (dict(per_device_train_batch_size=2), ["per_device_train_batch_size: checkpoint 4, now 2"]),
     "episodes": (dict(total_episodes=32), ["total_episodes: checkpoint 48, now 32", "num_total_batches"]),
     "seed": (dict(seed=1), ["seed: checkpoint 0, now 1"]),
+    "samples per prompt": (dict(num_samples_per_prompt=2), ["num_samples_per_prompt: checkpoint 1, now 2"]),
     "preset": (dict(preset="vanilla"), ["preset: checkpoint 'ppo_max', now 'vanilla'"]),
     "learning rate": (dict(learning_rate=5e-4), ["learning_rate: checkpoint 0.001, now 0.0005"]),
     "dataset": (
@@ -903,6 +965,39 @@ def test_resume_allow_changes_continues_with_a_warning(run_dir, tmp_path, caplog
         trainer.train(resume_from_checkpoint=True)
     assert "total_episodes: checkpoint 48, now 64" in caplog.text
     assert trainer.state.global_step == 4 and trainer.state.episode == 64
+
+
+def test_a_resume_with_fewer_samples_per_prompt_is_refused_and_an_unchanged_one_continues(tmp_path, monkeypatch):
+    """Issue 31, item 6: num_samples_per_prompt 2 -> 1 keeps the batch size (episodes) but reads twice the prompts per
+    iteration, so a resume would read prompts already trained on again and never reach the rest of the dataset."""
+    first = make_trainer(tmp_path, **RUN, num_samples_per_prompt=2)
+    first.add_callback(StopAt(1))
+    first.train()
+    changed_run = no_rollout(make_trainer(tmp_path, **RUN, num_samples_per_prompt=1), monkeypatch)
+    with pytest.raises(CheckpointError) as caught:
+        changed_run.train(resume_from_checkpoint=True)
+    message = str(caught.value)
+    for text in ("num_samples_per_prompt: checkpoint 2, now 1", "checkpoint-1", "resume_allow_changes=True"):
+        assert text in message, text
+    same = make_trainer(tmp_path, **RUN, num_samples_per_prompt=2)
+    same.add_callback(StopAt(2))
+    same.train(resume_from_checkpoint=True)
+    assert same.state.global_step == 2 and same.state.episode == 32
+
+
+def test_a_checkpoint_predating_a_run_setting_resumes_with_a_warning_naming_it(run_dir, tmp_path, caplog):
+    """A checkpoint of an earlier trl-ppomax lacks num_samples_per_prompt in its run settings: not compared (its value
+    is unknown), and the warning says so with this run's value."""
+    path = run_dir / "checkpoint-2" / "ppo_state.json"
+    state = json.loads(path.read_text())
+    del state["run"]["num_samples_per_prompt"]
+    path.write_text(json.dumps(state))
+    trainer = make_trainer(tmp_path, **RUN)
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=True)
+    assert "predates the stored run setting(s) num_samples_per_prompt" in caplog.text
+    assert "num_samples_per_prompt=1" in caplog.text
+    assert trainer.state.global_step == 3
 
 
 class LearningRates(TrainerCallback):
@@ -1218,7 +1313,7 @@ def test_an_all_nan_reward_stops_after_max_skipped_iterations(tmp_path):
     before = snapshot(trainer.model)
     with pytest.raises(RuntimeError, match=r"max_skipped_iterations=2") as error:
         trainer.train()
-    assert "iteration 2" in str(error.value) and "non-finite rewards" in str(error.value)
+    assert "iteration 2" in str(error.value) and "no finite reward (None, NaN or inf)" in str(error.value)
     assert len(calls) == 2  # stopped at once: no third rollout
     assert (
         trainer.ppo_state.counters[M.SKIPPED_ITERATIONS] == 2 and trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 32
@@ -1312,7 +1407,12 @@ def fake_rollout(scores, values=None) -> Rollout:
     "rank0, rank1, dropped, problem",
     [
         (fake_rollout([NAN, NAN]), fake_rollout([1.0, 2.0]), 2, None),  # one process keeps nothing: masked only
-        (fake_rollout([NAN, INF]), fake_rollout([-INF, NAN]), 4, "non-finite rewards (NaN or inf) for all 4 samples"),
+        (
+            fake_rollout([NAN, INF]),
+            fake_rollout([-INF, NAN]),
+            4,
+            "no finite reward (None, NaN or inf) for all 4 samples",
+        ),
         (fake_rollout([1.0, NAN]), fake_rollout([1.0, 2.0], [[1, 1, 1], [1, NAN, 1]]), 1, "non-finite values (1)"),
     ],
     ids=["masked", "all-dropped", "bad-value"],

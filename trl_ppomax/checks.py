@@ -315,10 +315,42 @@ def own_tokenizer(model: nn.Module):
         return None
 
 
+def special_tokens(tokenizer) -> set[str]:
+    """The tokens ``tokenizer`` treats as special: its named ones (pad, eos, ...) and every added special token."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_tokens) | {token.content for token in added.values() if token.special}
+
+
+def tokenizer_mismatch(own, tokenizer) -> str | None:
+    """Why a model's ``own`` tokenizer is not the policy's ``tokenizer``, or None when they are the same.
+
+    They are the same when every id both have stands for the same token, and :data:`TOKENIZER_PROBE` becomes the same
+    ids. Ids only one of them has are extensions (a ``[PAD]`` added after the model was saved, the MOSS role tokens):
+    whether the model can read them is a question of its embedding size, checked apart. Two special tokens at one id
+    (``[PAD]`` and ``<pad>``) agree: both are markers the models only see masked or at the end."""
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    ours, theirs = special_tokens(tokenizer), special_tokens(own)
+    conflicts = sorted(
+        (i, token, by_id[i])
+        for token, i in own.get_vocab().items()
+        if i in by_id and by_id[i] != token and not (token in theirs and by_id[i] in ours)
+    )
+    if conflicts:
+        i, token, policy_token = conflicts[0]
+        return (
+            f"{len(conflicts)} of its {len(own)} token ids stand for other tokens in the policy's tokenizer (id {i} is "
+            f"{token!r} for it, {policy_token!r} for the policy)"
+        )
+    encoded = [t(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"] for t in (tokenizer, own)]
+    if encoded[0] != encoded[1]:
+        return f"{TOKENIZER_PROBE!r} becomes other ids ({encoded[1][:8]}… for it, {encoded[0][:8]}… for the policy)"
+    return None
+
+
 def check_same_tokenizer(name: str, model, tokenizer, size: int | None, policy_size: int | None) -> None:
     """A model that reads the policy's token ids must have been built for the policy's tokenizer: its own tokenizer
-    (saved beside it) must give the same vocabulary and the same ids for :data:`TOKENIZER_PROBE`; without one, an
-    embedding larger than the policy's means another tokenizer. Else it would score the policy's ids as its own."""
+    (saved beside it) must not differ from the policy's (:func:`tokenizer_mismatch`); without one, an embedding larger
+    than the policy's means another tokenizer. Else it would score the policy's ids as its own words."""
     if not isinstance(model, nn.Module):
         return
     own = own_tokenizer(model)
@@ -328,15 +360,14 @@ def check_same_tokenizer(name: str, model, tokenizer, size: int | None, policy_s
         if name.startswith("reward_model")
         else f"use a {name} built on the policy's tokenizer"
     )
-    if own is not None:
-        ours, theirs = (t(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"] for t in (tokenizer, own))
-        if len(own) != len(tokenizer) or ours != theirs:
-            raise ValueError(
-                f"{name} comes with another tokenizer ({own.name_or_path}: {len(own)} tokens; the policy's has "
-                f"{len(tokenizer)}, and {TOKENIZER_PROBE!r} becomes other ids): it would read the policy's token ids "
-                f"as its own words. {fix[0].upper() + fix[1:]}."
-            )
-    elif size is not None and policy_size is not None and size > policy_size:
+    mismatch = tokenizer_mismatch(own, tokenizer) if own is not None else None
+    if mismatch:
+        raise ValueError(
+            f"{name} comes with another tokenizer ({own.name_or_path}: {len(own)} tokens; the policy's has "
+            f"{len(tokenizer)}): {mismatch}, so it would read the policy's token ids as other words. "
+            f"{fix[0].upper() + fix[1:]}."
+        )
+    if own is None and size is not None and policy_size is not None and size > policy_size:
         raise ValueError(
             f"{name} reads {size} token ids, more than the policy's {policy_size}: it was built for another "
             f"tokenizer, and would read the policy's token ids as its own words. {fix[0].upper() + fix[1:]}; if it "
@@ -462,7 +493,8 @@ def read_state_files(path: str) -> dict:
 
 
 def check_run_settings(path: str, saved: dict | None, current: dict, allow_changes: bool) -> None:
-    """Refuse (or, with ``allow_changes``, warn about) run settings that differ from the checkpoint's ``saved``."""
+    """Refuse (or, with ``allow_changes``, warn about) run settings that differ from the checkpoint's ``saved``.
+    Settings ``saved`` lacks (a checkpoint of an earlier trl-ppomax) cannot be compared: a warning names them."""
     if saved is None:
         logger.warning(
             "%s predates stored run settings: cannot check that it was written with the same batch sizes, "
@@ -470,6 +502,15 @@ def check_run_settings(path: str, saved: dict | None, current: dict, allow_chang
             path,
         )
         return
+    unchecked = [name for name in current if name not in saved]
+    if unchecked:  # a checkpoint of an earlier trl-ppomax, which did not store these yet
+        logger.warning(
+            "%s predates the stored run setting(s) %s: cannot check that they are the checkpoint's; resuming with "
+            "this run's values (%s). Make sure they are the ones the run was started with.",
+            path,
+            ", ".join(unchecked),
+            ", ".join(f"{name}={current[name]!r}" for name in unchecked),
+        )
     changed = {name: (saved[name], current.get(name)) for name in saved if saved[name] != current.get(name)}
     if not changed:
         return
@@ -491,22 +532,39 @@ def check_run_settings(path: str, saved: dict | None, current: dict, allow_chang
 
 def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
     """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones.
-    With ``resume_weights_only`` only the weights (and the JSON states) are required."""
+    With ``resume_weights_only`` only the weights (and the JSON states) are required.
+
+    Under DeepSpeed the weights (and optimizer states) come from the engine checkpoint, weights-only resumes
+    included (:func:`engine_checkpoint_files`): the plain weight files are then not required (a ZeRO-3 run without
+    ``stage3_gather_16bit_weights_on_model_save`` writes none), only checked when present."""
     missing, files = [], []
+    if engine == "deepspeed":
+        engine_files, engine_missing = engine_checkpoint_files(path, args.world_size)
+        files += engine_files
+        missing += engine_missing
     for folder in (path, os.path.join(path, CRITIC_DIR)):
         try:
             files += [os.fspath(f) for f in weight_files(folder)]
         except FileNotFoundError as err:
-            missing.append(f"{os.path.relpath(folder, path)} weights ({err})")
+            if engine == "deepspeed":
+                continue
+            only_engine = folder == path and os.path.isfile(os.path.join(path, "latest"))
+            missing.append(
+                f"{os.path.relpath(folder, path)} weights ({err})"
+                + (
+                    " — it holds only a sharded DeepSpeed engine checkpoint (global_step*/): resume it under "
+                    "DeepSpeed with the same ZeRO stage and number of processes, or write plain weights into it "
+                    "first with trl_ppomax.checkpoint.consolidate_engine_checkpoint"
+                    if only_engine
+                    else ""
+                )
+            )
     if not args.resume_weights_only:
         needed = [SCHEDULER_NAME, *rng_files(args.world_size)]
-        if engine == "deepspeed":
-            if not any(Path(path).glob("global_step*")):
-                missing.append("the DeepSpeed engine folder global_step*/ (weights and optimizer)")
-        elif engine == "fsdp":
+        if engine == "fsdp":
             if not any(Path(path).glob("optimizer*")):
                 missing.append("optimizer*")
-        else:
+        elif engine != "deepspeed":  # DeepSpeed's optimizer states are in its engine checkpoint, checked above
             needed.insert(0, OPTIMIZER_NAME)
         for name in needed:
             if os.path.isfile(os.path.join(path, name)):
@@ -521,6 +579,31 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
             "state (a fresh optimizer and schedule)."
         )
     return files
+
+
+def engine_checkpoint_files(path: str, world_size: int) -> tuple[list[str], list[str]]:
+    """The files of the DeepSpeed engine checkpoint in ``path`` that a resume reads, and what is missing of it: the
+    ``latest`` file, the ``global_step*/`` folder it names, model states and (ZeRO) the optimizer states of every one
+    of the ``world_size`` processes (the fp32 weights of ZeRO-3 live there)."""
+    root = Path(path)
+    latest = root / "latest"
+    if not latest.is_file():
+        return [], ["the DeepSpeed engine checkpoint (global_step*/ and its `latest` file: weights and optimizer)"]
+    tag = latest.read_text(errors="replace").strip()
+    folder = root / tag
+    if not tag or not folder.is_dir():
+        return [os.fspath(latest)], [f"the DeepSpeed engine folder {tag or '(empty)'}/ that `latest` names"]
+    missing, files = [], [os.fspath(latest)]
+    models, optims = sorted(folder.glob("*model_states.pt")), sorted(folder.glob("*optim_states.pt"))
+    if not models:
+        missing.append(f"{tag}/*model_states.pt")
+    for kind, found in (("model states", models), ("optimizer states", optims)):
+        ranks = {int(f.name.split("zero_pp_rank_")[1].split("_")[0]) for f in found if "zero_pp_rank_" in f.name}
+        absent = [rank for rank in range(world_size) if rank not in ranks]
+        if ranks and absent:  # one file per process (data-parallel rank)
+            missing.append(f"{tag}/ {kind} of process(es) {absent}")
+        files += [os.fspath(f) for f in found]
+    return files, missing
 
 
 def rng_files(world_size: int) -> list[str]:

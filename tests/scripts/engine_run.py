@@ -3,13 +3,18 @@
 Usage (under ``accelerate launch --config_file recipes/accelerate/<engine>_cpu.yaml``)::
 
     engine_run.py OUTPUT_DIR [--stop-at K] [--resume] [--weight-decay W] [--critic-warmup N] [--no-ds3-gather]
-                             [--fsdp-on-cpu]
+                             [--fsdp-on-cpu] [--push-offline]
 
 4 iterations of 16 prompts (2 processes × 4 prompts × 2 accumulation steps), fp32 on CPU, a checkpoint every
 2 iterations. Each process writes ``OUTPUT_DIR/rank{r}.json``: the engine, ``global_step``, the running reward
 moments, the counters, float64 checksums of the full (gathered) policy and critic weights at the start, after the
 critic warm-up (end of iteration N, with Adam's step counts per model then) and at the end, the policy's logits on a fixed input (computed under the engine,
 every process calling the forward) and the logged metrics; then the policy is saved to ``OUTPUT_DIR/policy``.
+Also the checksums when training begins (after a resume has loaded the checkpoint) and whether the trainer saves
+engine checkpoints only (ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``).
+
+``--push-offline``: ``push_to_hub`` to ``me/x`` with ``hub_strategy="checkpoint"``, every Hub call intercepted (nothing
+leaves the machine); the uploads are recorded in ``rank0.json`` (``pushes``: commit message, ``path_in_repo``, files).
 
 ``--fsdp-on-cpu``: accelerate (≤ 1.15) enables FSDP only for GPU-like process groups; CPU processes get
 ``DistributedType.MULTI_CPU`` and the FSDP settings of the launcher are silently dropped (the run is DDP). This flag
@@ -47,6 +52,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--nan-grad-at", type=int, default=None, help="make the gradients of iteration K NaN")
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
+    parser.add_argument("--push-offline", action="store_true")
     return parser.parse_args()
 
 
@@ -65,7 +71,10 @@ def poison_gradients(trainer, iteration: int) -> None:
 def checksums(trainer) -> dict[str, float] | None:
     """float64 sums of the full policy and critic weights (on the main process; None elsewhere). A collective: every
     process must call it."""
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if trainer._engine_checkpoint_only:  # accelerate refuses to gather then; the engine itself can (a test only)
+        state = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
+    else:
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if not trainer.accelerator.is_main_process:
         return None
     sums = {"policy": 0.0, "critic": 0.0}
@@ -83,8 +92,12 @@ class Recorder(TrainerCallback):
     def __init__(self, stop_at: int | None, warmup: int) -> None:
         self.stop_at, self.warmup = stop_at, warmup
         self.trainer = None
+        self.at_train_begin = None
         self.after_warmup = None
         self.adam_steps_after_warmup = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.at_train_begin = checksums(self.trainer)  # after a resume loaded the checkpoint
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.warmup and state.global_step == self.warmup:
@@ -93,6 +106,33 @@ class Recorder(TrainerCallback):
         if self.stop_at is not None and state.global_step == self.stop_at:
             control.should_training_stop = True
         return control
+
+
+def intercept_hub_calls() -> list[dict]:
+    """Replace the HfApi methods the Trainer uses (nothing is uploaded); the uploads are recorded in the list."""
+    import os
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi, RepoUrl
+
+    pushes = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, **kwargs):
+        folder = Path(kwargs["folder_path"])
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        pushes.append({"commit_message": kwargs.get("commit_message"), "path_in_repo": kwargs.get("path_in_repo")})
+        pushes[-1]["files"] = files
+        done = Future()
+        done.set_result(SimpleNamespace(commit_url="https://huggingface.co/me/x/commit/1"))
+        return done
+
+    HfApi.create_repo, HfApi.upload_folder = create_repo, upload_folder
+    os.environ["HF_HUB_OFFLINE"] = "0"
+    return pushes
 
 
 def adam_steps(trainer) -> dict[str, int]:
@@ -143,6 +183,8 @@ def main() -> None:
     options = parse()
     output = options.output_dir
     recorder = Recorder(options.stop_at, options.critic_warmup)
+    pushes = intercept_hub_calls() if options.push_offline else []
+    hub = dict(push_to_hub=True, hub_model_id="me/x", hub_strategy="checkpoint") if options.push_offline else {}
     trainer = tiny_trainer(
         output,
         callbacks=[recorder],
@@ -159,6 +201,7 @@ def main() -> None:
         ds3_gather_for_generation=not options.no_ds3_gather,
         max_tokens_per_microbatch=options.max_tokens_per_microbatch,
         num_samples_per_prompt=options.samples_per_prompt,
+        **hub,
     )
     recorder.trainer = trainer
     if options.nan_grad_at is not None:
@@ -178,6 +221,8 @@ def main() -> None:
         "moments": trainer.ppo_state.running_reward.state_dict(),
         "counters": dict(trainer.ppo_state.counters),
         "checksum_initial": initial,
+        "checksum_at_train_begin": recorder.at_train_begin,
+        "engine_checkpoint_only": trainer._engine_checkpoint_only,
         "checksum_after_warmup": recorder.after_warmup,
         "adam_steps_after_warmup": recorder.adam_steps_after_warmup,
         "checksum": final,
@@ -189,8 +234,9 @@ def main() -> None:
             math.isfinite(v) for entry in metrics for v in entry.values() if isinstance(v, int | float)
         ),
     }
+    trainer.save_model(str(output / "policy"))  # with --push-offline it pushes too, as transformers' Trainer does
+    result["pushes"] = pushes
     (output / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
-    trainer.save_model(str(output / "policy"))
     # Tear the process group down before exit: left to the interpreter's shutdown, a DeepSpeed process sometimes
     # aborts there ("terminate called without an active exception", SIGABRT) after everything was written.
     accelerator.wait_for_everyone()
