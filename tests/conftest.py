@@ -29,6 +29,16 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def user_folders(tmp_path_factory):
+    """Folders as users have them after SFT and reward modelling with TRL (:mod:`user_setups`), per architecture:
+    ``{arch: {"sft", "reward", "ppomax_reward", "prompts"}}``; tokenizers without ``[PAD]``, embeddings padded."""
+    from user_setups import write_user_folders
+
+    root = tmp_path_factory.mktemp("user")
+    return {arch: write_user_folders(root / arch, arch) for arch in ("llama", "gpt_neox")}
+
+
+@pytest.fixture(scope="session")
 def cache_root(tmp_path_factory):
     """What TRL_PPOMAX_CACHE points at; the toy world caches under its ``toyworld/``."""
     return tmp_path_factory.mktemp("cache")

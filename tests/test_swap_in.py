@@ -17,13 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl112_style.py"
 
 
-def run_script(tiny_dir, arch: str, use_peft: bool, output_dir: Path) -> subprocess.CompletedProcess:
-    paths = tiny_dir[arch]
+def run_script(paths: dict, use_peft: bool, output_dir: Path) -> subprocess.CompletedProcess:
+    """TRL 1.12's example on ``paths`` (``sft``, ``reward``, ``prompts`` folders)."""
     args = [
         "--model_name_or_path", paths["sft"],
         "--sft_model_path", paths["sft"],
         "--reward_model_path", paths["reward"],
-        "--dataset_name", tiny_dir["data"],
+        "--dataset_name", paths["prompts"],
         "--dataset_train_split", "train",
         "--per_device_train_batch_size", "4",
         "--gradient_accumulation_steps", "1",
@@ -71,9 +71,11 @@ def test_script_differs_from_trl112_only_in_the_trainer_import():
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "peft"])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-def test_trl112_script_runs_unchanged(tiny_dir, tmp_path, arch, use_peft):
+def test_trl112_script_runs_unchanged(user_folders, tmp_path, arch, use_peft):
+    """On the folders trl.SFTTrainer and trl.RewardTrainer wrote, whose tokenizer has one token fewer than the
+    script's once it adds [PAD] (ids all the same, the embedding with room for it)."""
     output_dir = tmp_path / "out"
-    result = run_script(tiny_dir, arch, use_peft, output_dir)
+    result = run_script(user_folders[arch], use_peft, output_dir)
     assert result.returncode == 0, f"script failed ({result.returncode}):\n{result.stderr[-6000:]}"
 
     # Metrics were logged at every iteration (16 episodes / batch 4 = 4 iterations, logging_steps=1).
@@ -89,7 +91,7 @@ def test_trl112_script_runs_unchanged(tiny_dir, tmp_path, arch, use_peft):
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     assert tokenizer.pad_token == "[PAD]"
 
-    sft = AutoModelForCausalLM.from_pretrained(tiny_dir[arch]["sft"])
+    sft = AutoModelForCausalLM.from_pretrained(user_folders[arch]["sft"])
     sft_state = sft.state_dict()
     if not use_peft:
         assert not (output_dir / "adapter_config.json").exists()
@@ -103,7 +105,7 @@ def test_trl112_script_runs_unchanged(tiny_dir, tmp_path, arch, use_peft):
         from peft import AutoPeftModelForCausalLM
 
         adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
-        assert adapter_config["base_model_name_or_path"] == tiny_dir[arch]["sft"]
+        assert adapter_config["base_model_name_or_path"] == user_folders[arch]["sft"]
         assert adapter_config["r"] == 4
         # LoRA targets the policy's linear layers only (no critic / score head, nothing fully fine-tuned).
         assert adapter_config["modules_to_save"] is None

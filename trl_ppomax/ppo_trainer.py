@@ -110,8 +110,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             args, model, ref_model, reward_model, value_model, peft_config
         )
         self.is_peft_model = modeling.is_peft(policy)
-        built = dict(policy=policy, ref_model=self.ref_model, **self.reward_sources.shared_vocabulary_models())
-        built["value_model"] = critic
+        # The models the user passed, by argument name: a reference or critic copied for None is not theirs to blame
+        built = dict(policy=policy, ref_model=self.ref_model if ref_model is not None else None)
+        built.update(
+            self.reward_sources.shared_vocabulary_models(), value_model=critic if value_model is not None else None
+        )
         train_dataset, eval_dataset = checks.prepare_and_check(
             args, processing_class, built, self.stop_token_id, train_dataset, eval_dataset, rollout_metrics
         )
@@ -345,7 +348,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             inputs = sequence_inputs(query_ids, query_mask, responses, mask)
             scores, _ = self.reward_sources.score(self.processing_class, inputs, query_mask, mask, columns)
         self.model.train()
-        scores = rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, self.args.missing_eos_penalty)
+        scores = rewards.apply_missing_eos_penalty(
+            scores, responses, mask, self._stop_id, self.args.missing_eos_penalty
+        )
         unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
         return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
 

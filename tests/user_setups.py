@@ -1,0 +1,155 @@
+"""Model folders in the shape users have them, written by the tools users write them with.
+
+Users do not build models in code: they train an SFT policy with ``trl.SFTTrainer``, a reward model with
+``trl.RewardTrainer`` (or ``PPOMaxRewardTrainer``), and point a PPO script at the folders those wrote. What is in
+such folders differs from ``trl_ppomax.tiny``'s in ways that matter to the trainer's checks:
+
+- the tokenizer has **no** ``[PAD]``: like pythia's or llama's, and ``SFTTrainer`` / ``RewardTrainer`` save it with
+  ``pad_token = eos_token``; TRL's PPO example then adds ``[PAD]``, one token more than the copy beside the weights;
+- the embedding is padded past the tokenizer (pythia: 50304 rows for 50277 tokens, Qwen: 151936 for 151665), so an
+  added token fits; ``embedding="exact"`` gives llama's own shape (one row per token), where it does not;
+- each folder holds its own copy of the tokenizer beside the weights (``config._name_or_path`` points there).
+
+:func:`write_user_folders` writes, under one root: ``sft/`` (``SFTTrainer.save_model`` after a few steps),
+``reward/`` (``RewardTrainer.save_model``, started from ``sft/``), ``ppomax-reward/``
+(``PPOMaxRewardTrainer.save_model``) and ``prompts/train.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+)
+
+from trl_ppomax.tiny import WORDS, build_llama_style_tokenizer, model_config, preference_rows, prompt_texts
+
+__all__ = ["EMBEDDINGS", "pythia_style_tokenizer", "user_tokenizer", "write_plain_folders", "write_user_folders"]
+
+#: Embedding shapes: "padded" past the tokenizer (pythia, Qwen), or "exact", one row per token (llama).
+EMBEDDINGS = ("padded", "exact")
+#: A few steps of each trainer: enough to write its folder as it writes it, not to learn anything.
+STEPS = dict(
+    max_steps=2, per_device_train_batch_size=4, report_to="none", save_strategy="no", bf16=False, use_cpu=True
+)
+
+
+def pythia_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Shaped like pythia's (GPT-NeoX) tokenizer: one ``<|endoftext|>`` for bos, eos and unknown words at id 0, no pad
+    token, no chat template; word-level over :data:`~trl_ppomax.tiny.WORDS` and the role words."""
+    vocab = {token: i for i, token in enumerate(["<|endoftext|>", *WORDS, "user:", "assistant:", "system:"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special, eos_token=special, unk_token=special)
+
+
+def user_tokenizer(arch: str) -> PreTrainedTokenizerFast:
+    """The tokenizer a user's ``arch`` model comes with: pythia-style for gpt_neox, llama-style for llama; no pad."""
+    return pythia_style_tokenizer() if arch == "gpt_neox" else build_llama_style_tokenizer()
+
+
+def embedding_rows(tokenizer, embedding: str) -> int:
+    """``len(tokenizer)``, or the next multiple of 64 above it (room for added tokens) when ``embedding="padded"``."""
+    if embedding not in EMBEDDINGS:
+        raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}")
+    return len(tokenizer) if embedding == "exact" else 64 * math.ceil((len(tokenizer) + 1) / 64)
+
+
+def base_model(arch: str, tokenizer, embedding: str, seed: int = 0):
+    """A randomly initialised tiny causal LM of ``arch`` for ``tokenizer`` (as a Hub checkpoint would be)."""
+    config = model_config(arch, embedding_rows(tokenizer, embedding), tokenizer)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _texts(n: int = 16) -> list[str]:
+    return [
+        f"user: {prompt} assistant: {' '.join(WORDS[i % 7 : i % 7 + 4])}" for i, prompt in enumerate(prompt_texts(n))
+    ]
+
+
+def write_sft_folder(folder: Path, arch: str, embedding: str = "padded") -> Path:
+    """``folder`` as ``trl.SFTTrainer.save_model`` writes it, after two steps on plain texts."""
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = user_tokenizer(arch)
+    args = SFTConfig(output_dir=str(folder.parent / f".run-{folder.name}"), max_length=32, **STEPS)
+    dataset = Dataset.from_dict({"text": _texts()})
+    trainer = SFTTrainer(model=base_model(arch, tokenizer, embedding), args=args, train_dataset=dataset,
+                         processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(folder))
+    return folder
+
+
+def write_reward_folder(folder: Path, sft: Path, ppomax: bool = False) -> Path:
+    """``folder`` as ``trl.RewardTrainer.save_model`` (or ``PPOMaxRewardTrainer.save_model``) writes it, trained for
+    two steps from the SFT folder ``sft`` on preference pairs."""
+    tokenizer = AutoTokenizer.from_pretrained(sft)
+    dataset = Dataset.from_list(preference_rows(16))
+    run = str(folder.parent / f".run-{folder.name}")
+    if ppomax:
+        from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
+
+        # the SFT causal LM itself: the imitation loss (lm_loss_coef 1) needs its LM head
+        trainer = PPOMaxRewardTrainer(model=str(sft), args=PPOMaxRewardConfig(output_dir=run, **STEPS),
+                                      train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    else:
+        from trl import RewardConfig, RewardTrainer
+
+        model = AutoModelForSequenceClassification.from_pretrained(sft, num_labels=1)
+        trainer = RewardTrainer(model=model, args=RewardConfig(output_dir=run, **STEPS), train_dataset=dataset,
+                                processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(folder))
+    return folder
+
+
+def write_prompts(folder: Path, n: int = 48) -> Path:
+    """``folder/train.jsonl`` with a ``prompt`` column, as ``datasets.load_dataset(folder)`` reads it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.jsonl", "w", encoding="utf-8") as f:
+        for prompt in prompt_texts(n):
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    return folder
+
+
+def write_user_folders(root: Path, arch: str, embedding: str = "padded") -> dict[str, str]:
+    """The folders a user of ``arch`` has after SFT and reward modelling with TRL: ``{"sft", "reward",
+    "ppomax_reward", "prompts"}`` (paths as strings)."""
+    root.mkdir(parents=True, exist_ok=True)
+    sft = write_sft_folder(root / "sft", arch, embedding)
+    paths = {
+        "sft": sft,
+        "reward": write_reward_folder(root / "reward", sft),
+        "ppomax_reward": write_reward_folder(root / "ppomax-reward", sft, ppomax=True),
+        "prompts": write_prompts(root / "prompts"),
+    }
+    return {name: str(path) for name, path in paths.items()}
+
+
+def write_plain_folders(root: Path, arch: str, embedding: str, pad: str | None = "eos") -> dict[str, str]:
+    """``sft/`` and ``reward/`` written by ``save_pretrained`` with the tokenizer beside the weights (no trainer), and
+    ``prompts/``; the tokenizer's pad token is eos as the TRL trainers leave it, or none (``pad=None``, as a base
+    model's folder from the Hub)."""
+    tokenizer = user_tokenizer(arch)
+    if pad == "eos":
+        tokenizer.pad_token = tokenizer.eos_token
+    policy = base_model(arch, tokenizer, embedding)
+    policy.config.pad_token_id = tokenizer.pad_token_id
+    policy.config.num_labels = 1
+    reward = AutoModelForSequenceClassification.from_config(policy.config)
+    for name, model in (("sft", policy), ("reward", reward)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return {"sft": str(root / "sft"), "reward": str(root / "reward"), "prompts": str(write_prompts(root / "prompts"))}
