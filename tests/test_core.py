@@ -1237,3 +1237,13 @@ def test_generated_tokens_penalty_equals_transformers_with_the_prompt_exempt():
     theirs = RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=5)(input_ids, scores.clone())
     assert torch.equal(ours, theirs)
     assert torch.equal(GeneratedTokensPenalty(1.3, prompt_width=9)(input_ids, scores.clone()), scores)
+
+
+def test_robust_location_scale_takes_the_true_median_of_an_even_count():
+    """[1, 2, 4, 10]: median (2 + 4)/2 = 3 (not the lower middle value, 2); |x − 3| = [2, 1, 1, 7] → sorted
+    [1, 1, 2, 7], MAD (1 + 2)/2 = 1.5 → scale 1.4826·1.5 = 2.2239. Order does not matter; one value: (x, 0);
+    none (every sample dropped): NaN, as before."""
+    assert core.robust_location_scale(torch.tensor([10.0, 2, 4, 1])) == pytest.approx((3.0, 2.2239))
+    assert core.robust_location_scale(torch.tensor([[1.0, 2], [4, 10]])) == pytest.approx((3.0, 2.2239))
+    assert core.robust_location_scale(torch.tensor([7.0])) == (7.0, 0.0)
+    assert all(math.isnan(v) for v in core.robust_location_scale(torch.tensor([])))

@@ -250,3 +250,24 @@ def test_load_prompts_categories_and_subset():
     assert len(subset) == 4 and subset["prompt"] == load_prompts(data, num_prompts=4, seed=1)["prompt"]
     with pytest.raises(ValueError, match="not a column"):
         load_prompts(data, category_column="nope")
+
+
+def test_answers_too_long_for_the_model_name_the_evaluate_flag(tiny_dir, tmp_path, capsys):
+    """A 128-position model: the evaluate command has no response_length, its answers are --max-new-tokens long."""
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "user: " + "tell me about the cat " * 20}) + "\n")
+    sft = tiny_dir["llama"]["sft"]
+    base = ["evaluate", "--policy", sft, "--baseline", sft, "--prompts", str(data), "--judges", "gold"]
+    assert main([*base, "--max-new-tokens", "200", "--output", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # after the datasets progress bars
+    assert err.startswith(
+        "trl-ppomax evaluate: error: max_new_tokens=200 (--max-new-tokens) does not fit the model's context of 128 "
+        "tokens (config.max_position_embeddings)"
+    )
+    assert "Lower --max-new-tokens (e.g. --max-new-tokens 32" in err and "response_length" not in err
+    # a prompt longer than what 120 answer tokens leave: none is left to answer
+    assert main([*base, "--max-new-tokens", "120", "--output", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("trl-ppomax evaluate: error: The evaluation prompts: 1 of 1 prompts are longer")
+    assert "none is left. Shorten the prompts or lower max_new_tokens (--max-new-tokens)." in err
+    assert "response_length" not in err

@@ -368,7 +368,7 @@ def run_training(name: str, argv: list[str]) -> int:
     module, function, about = TRAINING_COMMANDS[name]
     if argv and argv[0] in ("-h", "--help") and "--config" not in argv:
         lists = {
-            "configs": ", ".join(shipped_configs()),
+            "configs": ", ".join(shipped_configs(name)),
             "accelerate_configs": ", ".join(shipped_accelerate_configs()),
         }
         example = "tiny_cpu" if name == "ppo" else "reward_tiny_cpu"
@@ -376,7 +376,7 @@ def run_training(name: str, argv: list[str]) -> int:
         return 0
     try:
         accelerate_config, argv = _split_accelerate_config(argv)
-        argv = resolve_config_argv(argv)
+        argv = resolve_config_argv(argv, name)
         config_file = resolve_accelerate_config(accelerate_config) if accelerate_config else None
     except (ValueError, FileNotFoundError) as err:
         return _fail(name, err)
@@ -389,7 +389,7 @@ def run_training(name: str, argv: list[str]) -> int:
         return subprocess.call(command)
     import importlib
 
-    getattr(importlib.import_module(module), function)(argv)
+    getattr(importlib.import_module(module), function)(argv, prog=f"trl-ppomax {name}")
     return 0
 
 

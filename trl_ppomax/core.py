@@ -232,12 +232,23 @@ def normalize_scores(
     return scores
 
 
+def _median(values: torch.Tensor) -> torch.Tensor:
+    """The median of ``values`` (N,): the middle value, or the mean of the two middle values for an even N
+    (``torch.median`` takes the lower one); NaN when N is 0 or a value is NaN, as ``torch.median``."""
+    if values.numel() == 0 or values.isnan().any():
+        return values.new_tensor(float("nan"))
+    ordered = values.sort().values
+    n = ordered.numel()
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
 def robust_location_scale(values: torch.Tensor) -> tuple[float, float]:
     """``(median, 1.4826·MAD)`` of ``values`` (N,): a location and a scale that a few extreme values cannot move
-    (1.4826·MAD is σ for normal data). When more than half the values are equal (MAD = 0) the scale is their std."""
+    (1.4826·MAD is σ for normal data). Both are true medians: for an even N the mean of the two middle values. When
+    more than half the values are equal (MAD = 0) the scale is their std."""
     values = values.detach().to(torch.float64).flatten()
-    median = values.median()
-    scale = 1.4826 * (values - median).abs().median()
+    median = _median(values)
+    scale = 1.4826 * _median((values - median).abs())
     if scale == 0:
         scale = values.std() if values.numel() > 1 else torch.zeros((), dtype=torch.float64)
     return float(median), float(scale)

@@ -7,12 +7,15 @@ the class docstring are generated from it, so documentation cannot drift from be
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import torch
 from transformers import TrainingArguments
@@ -164,6 +167,49 @@ def _check_range(name: str, value: Any, allowed: str, hint: str) -> None:
     if number and math.isfinite(value) and _RANGES[allowed.removesuffix(", or None")](value):
         return
     raise ValueError(f"{name} must be a finite number {allowed}; got {value!r}. {hint}")
+
+
+def _is_int_type(hint: Any) -> bool:
+    """Whether a field's type is ``int`` or ``int | None`` (not ``bool``, ``float``, ``int | float`` or ``int | str``)."""
+    if hint is int:
+        return True
+    return get_origin(hint) in (typing.Union, types.UnionType) and set(get_args(hint)) == {int, type(None)}
+
+
+@functools.cache
+def _int_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """``(name, None allowed)`` of the ``int`` and ``int | None`` fields a dataclass ``cls`` takes."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name] is not int) for f in fields(cls) if f.init and _is_int_type(hints.get(f.name)))
+
+
+def _whole_number_hint(name: str, value: Any) -> str:
+    """What to write instead of ``value`` for the whole-number field ``name``."""
+    if isinstance(value, bool):
+        return f"write {name}={int(value)} if you mean that number."
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        if float(value).is_integer():
+            return f"write {name}={int(value)} (in a YAML config `{name}: {int(value)}`, without the '.0')."
+        return f"write {name}={math.floor(value)} or {name}={math.ceil(value)}."
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return f"write {name}={int(value)}, a number, not a string."
+    return f"write a whole number, e.g. {name}=1."
+
+
+def check_int_fields(config: Any) -> None:
+    """A ``ValueError`` for the first ``int`` field of the dataclass ``config`` that holds anything but a whole number
+    (a float such as ``2.0`` from YAML, a bool, a string), naming the field, the value and what to write: a float
+    there passed every check and failed deep in training (``torch.manual_seed`` "expected a long"). Called in
+    ``__post_init__`` on what the user passed, before the base classes set fields of their own."""
+    for name, none_allowed in _int_fields(type(config)):
+        value = getattr(config, name)
+        if (value is None and none_allowed) or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+            continue
+        kind = "" if value is None else f" (a {type(value).__name__})"
+        raise ValueError(
+            f"{name} must be a whole number{' or None' if none_allowed else ''}, got {value!r}{kind}: "
+            + _whole_number_hint(name, value)
+        )
 
 
 @dataclass
@@ -455,7 +501,8 @@ class PPOMaxConfig(TrainingArguments):
         default=True,
         metadata={
             "help": "For a conversational ptx_dataset ('messages'), the LM loss counts only assistant turns, as the "
-            "release masks it (ppo_datahelper.py); needs a chat template with {% generation %} markers."
+            "release masks it (ppo_datahelper.py); needs a chat template that marks the assistant turns as generation "
+            "blocks (see transformers' return_assistant_tokens_mask)."
         },
     )
     entropy_coef: float = field(
@@ -512,6 +559,7 @@ class PPOMaxConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         self._resolve_preset()
+        check_int_fields(self)  # what the user passed, before TrainingArguments sets fields of its own
         self._validate()
         if self.advantage_clip is not None and self.cliprange_value is not None:
             logger.warning(

@@ -8,14 +8,23 @@ from dataclasses import dataclass, field
 
 from trl import RewardConfig
 
-from .ppo_config import default_bf16, render_field_docs
+from .ppo_config import check_int_fields, default_bf16, render_field_docs
 
 
 @dataclass
 class PPOMaxRewardConfig(RewardConfig):
     r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`] (``bf16`` defaults to True
-    only on a GPU that supports it), plus the fields below.
+    only on a GPU that supports it; activation checkpointing is on, as in trl, without the deprecated
+    ``gradient_checkpointing`` name), plus the fields below.
     """
+
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of activation_checkpointing (transformers 5.20 on; the setting itself before). "
+            "Default: activation checkpointing on, as trl's RewardConfig."
+        },
+    )
 
     lm_loss_coef: float = field(
         default=1.0,
@@ -37,6 +46,7 @@ class PPOMaxRewardConfig(RewardConfig):
     )
 
     def __post_init__(self) -> None:
+        check_int_fields(self)  # what the user passed, before RewardConfig and TrainingArguments set their fields
         coef = self.lm_loss_coef
         if not (isinstance(coef, numbers.Real) and not isinstance(coef, bool) and math.isfinite(coef) and coef >= 0):
             raise ValueError(
@@ -46,6 +56,11 @@ class PPOMaxRewardConfig(RewardConfig):
             )
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16)
+        if hasattr(self, "activation_checkpointing"):  # transformers ≥ 5.20: gradient_checkpointing is its old name
+            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+                self.activation_checkpointing = True  # trl's default, set without the deprecated name (FutureWarning)
+        elif self.gradient_checkpointing is None:
+            self.gradient_checkpointing = True
         super().__post_init__()
 
 

@@ -13,7 +13,7 @@ from accelerate.utils import release_memory
 from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
-from ..data import PromptCollator, load_any_dataset, prepare_prompt_dataset, prompt_length_limit, to_prompt_dataset
+from ..data import PromptCollator, load_any_dataset, model_context, prepare_prompt_dataset, to_prompt_dataset
 from ..rollout import generate_responses, generation_kwargs
 from .base import ALL, JsonlCache, Pair, prompt_key
 
@@ -79,6 +79,26 @@ def load_causal_lm(name: str | os.PathLike, device=None, dtype: torch.dtype | No
     return model.to(device).eval(), AutoTokenizer.from_pretrained(os.fspath(name))
 
 
+#: How messages name the answer length: the setting and the flag of ``trl-ppomax evaluate``.
+MAX_NEW_TOKENS = "max_new_tokens (--max-new-tokens)"
+
+
+def prompt_budget(model, max_new_tokens: int) -> int | None:
+    """The longest prompt that leaves room for ``max_new_tokens`` in the model's context (None when its config does
+    not say); a ValueError naming ``--max-new-tokens`` when an answer that long leaves no room for a prompt."""
+    context = model_context(model)
+    if context is None:
+        return None
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} (--max-new-tokens) does not fit the model's context of {context} tokens "
+            f"(config.max_position_embeddings): prompt and answer share it, so {context - max_new_tokens} tokens would "
+            f"be left for the prompt. Lower --max-new-tokens (e.g. --max-new-tokens {context // 4} leaves "
+            f"{context - context // 4} prompt tokens), or evaluate a model with a longer context."
+        )
+    return context - max_new_tokens
+
+
 @torch.no_grad()
 def generate_answers(
     model, tokenizer, prompts: list, keys: list[str], settings: GenerationSettings, cache: JsonlCache, side: str
@@ -90,15 +110,18 @@ def generate_answers(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_id
     if pad_id is None:
         raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
-    limit = prompt_length_limit(None, model, settings.max_new_tokens)
-    ids = prepare_prompt_dataset(
-        Dataset.from_dict({"prompt": prompts}), tokenizer, max_prompt_length=limit, name="The evaluation prompts"
-    )["input_ids"]
+    limit = prompt_budget(model, settings.max_new_tokens)
+    try:
+        ids = prepare_prompt_dataset(
+            Dataset.from_dict({"prompt": prompts}), tokenizer, max_prompt_length=limit, name="The evaluation prompts"
+        )["input_ids"]
+    except ValueError as err:  # the trainer's wording names its setting, response_length: name evaluate's instead
+        raise ValueError(str(err).replace("response_length", MAX_NEW_TOKENS)) from None
     if len(ids) != len(prompts):  # the answers are matched to the prompts by position
         raise ValueError(
             f"{len(prompts) - len(ids)} of {len(prompts)} evaluation prompts were dropped (an empty turn, or longer "
-            f"than the {limit} tokens that leave room for max_new_tokens; see the warning above). Every prompt needs "
-            "an answer: remove or shorten them in the prompt set, or lower max_new_tokens."
+            f"than the {limit} tokens that leave room for {MAX_NEW_TOKENS}; see the warning above). Every prompt "
+            f"needs an answer: remove or shorten them in the prompt set, or lower {MAX_NEW_TOKENS}."
         )
     collate, width = PromptCollator(pad_id), settings.batch_size
     sampling = SimpleNamespace(response_length=settings.max_new_tokens, **settings.as_dict())

@@ -25,6 +25,7 @@ evaluation prompts (unless `eval_dataset_name` says otherwise).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -38,10 +39,12 @@ from trl_ppomax.data import check_local_paths, load_any_dataset, release_files, 
 from trl_ppomax.monitor import CollapseMonitor
 from trl_ppomax.moss import setup_tokenizer
 from trl_ppomax.plan import plan
-from trl_ppomax.ppo_config import PPOMaxConfig
+from trl_ppomax.ppo_config import PPOMaxConfig, check_int_fields
 from trl_ppomax.ppo_trainer import PPOMaxTrainer
 from trl_ppomax.rewards import load_reward_function
 from trl_ppomax.scripts import model_kwargs, parse_script_args, setup_distributed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +102,10 @@ class PPOMaxScriptArguments(ScriptArguments):
         metadata={"help": "Build tiny offline models and datasets here (trl-ppomax tiny) if the folder is missing."},
     )
 
+    def __post_init__(self) -> None:
+        check_int_fields(self)  # eval_samples: 8.0 in a YAML config fails here, not in datasets' select
+        getattr(super(), "__post_init__", lambda: None)()
+
 
 def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfig, peft_config):
     """Policy, reference (None under PEFT: the adapter is disabled instead), reward and value models."""
@@ -121,10 +128,13 @@ def load_tokenizer(policy_path: str, prompt_format: str):
         tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left", legacy=True)
         return setup_tokenizer(tokenizer, lang=prompt_format.removeprefix("moss_"))
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:  # as trl's SFTTrainer and RewardTrainer pad
+        logger.info("The tokenizer of %s has no pad token: padding with eos (%r).", policy_path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token is None:
         raise ValueError(
-            f"The tokenizer of {policy_path} has no pad token. Give it one (a dedicated token, resized embeddings) "
-            "or use a MOSS prompt format, whose pad token is <unk>."
+            f"The tokenizer of {policy_path} has neither a pad nor an eos token. Give it a pad token (a dedicated "
+            "token, resized embeddings) or use a MOSS prompt format, whose pad token is <unk>."
         )
     return tokenizer
 
@@ -168,9 +178,11 @@ def check_combination(script_args, training_args: PPOMaxConfig, model_args: Mode
         raise ValueError("A quantised policy can only be trained with LoRA: add --use_peft.")
 
 
-def main(argv: list[str] | None = None) -> PPOMaxTrainer:
+def main(argv: list[str] | None = None, prog: str | None = None) -> PPOMaxTrainer:
+    """Train with the settings of ``argv`` (default: the command line); ``prog`` names the command in its help and
+    errors (default: the script's file name)."""
     script_args, training_args, model_args = parse_script_args(
-        (PPOMaxScriptArguments, PPOMaxConfig, ModelConfig), argv
+        (PPOMaxScriptArguments, PPOMaxConfig, ModelConfig), argv, prog
     )
     check_combination(script_args, training_args, model_args)
     policy_setting = "model_name_or_path" if model_args.model_name_or_path else "sft_model_path"
@@ -237,7 +249,7 @@ def toy_world_arguments(argv: list[str]) -> dict | None:
     return None
 
 
-def run(argv: list[str] | None = None) -> None:
+def run(argv: list[str] | None = None, prog: str | None = None) -> None:
     """`main`, or the toy world demo when there are no arguments or only ``--output_dir DIR`` (as
     `accelerate launch recipes/ppo_max.py`)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -247,7 +259,7 @@ def run(argv: list[str] | None = None) -> None:
 
         run_demo(**demo)
     else:
-        main(argv)
+        main(argv, prog)
 
 
 if __name__ == "__main__":

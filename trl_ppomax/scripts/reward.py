@@ -29,6 +29,7 @@ from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.data import check_local_paths, load_data_file
 from trl_ppomax.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
+from trl_ppomax.ppo_config import check_int_fields
 from trl_ppomax.reward_config import PPOMaxRewardConfig
 from trl_ppomax.reward_trainer import PPOMaxRewardTrainer
 from trl_ppomax.scripts import model_kwargs, parse_script_args, setup_distributed
@@ -44,6 +45,10 @@ class RewardScriptArguments(ScriptArguments):
         default=None,
         metadata={"help": "Build tiny offline models and datasets here (trl-ppomax tiny) if the folder is missing."},
     )
+
+    def __post_init__(self) -> None:
+        check_int_fields(self)
+        getattr(super(), "__post_init__", lambda: None)()
 
 
 def load_preferences(script_args: ScriptArguments) -> DatasetDict:
@@ -67,9 +72,11 @@ def load_model(model_args: ModelConfig, training_args: PPOMaxRewardConfig):
     return AutoModelForSequenceClassification.from_pretrained(model_args.model_name_or_path, num_labels=1, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Train with the settings of ``argv`` (default: the command line); ``prog`` names the command in its help and
+    errors (default: the script's file name)."""
     script_args, training_args, model_args = parse_script_args(
-        (RewardScriptArguments, PPOMaxRewardConfig, ModelConfig), argv
+        (RewardScriptArguments, PPOMaxRewardConfig, ModelConfig), argv, prog
     )
     check_local_paths({"model_name_or_path": model_args.model_name_or_path, "dataset_name": script_args.dataset_name})
     setup_distributed(training_args)  # before the model: ZeRO-3 builds it inside zero.Init
