@@ -109,7 +109,7 @@ def test_token_budget_micro_batches_give_the_row_split_loss_and_gradients(tmp_pa
     lengths = rollout.response_mask.sum(1)
     assert lengths.min() < lengths.max()  # varied lengths: packing differs from the row split
     torch.manual_seed(1)
-    experience, _ = trainer.make_experience(rollout)
+    experience, _, _ = trainer.make_experience(rollout)
     minibatch = torch.randperm(trainer.args.local_batch_size)[: trainer.args.local_mini_batch_size]
     losses, original = [], trainer.micro_batch_loss
 

@@ -60,7 +60,7 @@ def test_reward_winsorize_keeps_one_outlier_from_inflating_sigma(tmp_path, winso
     clean_std = rollout.scores.std().item()
     scores = rollout.scores.clone()
     scores[0] = scores.median() + 1e4 * (clean_std + 1e-3)  # one wild score among ordinary ones
-    _, logged = trainer.make_experience(with_scores(rollout, scores))
+    _, logged, _ = trainer.make_experience(with_scores(rollout, scores))
     std = trainer.ppo_state.running_reward.std
     if winsorize is None:
         assert std > 100 * clean_std and metrics.SCORES_WINSORIZED not in logged
@@ -75,7 +75,7 @@ def test_lam_critic_1_regresses_the_critic_on_monte_carlo_returns(tmp_path, lam_
     whatever the critic says; with the policy's λ (0.9) the targets lean on the critic's values."""
     trainer = make_trainer(tmp_path, lam_critic=lam_critic, kl_coef=0.0)
     rollout = first_rollout(trainer)
-    experience, _ = trainer.make_experience(rollout)
+    experience, _, _ = trainer.make_experience(rollout)
     mask = rollout.response_mask.bool()
     scores, _ = trainer._shape_scores(rollout)
     monte_carlo = scores[:, None].expand_as(mask)[mask]
@@ -90,7 +90,7 @@ def test_lam_critic_1_regresses_the_critic_on_monte_carlo_returns(tmp_path, lam_
 def test_lam_alpha_gives_each_response_its_own_lambda(tmp_path):
     trainer = make_trainer(tmp_path, lam_alpha=0.5)
     rollout = first_rollout(trainer)
-    experience, logged = trainer.make_experience(rollout)
+    experience, logged, _ = trainer.make_experience(rollout)
     lengths = rollout.response_mask.sum(1).float()
     expected = (1 - 1 / (0.5 * lengths)).clamp(0, 1)
     assert logged[metrics.LAM_POLICY] == pytest.approx(expected.mean().item(), abs=1e-6)

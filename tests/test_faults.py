@@ -1290,10 +1290,10 @@ def test_dropped_samples_leave_the_same_experience_as_a_batch_without_them(tmp_p
     keep = torch.isfinite(poisoned.scores)
     start = trainer.ppo_state.running_reward.state_dict()
 
-    masked, masked_metrics = trainer.make_experience(poisoned)
+    masked, masked_metrics, _ = trainer.make_experience(poisoned)
     moments = trainer.ppo_state.running_reward.state_dict()
     trainer.ppo_state.running_reward.load_state_dict(start)
-    clean, clean_metrics = trainer.make_experience(rollout.select(keep))
+    clean, clean_metrics, _ = trainer.make_experience(rollout.select(keep))
 
     assert moments == pytest.approx(trainer.ppo_state.running_reward.state_dict())
     assert moments["count"] == start["count"] + keep.sum().item()

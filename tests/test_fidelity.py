@@ -63,7 +63,7 @@ def test_vanilla_preset_keeps_trl_112_whitening_and_lambda():
 @pytest.mark.parametrize("preset", ["ppo_max", "vanilla"])
 def test_advantages_are_whitened_only_under_vanilla(tmp_path, preset):
     trainer = make_trainer(tmp_path, preset=preset)
-    experience, _ = trainer.make_experience(first_rollout(trainer))
+    experience, _, _ = trainer.make_experience(first_rollout(trainer))
     mask = experience.rollout.response_mask.bool()
     if preset == "ppo_max":
         torch.testing.assert_close(experience.advantages, experience.raw_advantages)
@@ -84,14 +84,14 @@ def test_rollout_logprobs_use_the_logprob_temperature(tmp_path, logprob_temperat
     temperature = 0.5 if logprob_temperature is None else 1.0
     expected = core.logprobs_from_logits(logits, rollout.response_ids, temperature) * rollout.response_mask
     torch.testing.assert_close(rollout.logprobs, expected)
-    experience, _ = trainer.make_experience(rollout)
+    experience, _, _ = trainer.make_experience(rollout)
     _, stats = trainer.micro_batch_loss(experience, torch.arange(4), critic_only=False)
     torch.testing.assert_close(stats[metrics.RATIO], torch.tensor(1.0), atol=1e-5, rtol=0)  # same temperature
 
 
 def test_advantages_whitened_per_minibatch(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, whiten_advantages=True, advantage_whitening_scope="minibatch", num_mini_batches=2)
-    experience, _ = trainer.make_experience(first_rollout(trainer))
+    experience, _, _ = trainer.make_experience(first_rollout(trainer))
     torch.testing.assert_close(experience.advantages, experience.raw_advantages)  # nothing normalised yet
     seen = []
     original = trainer.micro_batch_loss

@@ -103,7 +103,7 @@ def test_load_weights_single_file_and_sharded(tmp_path, shard_size):
 def test_accumulated_step_uses_the_mean_of_micro_batch_gradients(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, gradient_accumulation_steps=2, num_mini_batches=1, per_device_train_batch_size=4)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(trainer.args.local_batch_size)])
-    experience, _ = trainer.make_experience(trainer.rollout(batch["input_ids"], batch["attention_mask"]))
+    experience, _, _ = trainer.make_experience(trainer.rollout(batch["input_ids"], batch["attention_mask"]))
     captured = []
 
     def capture_instead_of_stepping(*_args):

@@ -138,7 +138,7 @@ def test_rollout_logprobs_match_training_forward(tmp_path):
     """Old log-probs from the rollout equal the update's log-probs before any step (ratio 1)."""
     trainer = make_trainer(tmp_path)
     rollout = first_rollout(trainer)
-    experience, _ = trainer.make_experience(rollout)
+    experience, _, _ = trainer.make_experience(rollout)
     index = torch.arange(4)
     _, stats = trainer.micro_batch_loss(experience, index, critic_only=False)
     torch.testing.assert_close(stats["policy/ratio"], torch.tensor(1.0), atol=1e-5, rtol=0)
@@ -157,7 +157,7 @@ def test_reward_normalisation_modes(tmp_path, mode):
         tmp_path, reward=constant_reward(100.0), value_model=build_models()[2], reward_norm=mode, reward_clip=None
     )
     rollout = first_rollout(trainer)
-    _, metrics = trainer.make_experience(rollout)
+    _, metrics, _ = trainer.make_experience(rollout)
     raw = rollout.scores
     expected = {"running": (raw - raw.mean()) / raw.std(), "scale": raw / raw.std(), "none": raw}[mode]
     assert metrics["objective/scores_normalized"] == pytest.approx(expected.mean().item(), abs=1e-4)
@@ -200,7 +200,7 @@ def test_kl_penalty_enters_the_reward(tmp_path):
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_advantages_whitened_and_clipped(tmp_path, clip):
     trainer = make_trainer(tmp_path, whiten_advantages=True, advantage_clip=clip)
-    experience, _ = trainer.make_experience(first_rollout(trainer))
+    experience, _, _ = trainer.make_experience(first_rollout(trainer))
     mask = experience.rollout.response_mask
     if clip is None:
         assert core.masked_mean(experience.advantages, mask).abs() < 1e-5
@@ -214,7 +214,7 @@ def test_importance_sampling_against_reference(tmp_path):
     with torch.no_grad():
         for p in trainer.model.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    experience, _ = trainer.make_experience(first_rollout(trainer))
+    experience, _, _ = trainer.make_experience(first_rollout(trainer))
     torch.testing.assert_close(experience.old_logprobs, experience.rollout.ref_logprobs)
     assert not torch.equal(experience.old_logprobs, experience.rollout.logprobs)
 
@@ -275,7 +275,7 @@ def test_entropy_bonus_raises_entropy(tmp_path):
     entropies = {}
     for coef in (0.0, 1.0):
         trainer = make_trainer(tmp_path, entropy_coef=coef, total_episodes=32, learning_rate=3e-3, kl_coef=0.0)
-        experience, _ = trainer.make_experience(first_rollout(trainer))
+        experience, _, _ = trainer.make_experience(first_rollout(trainer))
         trainer.train()
         _, stats = trainer.micro_batch_loss(experience, torch.arange(4), critic_only=False)
         entropies[coef] = stats["policy/entropy"].item()

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 from transformers import TrainingArguments
 
+from .advantages import ESTIMATORS
 from .core import KLEstimator, RewardNorm
 
 logger = logging.getLogger(__name__)
@@ -324,6 +325,10 @@ class PPOMaxConfig(TrainingArguments):
     cliprange_value: float | None = field(
         default=0.2, metadata={"help": "ε_v of the clipped value loss (§3.2.3); None disables value clipping."}
     )
+    advantage_estimator: str = field(
+        default="gae",
+        metadata={"help": "How advantages are estimated: a name of trl_ppomax.advantages.ESTIMATORS; 'gae' (§3.2.2)."},
+    )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE (§3.2.2)."})
     lam: float | None = _preset_field(
         "lam",
@@ -595,6 +600,11 @@ class PPOMaxConfig(TrainingArguments):
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {tuple(ESTIMATORS)}, got {self.advantage_estimator!r}; register "
+                "another in trl_ppomax.advantages.ESTIMATORS."
+            )
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),

@@ -26,6 +26,7 @@ from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_e
 
 from . import checks, core, data, modeling, optim, rewards
 from . import metrics as M
+from .advantages import ESTIMATORS
 from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
 from .hub import TAGS
@@ -237,8 +238,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
         n = self.args.num_samples_per_prompt
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
-        experience, metrics = self.make_experience(rollout)
-        args, problem = self.args, self._skip_reason
+        experience, metrics, problem = self.make_experience(rollout)
+        args = self.args
         if experience is not None:
             skipped = self.ppo_state.counters[M.SKIPPED_UPDATES]
             metrics.update(self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps))
@@ -430,15 +431,16 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # Phase 2: rewards and advantages
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float]]:
-        """Shape rewards (normalise + clip, token KL), compute GAE advantages and returns (§5.3); samples with a
-        non-finite score are masked out (:func:`rollout.drop_non_finite`). ``(None, {})`` on every process, the reason
-        in ``_skip_reason``, when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
-        rollout, keep, dropped, self._skip_reason = drop_non_finite(rollout, self._reduce_sum)
+    def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float], str | None]:
+        """Shape rewards (normalise + clip, token KL) and estimate advantages and returns (§5.3; ``advantage_estimator``,
+        :mod:`~trl_ppomax.advantages`); samples with a non-finite score are masked out
+        (:func:`rollout.drop_non_finite`). Returns ``(experience, metrics, None)``, or ``(None, {}, why)`` on every
+        process when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
+        rollout, keep, dropped, problem = drop_non_finite(rollout, self._reduce_sum)
         args, mask, reduce, moments = self.args, rollout.response_mask, self._reduce_sum, self.ppo_state.running_reward
         self.ppo_state.counters[M.SKIPPED_SAMPLES] += dropped
-        if self._skip_reason:
-            return None, {}
+        if problem:
+            return None, {}, problem
         before = moments.state_dict()  # restored if the batch is skipped below
         if not self._reward_moments_frozen():
             moments.update(self._winsorized(rollout.scores, keep)[keep], reduce=reduce)
@@ -446,8 +448,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
             token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=reduce)
-        lam = args.lam if args.lam_alpha is None else core.length_adaptive_lam(mask, args.lam_alpha)
-        advantages, returns = core.decoupled_gae(token_rewards, rollout.values, mask, args.gamma, lam, args.lam_critic)
+        estimate = ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
+        advantages, returns = estimate.advantages, estimate.returns
         normalised = advantages
         if args.advantage_whitening_scope == "batch":  # else per minibatch, in ppo_update
             normalised = core.normalize_advantages(
@@ -455,20 +457,19 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             )
         if not self._all_finite(normalised, returns):
             moments.load_state_dict(before)
-            self._skip_reason = "non-finite advantages or returns"
-            return None, {}
+            return None, {}, "non-finite advantages or returns"
         old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout, old, advantages=normalised, returns=returns, raw_advantages=advantages)
         metrics = self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
-        if args.lam_alpha is not None:
-            metrics[M.LAM_POLICY] = M.global_mean(lam[keep], reduce)
+        if isinstance(estimate.lam_policy, torch.Tensor):
+            metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], reduce)
         if args.num_samples_per_prompt > 1:
             n = args.num_samples_per_prompt
             metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, reduce)
         if args.reward_winsorize is not None:
             clipped = self._winsorized(rollout.scores) != rollout.scores
             metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], reduce)
-        return experience, metrics
+        return experience, metrics, None
 
     def _reward_moments_frozen(self) -> bool:
         """With ``reward_norm_freeze``: the moments stop learning after the first ``max(critic_warmup_steps, 1)``

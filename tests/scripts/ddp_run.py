@@ -28,9 +28,9 @@ make_experience = trainer.make_experience
 
 
 def recording_make_experience(rollout):
-    experience, metrics = make_experience(rollout)
+    experience, metrics, problem = make_experience(rollout)
     seen.append((rollout.scores, experience.advantages, rollout.response_mask))
-    return experience, metrics
+    return experience, metrics, problem
 
 
 trainer.make_experience = recording_make_experience
