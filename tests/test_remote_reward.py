@@ -25,7 +25,26 @@ from trl_ppomax.tiny import build_models
 FAST = dict(max_retries=1, backoff=0.0)  # no waiting between attempts in the failure tests
 
 
-class RewardServer:
+class QuietHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class LoopbackServer:
+    """An HTTP server on a free loopback port, answering in daemon threads; ``url`` ends with ``path``."""
+
+    def serve(self, handler: type, path: str) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class RewardServer(LoopbackServer):
     """A reward server on 127.0.0.1 (a free port) in a thread. ``answer(payload, number) -> (status, body, delay)``
     decides each answer (``number`` counts requests from 0; a ``bytes`` body is sent as it is); ``payloads`` records
     every request."""
@@ -35,7 +54,7 @@ class RewardServer:
         self.answer = lambda payload, number: (200, {"rewards": [len(c) / 10 for c in payload["completions"]]}, 0)
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.payloads.append(payload)
@@ -51,18 +70,7 @@ class RewardServer:
                 except OSError:  # the client gave up (a timeout test)
                     pass
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler, "/score")
 
 
 @pytest.fixture
@@ -248,7 +256,7 @@ def test_the_command_line_takes_a_reward_server_url(server, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 # OpenRLHF's protocol: the query is the policy's prompt ⊕ response ids decoded once, special tokens kept
 # --------------------------------------------------------------------------------------------------------------------
-class OpenRLHFServer:
+class OpenRLHFServer(LoopbackServer):
     """An OpenRLHF ``serve_rm``-style server on 127.0.0.1: ``POST /get_reward`` with ``{"query", "prompts", "labels"}``
     answers ``{"rewards", "scores", "extra_logs"}``, scoring each query with a tiny reward model after re-tokenizing it
     as serve_rm does (``add_special_tokens=False``). ``strip_eos``: as serve_rm did up to OpenRLHF's #1038, strip the
@@ -265,7 +273,7 @@ class OpenRLHFServer:
         self.torch = torch
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):
                 data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/get_reward":
@@ -284,13 +292,7 @@ class OpenRLHFServer:
                 self.end_headers()
                 self.wfile.write(body.encode())
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.serve(Handler, "/get_reward")
 
     def score(self, queries: list[str]) -> list[float]:
         """The reward model's score of each query, as the server computes it (one query at a time: no padding)."""
@@ -305,10 +307,6 @@ class OpenRLHFServer:
             with self.torch.no_grad():
                 scores.append(self.model(input_ids=ids).logits[0, 0].item())
         return scores
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(params=[True, False], ids=["serve_rm_strip_eos", "serve_rm_as_is"])
@@ -438,14 +436,14 @@ def test_our_protocol_gets_the_decoded_sequence_as_query_from_the_trainer_path(s
 # --------------------------------------------------------------------------------------------------------------------
 # A deadline for each whole attempt, and the messages
 # --------------------------------------------------------------------------------------------------------------------
-class DrippingServer:
+class DrippingServer(LoopbackServer):
     """A server that answers one byte every ``interval`` seconds: the body after the headers (``what="body"``), or
     the status line and headers themselves (``what="headers"``); it stops when the client has gone."""
 
     def __init__(self, what: str, interval: float = 0.3) -> None:
         body = json.dumps({"rewards": [1.0]}).encode() + b" " * 100
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 head = (
@@ -464,17 +462,7 @@ class DrippingServer:
                 except OSError:  # the client gave up
                     pass
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler, "/score")
 
 
 @pytest.mark.parametrize("what", ["body", "headers"])
