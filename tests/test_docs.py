@@ -1,13 +1,18 @@
-"""Docs are tests: every Python block and every shell command of README.md and docs/*.md, read with Sybil.
+"""Docs are tests: every Python block and every shell command of README.md and docs/*.md (the pages of the mkdocs
+site), read with Sybil.
 
 - **Python blocks** run, those of one ``##`` section in order in one namespace, in a temporary folder where the Hub
   ids the docs name are local folders shaped as users have them (:mod:`user_setups`: pythia-style, no pad token, so
-  the quick start adds ``[PAD]`` as TRL's example does), with a few settings shortened (:data:`SHORTER`).
+  the quick start adds ``[PAD]`` as TRL's example does), with a few settings shortened (:data:`SHORTER`). The README's
+  quick start is the first block of the getting-started page's, which runs it (:data:`COPIES`).
 - **Shell commands** are checked against the real parsers of what they call: every ``trl-ppomax`` command line
   parses (the training commands' fields through their own dataclasses), every ``accelerate launch`` line through
   accelerate's launcher, with its config files and script present and the script's flags known; ``pip install``
   names our extras; the test command is the one CI runs. Commands that need a GPU, the Hub or a 7B model cannot run
   here; the ones that can run on a CPU in seconds (:data:`RUN`) run for real.
+- **The site**: every page of docs/ is in mkdocs.yml's ``nav`` and every ``nav`` entry is a page, and the README stays
+  a front page (at most :data:`README_LINES` lines). The site itself is built by ``.ci/run`` (``mkdocs build
+  --strict``, which checks every link and anchor), not by this suite.
 """
 
 from __future__ import annotations
@@ -15,11 +20,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from sybil import Document
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -30,6 +34,11 @@ from trl_ppomax.tiny import build_llama_style_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: README sections whose Python blocks are the first blocks of a docs section: they are checked to be the same text
+#: and run there, once (a quick start trains a policy).
+COPIES = {("README.md", "Quick start"): ("getting-started.md", "Quick start")}
+#: The README is the front page; the manual is docs/.
+README_LINES = 250
 #: Settings made shorter for the test (the docs show real values).
 SHORTER = {"iterations=60": "iterations=2", "total_episodes=128_000": "total_episodes=64"}
 #: Commands cheap enough to run for real on a CPU (in a temporary folder).
@@ -57,9 +66,16 @@ def python_sections() -> list[tuple[str, str]]:
         doc = document(path, PythonCodeBlockParser())
         for example in doc.examples():
             heading = section_of(doc.text, example.start)
-            if (path.name, heading) not in found:
+            if (path.name, heading) not in found and (path.name, heading) not in COPIES:
                 found.append((path.name, heading))
     return found
+
+
+def python_blocks(name: str, heading: str) -> list[str]:
+    """The source of the Python blocks of section ``heading`` of document ``name``, in order."""
+    path = next(p for p in DOCS if p.name == name)
+    doc = document(path, PythonCodeBlockParser())
+    return [str(e.parsed) for e in doc.examples() if section_of(doc.text, e.start) == heading]
 
 
 def section_of(text: str, offset: int) -> str:
@@ -113,6 +129,65 @@ def test_python_blocks_run(name, heading, models, tmp_path, monkeypatch, cache_r
     assert examples
     for example in examples:
         example.evaluate()
+
+
+@pytest.mark.parametrize(("copy", "original"), COPIES.items(), ids=[f"{c[0]}: {c[1]}" for c in COPIES])
+def test_copied_python_blocks_are_the_ones_that_run(copy, original):
+    blocks = python_blocks(*copy)
+    assert blocks, f"{copy} has no Python blocks any more: drop it from COPIES"
+    assert blocks == python_blocks(*original)[: len(blocks)], f"{copy[0]}'s {copy[1]!r} differs from {original[0]}'s"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The site
+# --------------------------------------------------------------------------------------------------------------------
+class _MkDocsLoader(yaml.SafeLoader):
+    """mkdocs.yml as data: its ``!!python/...`` tags (the slugify function) read as None, nothing is imported."""
+
+
+_MkDocsLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+
+
+def nav_pages(entries) -> list[str]:
+    """Every page a mkdocs ``nav`` names, depth first."""
+    if isinstance(entries, str):
+        return [entries]
+    if isinstance(entries, dict):
+        return [page for value in entries.values() for page in nav_pages(value)]
+    return [page for entry in entries for page in nav_pages(entry)]
+
+
+def test_every_page_is_in_the_nav():
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_MkDocsLoader)
+    docs_dir = ROOT / config.get("docs_dir", "docs")
+    listed = nav_pages(config["nav"])
+    pages = sorted(str(p.relative_to(docs_dir)) for p in docs_dir.rglob("*.md"))
+    assert len(set(listed)) == len(listed), "a page is in the nav twice"
+    missing, absent = sorted(set(pages) - set(listed)), sorted(set(listed) - set(pages))
+    assert not missing, f"pages missing from mkdocs.yml's nav: {missing}"
+    assert not absent, f"nav entries with no page: {absent}"
+    assert all(p.parent == ROOT / "docs" for p in docs_dir.rglob("*.md")), "DOCS reads docs/*.md only: add the folder"
+
+
+def test_the_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines: move sections into docs/"
+
+
+def github_anchors(path: Path) -> set[str]:
+    """The anchors GitHub (and the site, whose slugify is GitHub's) gives the headings of ``path``."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.replace("`", "").strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_readme_links_resolve():
+    """The README is read on GitHub and PyPI, outside the site's strict build: its links into docs/ must hold."""
+    links = re.findall(r"\]\(([^)#\s]+\.md)(?:#([^)\s]+))?\)", (ROOT / "README.md").read_text())
+    assert links
+    for target, anchor in links:
+        assert (ROOT / target).is_file(), f"README.md links to {target}, which does not exist"
+        assert not anchor or anchor in github_anchors(ROOT / target), f"{target} has no heading #{anchor}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -197,6 +272,8 @@ def check_command(command: str) -> None:
             assert re.search(rf"^{extra} = \[", pyproject, re.M), f"no extra {extra!r} in pyproject.toml"
     elif program in ("python", "python3") and argv[:2] == ["-m", "pytest"]:
         assert command.replace("python ", "python3 ") in (ROOT / ".ci" / "run").read_text()
+    elif program in ("python", "python3") and argv[:2] == ["-m", "mkdocs"]:
+        check_mkdocs(argv[2:])
     elif program in ("python", "python3"):
         assert (ROOT / argv[0]).is_file(), f"{argv[0]} does not exist"
     elif program == "trl":
@@ -210,6 +287,26 @@ def check_command(command: str) -> None:
         import ruff  # noqa: F401  (installed by the dev extra; CI's workflow runs it)
     else:
         assert command.startswith(FOREIGN), f"a command the docs test does not know: {command}"
+
+
+def check_mkdocs(argv: list[str]) -> None:
+    """``mkdocs build|serve ...``: a command of mkdocs' own CLI (parsed by it when the docs extra is installed), run
+    where mkdocs.yml is; a build is strict, as in ``.ci/run``."""
+    assert argv and argv[0] in ("build", "serve"), f"mkdocs {' '.join(argv)}: the docs use build and serve"
+    assert (ROOT / "mkdocs.yml").is_file(), "mkdocs.yml does not exist"
+    if argv[0] == "build":
+        assert "--strict" in argv, "the docs build is strict (as .ci/run builds it)"
+        assert "-m mkdocs build --strict" in (ROOT / ".ci" / "run").read_text(), ".ci/run does not build the docs"
+    try:
+        from mkdocs.__main__ import cli
+    except ImportError:  # the docs extra is not installed: the command's shape is checked above
+        return
+    import click
+
+    try:
+        cli.commands[argv[0]].make_context(argv[0], argv[1:])
+    except click.ClickException as error:
+        raise AssertionError(f"mkdocs {' '.join(argv)}: {error.format_message()}") from error
 
 
 @pytest.mark.parametrize(("name", "command"), shell_commands(), ids=[c[:60] for _, c in shell_commands()])
@@ -226,6 +323,8 @@ def test_shell_commands_are_what_their_programs_read(name, command):
         "accelerate launch --config_file recipes/accelerate/nope.yaml recipes/ppo_max.py",
         "accelerate launch recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml --learnig_rate 1",
         'pip install -e ".[nonexistent]"',
+        "python3 -m mkdocs biuld --strict",
+        "python3 -m mkdocs build",  # not strict
     ],
 )
 def test_the_command_check_catches_drift(command):
@@ -234,9 +333,10 @@ def test_the_command_check_catches_drift(command):
 
 
 @pytest.mark.parametrize("command", RUN)
-def test_cheap_commands_run(command, tmp_path):
+def test_cheap_commands_run(command, tmp_path, monkeypatch):
+    """In-process, as the installed ``trl-ppomax`` would run it (``tests/test_tiny.py`` runs the console script)."""
+    from trl_ppomax.cli import main
+
     assert any(command == c for _, c in shell_commands()), f"{command!r} is not in the docs any more"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    words = [sys.executable, "-m", "trl_ppomax.cli", *shlex.split(command)[1:]]
-    result = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(command)[1:]) == 0

@@ -2,7 +2,7 @@
 
 The trainer logs them; :class:`~trl_ppomax.CollapseMonitor`, plotting, the toy world and the benchmarks read them
 through these constants, so a rename cannot leave a reader behind (a test checks it). Evaluation adds the ``eval_``
-prefix (:func:`eval_name`). The glossary is the README's "Metrics" section.
+prefix (:func:`eval_name`). The glossary is the "Metrics" section of docs/reference.md.
 """
 
 from __future__ import annotations
