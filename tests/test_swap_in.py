@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -17,8 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl112_style.py"
 
 
-def run_script(paths: dict, use_peft: bool, output_dir: Path) -> subprocess.CompletedProcess:
-    """TRL 1.12's example on ``paths`` (``sft``, ``reward``, ``prompts`` folders)."""
+def run_script(paths: dict, use_peft: bool, output_dir: Path, monkeypatch, capsys) -> str:
+    """TRL 1.12's example on ``paths`` (``sft``, ``reward``, ``prompts`` folders), run as ``python ppo.py ...`` runs
+    it (``__main__``, its own ``sys.argv``) but in this process; returns what it printed."""
     args = [
         "--model_name_or_path", paths["sft"],
         "--sft_model_path", paths["sft"],
@@ -45,10 +45,11 @@ def run_script(paths: dict, use_peft: bool, output_dir: Path) -> subprocess.Comp
     ]  # fmt: skip
     if use_peft:
         args += ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
+    capsys.readouterr()
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    return capsys.readouterr().out
 
 
 def logged_metrics(stdout: str) -> list[dict]:
@@ -71,16 +72,15 @@ def test_script_differs_from_trl112_only_in_the_trainer_import():
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "peft"])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-def test_trl112_script_runs_unchanged(user_folders, tmp_path, arch, use_peft):
+def test_trl112_script_runs_unchanged(user_folders, tmp_path, monkeypatch, capsys, arch, use_peft):
     """On the folders trl.SFTTrainer and trl.RewardTrainer wrote, whose tokenizer has one token fewer than the
     script's once it adds [PAD] (ids all the same, the embedding with room for it)."""
     output_dir = tmp_path / "out"
-    result = run_script(user_folders[arch], use_peft, output_dir)
-    assert result.returncode == 0, f"script failed ({result.returncode}):\n{result.stderr[-6000:]}"
+    stdout = run_script(user_folders[arch], use_peft, output_dir, monkeypatch, capsys)
 
     # Metrics were logged at every iteration (16 episodes / batch 4 = 4 iterations, logging_steps=1).
-    logs = logged_metrics(result.stdout)
-    assert len(logs) == 4, result.stdout[-4000:]
+    logs = logged_metrics(stdout)
+    assert len(logs) == 4, stdout[-4000:]
     for log in logs:
         for name in ("objective/kl", "objective/scores", "loss/policy", "loss/value", "policy/entropy"):
             assert name in log, f"{name} missing from {log}"
