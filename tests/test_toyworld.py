@@ -83,7 +83,9 @@ def test_ppo_max_stays_stable_and_the_monitor_stays_quiet(forty_iterations):
     assert signals == set()
 
 
+@pytest.mark.slow  # half a minute: the whole demo in its own process (.ci/run runs it)
 def test_recipe_without_arguments_runs_the_toy_world(world, cache_root, tmp_path):
+    """``accelerate launch recipes/ppo_max.py``, the README's second command, with no arguments: the toy world."""
     env = {**os.environ, "TRL_PPOMAX_CACHE": str(cache_root), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [
         sys.executable,
