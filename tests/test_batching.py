@@ -88,7 +88,7 @@ def test_one_sample_per_prompt_is_the_rollout_of_one_generate_call(tmp_path):
     batch = trainer.prompt_batches[0]
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     torch.manual_seed(0)
-    kwargs = trainer._generation_kwargs(True, prompt_width=batch["input_ids"].shape[1])
+    kwargs = trainer.generation.generation_kwargs(True, prompt_width=batch["input_ids"].shape[1])
     responses, mask = generate_responses(policy, batch["input_ids"], batch["attention_mask"], kwargs)
     width = rollout.response_ids.shape[1]
     assert torch.equal(rollout.response_ids, responses[:, :width]) and torch.equal(

@@ -295,7 +295,7 @@ def test_sampling_settings_reach_generate(tmp_path):
     from trl_ppomax.rollout import GeneratedTokensPenalty, NucleusFilter
 
     trainer = make_trainer(tmp_path)
-    kwargs = trainer._generation_kwargs(prompt_width=7)
+    kwargs = trainer.generation.generation_kwargs(prompt_width=7)
     penalty, temperature, top_p = kwargs["logits_processor"]  # the penalty first, on the raw logits, as HF orders it
     assert isinstance(penalty, GeneratedTokensPenalty) and penalty.penalty == 1.1
     assert penalty.prompt_width == 7  # the prompt is exempt (§6.1)
@@ -303,7 +303,7 @@ def test_sampling_settings_reach_generate(tmp_path):
     assert isinstance(top_p, NucleusFilter) and top_p.top_p == 0.9
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (1.0, 1.0, 0)  # no second warper from generate
     assert kwargs["eos_token_id"] == trainer.processing_class.eos_token_id
-    assert trainer._generation_kwargs(sampling=False)["do_sample"] is False
+    assert trainer.generation.generation_kwargs(sampling=False)["do_sample"] is False
 
 
 def test_repetition_penalty_spares_the_prompt(tmp_path):
@@ -318,7 +318,7 @@ def test_repetition_penalty_spares_the_prompt(tmp_path):
     favourite = int(logits.argmax())
     with torch.no_grad():  # make the model's next-token choice a token of the prompt, far ahead of the rest
         policy.lm_head.weight[6] = policy.lm_head.weight[favourite] * 50
-    kwargs = trainer._generation_kwargs(prompt_width=prompt.shape[1])
+    kwargs = trainer.generation.generation_kwargs(prompt_width=prompt.shape[1])
     kwargs.update(max_new_tokens=3, eos_token_id=None)
     torch.manual_seed(0)
     responses = policy.generate(input_ids=prompt, attention_mask=mask, **kwargs)[0, prompt.shape[1] :]

@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax import metrics as M
-from trl_ppomax.rollout import generate_responses
+from trl_ppomax.generation import HFGeneration
 from trl_ppomax.tiny import build_tokenizer, llama_config, prompt_texts
 
 pytestmark = pytest.mark.vllm
@@ -66,7 +66,8 @@ def greedy_pair(trainer, prompts):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in prompts])
     ids, mask = batch["input_ids"], batch["attention_mask"]
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
-    hf = generate_responses(policy, ids, mask, trainer._generation_kwargs(sampling=False, prompt_width=ids.shape[1]))
+    hf_engine = HFGeneration(policy, trainer.args, trainer.stop_token_id, trainer.processing_class.pad_token_id)
+    hf = hf_engine.generate(ids, mask, sampling=False)[:2]
     engine = trainer.vllm.generate(ids, mask, sampling=False)
     return hf, engine
 

@@ -29,6 +29,7 @@ from . import metrics as M
 from .advantages import ESTIMATORS
 from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
+from .generation import HFGeneration
 from .hub import TAGS
 from .modeling import PolicyAndCritic
 from .plotting import DynamicsFigureCallback
@@ -38,8 +39,6 @@ from .rollout import (
     Experience,
     Rollout,
     drop_non_finite,
-    generate_responses,
-    generation_kwargs,
     kept_gather,
     logprobs_and_perplexity,
     merge_rollouts,
@@ -140,10 +139,17 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
-        self.vllm = None  # rollouts by vLLM (vllm_engine.py)
+        # The rollout's first half, generation (generation.py): the policy's generate, or vLLM (vllm_engine.py)
+        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         if args.use_vllm:
-            policy = self.accelerator.unwrap_model(self.model_wrapped).policy
-            self.vllm = VLLMEngine(args, self.accelerator, policy, processing_class, self.stop_token_id)
+            self.generation = VLLMEngine(args, self.accelerator, policy, processing_class, self.stop_token_id)
+        else:
+            self.generation = HFGeneration(policy, args, self.stop_token_id, processing_class.pad_token_id)
+
+    @property
+    def vllm(self) -> VLLMEngine | None:
+        """The vLLM engine when ``use_vllm=True`` (the generation engine then), else None."""
+        return self.generation if isinstance(self.generation, VLLMEngine) else None
 
     @property
     def total_episodes(self) -> int:
@@ -246,10 +252,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             steps = args.num_ppo_epochs * args.num_mini_batches
             if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:  # nothing was trained
                 problem = f"non-finite gradients: all {steps} optimizer steps skipped"
-            elif self.vllm is not None and iteration > args.critic_warmup_steps:
-                self.vllm.mark_stale()  # the policy changed: its weights go to vLLM before the next rollout
+            elif iteration > args.critic_warmup_steps:
+                self.generation.on_policy_updated()  # e.g. vLLM gets the new weights before the next rollout
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
-        metrics.update(self.vllm.pop_metrics() if self.vllm is not None else {})
+        metrics.update(self.generation.pop_metrics())
         if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
             optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
         metrics.update({name: float(value) for name, value in self.ppo_state.counters.items()})
@@ -320,7 +326,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.model.eval()
         with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
             with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                samples = [self._sample(wrapper, i, m, sampling, n) for i, m in data.progress(chunks, self.args)]
+                samples = [self.generation.generate(i, m, sampling, n) for i, m in data.progress(chunks, self.args)]
                 responses, mask, sampler = zip(*samples, strict=True)
                 responses, mask = pad_right(responses, pad_id), pad_right(mask, 0)
                 sampler = None if sampler[0] is None else pad_right(sampler, 0.0)
@@ -344,8 +350,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         a :class:`Rollout` without the log-prob and value forwards of :meth:`rollout` (those fields are empty)."""
         self.model.eval()
         with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
-            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                responses, mask, _ = self._sample(wrapper, query_ids, query_mask, sampling, 1)
+            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
+                responses, mask, _ = self.generation.generate(query_ids, query_mask, sampling, 1)
             inputs = sequence_inputs(query_ids, query_mask, responses, mask)
             scores, _ = self.reward_sources.score(self.processing_class, inputs, query_mask, mask, columns)
         self.model.train()
@@ -354,15 +360,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         )
         unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
         return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
-
-    def _sample(self, wrapper: PolicyAndCritic, query_ids, query_mask, sampling: bool, n: int):
-        """``(responses, mask, sampler log-probs or None)`` (B·n, T) of one chunk of prompts, by ``generate`` or
-        vLLM."""
-        if self.vllm is not None:
-            return self.vllm.generate(query_ids, query_mask, sampling, n)
-        kwargs = self._generation_kwargs(sampling, prompt_width=query_ids.shape[1])
-        kwargs["num_return_sequences"] = n
-        return *generate_responses(wrapper.policy, query_ids, query_mask, kwargs), None
 
     def _forward_groups(self, query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[torch.Tensor], int]:
         """Row indices of the no-grad forward micro-batches, and how many forwards every process runs: packed under
@@ -386,7 +383,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         weights = (  # vLLM sampled: the gap to the HF forward, corrected when configured
             None
             if sampler_logprobs is None
-            else self.vllm.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
+            else self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
         )
         with modeling.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             ref_logits = modeling.response_logits(reference, inputs, width)
@@ -422,10 +419,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             values=modeling.token_values(critic, inputs, mask.shape[1]) * mask,
             scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, penalty),
         )
-
-    def _generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
-        pad_id = self.processing_class.pad_token_id
-        return generation_kwargs(self.args, self.stop_token_id, pad_id, sampling, prompt_width)
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 2: rewards and advantages

@@ -48,8 +48,8 @@ def _require_vllm() -> None:
 
 class VLLMEngine:
     """The trainer's generation engine when ``use_vllm=True``, built after ``accelerator.prepare``. The weights are
-    pushed before the first rollout and after every iteration whose update changed the policy (``mark_stale``), never
-    during critic warm-up."""
+    pushed before the first rollout and after every iteration whose update changed the policy
+    (``on_policy_updated``), never during critic warm-up. The interface is :mod:`~trl_ppomax.generation`'s."""
 
     def __init__(self, args, accelerator, policy, tokenizer, stop_id: int | None) -> None:
         """``policy``: the unwrapped policy the engine serves; ``stop_id``: the token ending a response (or None)."""
@@ -94,7 +94,7 @@ class VLLMEngine:
         self.stale = True  # a policy built in code, or a PEFT adapter: push the trained weights before generating
         self.stats: dict[str, list[float]] = defaultdict(list)
 
-    def mark_stale(self) -> None:
+    def on_policy_updated(self) -> None:
         """The policy changed (an optimizer step on it): push its weights before the next generation."""
         self.stale = True
 
