@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-import trl_ppomax.ppo_trainer as ppo_trainer_module
+import trl_ppomax.generation as generation_module
 from trl_ppomax import PPOMaxTrainer
 from trl_ppomax.testing import engine_name, tiny_trainer
 
@@ -176,7 +176,7 @@ class Probe:
 
     # generation
     def install_generation_probe(self) -> None:
-        original = ppo_trainer_module.generate_responses
+        original = generation_module.generate_responses
 
         def probed(model, *args, **kwargs):
             wrapper = self.wrapper
@@ -201,7 +201,7 @@ class Probe:
                 for key, value in gen.items():
                     self.generation[key] = max(self.generation[key], value)
 
-        ppo_trainer_module.generate_responses = probed
+        generation_module.generate_responses = probed
 
     # after the iteration
     def optimizer_and_master(self) -> dict:

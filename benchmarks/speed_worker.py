@@ -51,11 +51,11 @@ def instrument(impl: str) -> None:
         wrap(module, "forward", "scoring_forwards", no_grad_only=True)  # reference log-probs
         wrap(module, "get_reward", "scoring_forwards", no_grad_only=True)  # values and scores
     else:
+        import trl_ppomax.generation as generation
         import trl_ppomax.modeling as modeling
-        import trl_ppomax.ppo_trainer as trainer
         import trl_ppomax.rewards as rewards
 
-        wrap(trainer, "generate_responses", "generation")
+        wrap(generation, "generate_responses", "generation")
         if impl == "ppomax+vllm":
             import trl_ppomax.vllm_engine as engine
 

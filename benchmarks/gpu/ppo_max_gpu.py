@@ -132,7 +132,7 @@ def count_generation(impl: str) -> None:
 
         count_generated(VLLMEngine, "generate", lambda a, out: out[1].sum())
     else:
-        import trl_ppomax.ppo_trainer as module
+        import trl_ppomax.generation as module
 
         count_generated(module, "generate_responses", lambda a, out: out[1].sum())
 
