@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from user_setups import write_plain_folders
 
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.tiny import build_llama_style_tokenizer
+from trl_ppomax.tiny import build_llama_style_tokenizer, llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -87,17 +87,7 @@ def section_of(text: str, offset: int) -> str:
 def save_moss_models(folder: Path) -> None:
     """A tiny LLaMA-style policy and reward model with the MOSS-RLHF tokenizer set-up, as `moss recover` writes."""
     tokenizer = setup_tokenizer(build_llama_style_tokenizer("en"), "en")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = llama_config(tokenizer)  # hidden 32, 2 layers, the tokenizer's special ids
     for name, cls in (("moss-sft-7b-en", LlamaForCausalLM), ("moss-reward-7b-en", LlamaForSequenceClassification)):
         cls(LlamaConfig(**config.to_dict(), num_labels=1)).save_pretrained(folder / name)
         tokenizer.save_pretrained(folder / name)

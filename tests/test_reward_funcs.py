@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import TINY, changed, snapshot
+from helpers import TINY, changed, make_trainer, snapshot
 from transformers import AutoModelForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
@@ -214,17 +214,7 @@ def test_a_function_returning_none_for_every_sample_is_said_as_none(tmp_path, ca
     def abstains(completions, **kwargs):
         return [None] * len(completions)
 
-    tokenizer, policy, _ = build_models("llama")
-    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), max_skipped_iterations=1, **SMALL)
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_funcs=abstains,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(8)}),
-        value_model=build_models("llama")[2],
-    )
+    trainer = make_trainer(tmp_path, reward=abstains, value_model=build_models("llama")[2], max_skipped_iterations=1)
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match=r"no finite reward \(None, NaN or inf\)"):
         trainer.train()
-    assert "The reward function 'abstains' returned None for all 4 completions" in caplog.text
+    assert "The reward function 'abstains' returned None for all 16 completions" in caplog.text
