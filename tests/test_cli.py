@@ -252,3 +252,13 @@ def test_evaluate_refuses_settings_that_cannot_work_before_loading(evaluate_base
 def test_evaluate_takes_temperature_zero_with_greedy(evaluate_base):
     with pytest.raises(AssertionError, match="loaded before the settings were checked"):  # got past the checks
         main([*evaluate_base, "--temperature", "0", "--greedy"])
+
+
+def test_consolidate_names_what_is_missing(tmp_path, capsys):
+    """``trl-ppomax consolidate`` on a folder without an engine checkpoint: a one-line error, exit 2 (the real
+    consolidation runs on a ZeRO-3 run's checkpoint in tests/test_engines.py)."""
+    from trl_ppomax.tiny import save_tiny_models
+
+    plain = save_tiny_models(tmp_path / "tiny")["sft"]
+    assert main(["consolidate", plain]) == 2
+    assert "holds no DeepSpeed engine checkpoint" in capsys.readouterr().err

@@ -390,6 +390,7 @@ def test_the_reward_command_with_a_deepspeed_json_of_the_users_own_under_zero3(t
 CONSOLIDATION_ADVICE = (
     "zero_to_fp32.py",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "trl-ppomax consolidate",
     "consolidate_engine_checkpoint",
     '"stage3_gather_16bit_weights_on_model_save": true under "zero_optimization"',
 )
@@ -527,7 +528,11 @@ def test_zero3_engine_checkpoint_consolidates_into_a_loadable_model(engine_only,
     model.load_state_dict(sub_state_dict(state, "policy."), strict=True)
     check(model)
 
-    plain = consolidate_engine_checkpoint(engine_only.dir / "checkpoint-4", tmp_path / "plain")
+    from trl_ppomax.cli import main as cli
+
+    plain = tmp_path / "plain"  # the command the warnings name, then the function it runs
+    assert cli(["consolidate", str(engine_only.dir / "checkpoint-4"), "--output", str(plain)]) == 0
+    assert consolidate_engine_checkpoint(engine_only.dir / "checkpoint-4", tmp_path / "again") == tmp_path / "again"
     model, info = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     check(model)

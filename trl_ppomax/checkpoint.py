@@ -79,8 +79,8 @@ def engine_checkpoint_advice(folder: str) -> str:
     """How to turn the sharded DeepSpeed engine checkpoint in ``folder`` into plain model folders, and how to save
     plain folders directly next time (the end of the warnings about engine-only saves)."""
     return (
-        'To get a plain transformers folder (policy at the top, critic/ when the folder has one): python -c "from '
-        f"trl_ppomax.checkpoint import consolidate_engine_checkpoint; consolidate_engine_checkpoint('{folder}')\" "
+        "To get a plain transformers folder (policy at the top, critic/ when the folder has one): "
+        f"`trl-ppomax consolidate {folder}`, or consolidate_engine_checkpoint('{folder}') from trl_ppomax.checkpoint "
         "(on CPU, no GPU needed; it needs memory for the fp32 weights). DeepSpeed's own converters work too, "
         f"`python {os.path.join(folder, 'zero_to_fp32.py')} {folder} OUT` or "
         f"deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict('{folder}', 'OUT'): their state "

@@ -145,6 +145,21 @@ def save_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def consolidate(args: argparse.Namespace) -> int:
+    """Turn a folder holding only DeepSpeed's sharded engine checkpoint (a ZeRO-3 run without
+    stage3_gather_16bit_weights_on_model_save) into plain transformers folders: the policy, and critic/ beside it."""
+    from .checkpoint import consolidate_engine_checkpoint
+
+    try:
+        output = consolidate_engine_checkpoint(args.folder, args.output)
+    except (ValueError, FileNotFoundError) as err:
+        return _fail("consolidate", err)
+    print(f"policy: {output}")
+    if (Path(output) / "critic" / "config.json").is_file():
+        print(f"critic: {Path(output) / 'critic'}")
+    return 0
+
+
 def _size(n: int) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -414,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=["llama", "gpt_neox"], default="llama", help="model architecture")
     tiny.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
     tiny.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR even if it is not empty")
+    merge = _command(commands, "consolidate", consolidate)
+    merge.add_argument("folder", metavar="DIR", help="a checkpoint-N or save_model folder of the run")
+    merge.add_argument("--output", metavar="DIR", help="where to write the plain folders (default: DIR itself)")
     _add_push(commands)
     _add_moss(commands)
     _add_plot(commands)
