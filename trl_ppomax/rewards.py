@@ -131,7 +131,7 @@ def call_reward_function(
     completion_ids: list[list[int]] | None = None,
     columns: dict[str, list] | None = None,
     texts: tuple[list[str], list[str]] | None = None,
-    sequence_texts: list[str] | None = None,
+    sequence_texts: Callable[[], list[str]] | None = None,
 ) -> torch.Tensor:
     """Scores (B,) of a Python reward ``function``, called as TRL's ``GRPOTrainer`` does:
     ``function(prompts=, completions=, completion_ids=, **columns)`` (only the keywords it accepts, unless it takes
@@ -144,7 +144,7 @@ def call_reward_function(
     numpy array or 1-D tensor; anything else raises a ``ValueError`` blaming it and showing what it returned."""
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
     if sequence_texts is not None and _names_parameter(function, "sequence_texts"):
-        keywords["sequence_texts"] = sequence_texts
+        keywords["sequence_texts"] = sequence_texts()
     problem = reward_function_problem(function, list(keywords))
     if problem:  # before calling it: a TypeError raised inside the function is its own
         raise TypeError(problem)
@@ -239,8 +239,9 @@ def completion_texts(
 ) -> dict:
     """What a reward source gets for ``(query_ids, query_mask, response_ids, response_mask)``: decoded ``texts``,
     TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``,
-    and ``sequence_texts``: each row's prompt ⊕ response ids decoded once, padding removed, special tokens kept (an
-    EOS the response ended with too), OpenRLHF's remote reward ``query``."""
+    and ``sequence_texts``: a function returning each row's prompt ⊕ response ids decoded once, padding removed,
+    special tokens kept (an EOS the response ended with too), OpenRLHF's remote reward ``query``; called only for the
+    sources that take them (one more decode of every row)."""
     query_ids, query_mask, response_ids, response_mask = rollout_ids
     texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
     columns = dict(columns or {})
@@ -249,8 +250,11 @@ def completion_texts(
     if is_conversational({"prompt": prompts[0]}):
         completions = [[{"role": "assistant", "content": text}] for text in completions]
     ids = [row[m.bool()].tolist() for row, m in zip(response_ids, response_mask, strict=True)]
-    prompt_ids = [row[m.bool()].tolist() for row, m in zip(query_ids, query_mask, strict=True)]
-    sequence_texts = [tokenizer.decode(p + r, skip_special_tokens=False) for p, r in zip(prompt_ids, ids, strict=True)]
+
+    def sequence_texts() -> list[str]:
+        prompt_ids = [row[m.bool()].tolist() for row, m in zip(query_ids, query_mask, strict=True)]
+        return [tokenizer.decode(p + r, skip_special_tokens=False) for p, r in zip(prompt_ids, ids, strict=True)]
+
     return dict(
         prompts=prompts,
         completions=completions,
