@@ -5,7 +5,7 @@ Run under ``accelerate launch --config_file recipes/accelerate/<engine>_cpu.yaml
 
     engine_memory_worker.py OUTPUT_DIR [--no-ds3-gather] [--persistence-threshold N] [--fsdp-on-cpu]
 
-``--fsdp-on-cpu`` makes FSDP2 really shard on CPU processes (:func:`trl_ppomax.testing.let_fsdp_run_on_cpu`; accelerate
+``--fsdp-on-cpu`` makes FSDP2 really shard on CPU processes (``tests/helpers.let_fsdp_run_on_cpu``; accelerate
 runs DDP on CPU otherwise).
 
 Builds a :class:`~trl_ppomax.PPOMaxTrainer` on the tiny models (fp32, CPU, two iterations of 2 PPO epochs × 2
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +42,9 @@ from transformers import TrainerCallback
 
 import trl_ppomax.generation as generation_module
 from trl_ppomax import PPOMaxTrainer
-from trl_ppomax.testing import engine_name, tiny_trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/helpers.py
+from helpers import engine_name, tiny_trainer
 
 
 def parse() -> argparse.Namespace:

@@ -56,7 +56,7 @@ def build_assets(folder: Path) -> Path:
     from datasets import Dataset, load_dataset
     from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
 
-    from trl_ppomax.tiny import SPECIALS, WORDS, llama_config, word_level_tokenizer
+    from trl_ppomax.toyworld.tiny import SPECIALS, WORDS, llama_config, word_level_tokenizer
 
     words = WORDS + [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIALS) - len(WORDS))]
     tokenizer = word_level_tokenizer(SPECIALS + words)

@@ -65,7 +65,7 @@ def write_sharded(tensors: dict[str, torch.Tensor], folder: Path, shards: int, f
 def write_config_and_tokenizer(folder: Path, layers: int, hidden: int, intermediate: int, vocab: int) -> None:
     from transformers import LlamaConfig
 
-    from trl_ppomax.tiny import build_llama_style_tokenizer
+    from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
     LlamaConfig(
         vocab_size=vocab,

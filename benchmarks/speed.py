@@ -67,7 +67,7 @@ def build_assets(folder: Path) -> Path:
     from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    from trl_ppomax.tiny import llama_config, word_level_tokenizer
+    from trl_ppomax.toyworld.tiny import llama_config, word_level_tokenizer
     from trl_ppomax.toyworld.world import WorldSampler, vocabulary
 
     words = vocabulary()

@@ -52,12 +52,12 @@ def instrument(impl: str) -> None:
         wrap(module, "get_reward", "scoring_forwards", no_grad_only=True)  # values and scores
     else:
         import trl_ppomax.generation as generation
-        import trl_ppomax.modeling as modeling
+        import trl_ppomax.models as modeling
         import trl_ppomax.rewards as rewards
 
         wrap(generation, "generate_responses", "generation")
         if impl == "ppomax+vllm":
-            import trl_ppomax.vllm_engine as engine
+            import trl_ppomax.generation.vllm as engine
 
             wrap(engine.VLLMEngine, "generate", "generation")  # includes the weight sync, timed apart too
             wrap(engine.VLLMEngine, "sync", "weight_sync")
@@ -70,7 +70,7 @@ TOKENS = {"padded": 0, "real": 0}
 
 def count_tokens() -> None:
     """Count the padded and real tokens of every forward's inputs (``sequence_inputs``: rollout forwards and update)."""
-    import trl_ppomax.ppo_trainer as trainer
+    import trl_ppomax.ppo.trainer as trainer
 
     original = trainer.sequence_inputs
 
@@ -121,7 +121,7 @@ def main() -> None:
     else:
         from trl_ppomax import PPOMaxConfig as PPOConfig
         from trl_ppomax import PPOMaxTrainer as PPOTrainer
-        from trl_ppomax import metrics
+        from trl_ppomax.ppo import metrics
 
         kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}

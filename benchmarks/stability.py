@@ -38,9 +38,9 @@ from typing import NamedTuple
 
 from transformers import TrainerCallback
 
-from trl_ppomax.files import atomic_file, write_json
-from trl_ppomax.metrics import EPISODE
-from trl_ppomax.plotting import training_dynamics_figure
+from trl_ppomax.data.files import atomic_file, write_json
+from trl_ppomax.ppo.metrics import EPISODE
+from trl_ppomax.reporting.plotting import training_dynamics_figure
 from trl_ppomax.toyworld.build import WorldSettings, prepare_world
 from trl_ppomax.toyworld.pipeline import CURVE_KEYS, METHODS, ppo_config, run_method, win_tie_lose_vs_sft
 
@@ -265,7 +265,7 @@ def as_log_history(curves: dict[str, list[float]]) -> list[dict[str, float]]:
 
 
 def plot(results: dict, path: Path, title: str | None = None) -> None:
-    """The methods' mean curves overlaid (trl_ppomax.plotting), with the SFT policy's gold reward as a reference."""
+    """The methods' mean curves overlaid (trl_ppomax.reporting.plotting), with the SFT policy's gold reward as a reference."""
     histories = {name: as_log_history(m["curves"]) for name, m in results["methods"].items() if m["curves"]}
     if not histories:
         return

@@ -1,4 +1,4 @@
-"""Train a policy with PPO-max: a thin wrapper around `trl_ppomax.scripts.ppo` (the `trl-ppomax ppo` command).
+"""Train a policy with PPO-max: a thin wrapper around `trl_ppomax.cli.ppo` (the `trl-ppomax ppo` command).
 
     # no arguments: the toy world (SFT → reward model → PPO-max, with a known gold reward), CPU, a few minutes
     accelerate launch recipes/ppo_max.py
@@ -11,7 +11,7 @@
         --config recipes/configs/moss_7b_en.yaml
 
 The same without the repository: `trl-ppomax ppo --config tiny_cpu`, `trl-ppomax ppo --config moss_7b_en
---accelerate_config zero2`. The code, and every field's documentation, is in `trl_ppomax/scripts/ppo.py`.
+--accelerate_config zero2`. The code, and every field's documentation, is in `trl_ppomax/cli/ppo.py`.
 """
 
 import sys
@@ -20,7 +20,7 @@ from pathlib import Path
 # From a checkout, use this checkout's trl_ppomax (the code these wrappers belong to), even if another is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trl_ppomax.scripts.ppo import PPOMaxScriptArguments, check_combination, main, run
+from trl_ppomax.cli.ppo import PPOMaxScriptArguments, check_combination, main, run
 
 __all__ = ["PPOMaxScriptArguments", "check_combination", "main", "run"]
 

@@ -1,5 +1,5 @@
 """Fixtures for the tests: nothing is downloaded. Shared helpers live in ``helpers``, tiny models and tokenizers in
-:mod:`trl_ppomax.tiny`."""
+:mod:`trl_ppomax.toyworld.tiny`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from trl_ppomax.tiny import save_tiny_models
 from trl_ppomax.toyworld import WorldSettings, prepare_world
+from trl_ppomax.toyworld.tiny import save_tiny_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """Saved tiny models per architecture, as :func:`trl_ppomax.tiny.save_tiny_models` writes them
+    """Saved tiny models per architecture, as :func:`trl_ppomax.toyworld.tiny.save_tiny_models` writes them
     ({arch: {"sft": path, "reward": path, ...}}), plus "data": a folder whose train.jsonl holds 48 prompts."""
     root = tmp_path_factory.mktemp("tiny")
     paths = {arch: save_tiny_models(root / arch, arch=arch) for arch in ("llama", "gpt_neox")}

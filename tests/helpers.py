@@ -1,7 +1,9 @@
-"""Helpers shared by the test modules and ``tests/scripts``: a tiny PPO-max trainer and parameter snapshots.
+"""Helpers shared by the test modules, the launched ``tests/scripts`` and ``benchmarks/engine_memory_worker.py``: the
+one tiny PPO-max trainer builder, which engine a trainer runs under, and parameter snapshots.
 
-Import them with ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``, as for ``conftest``). Tiny
-models, tokenizers and prompts come from the package itself, :mod:`trl_ppomax.tiny`; fixtures live in ``conftest``.
+Import them with ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``, as for ``conftest``; a launched
+script puts it there itself). Tiny
+models, tokenizers and prompts come from the package itself, :mod:`trl_ppomax.toyworld.tiny`; fixtures live in ``conftest``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
-__all__ = ["SMOKE", "TINY", "StopAt", "changed", "make_trainer", "snapshot"]
+__all__ = ["SMOKE", "TINY", "TINY_RUN", "StopAt", "changed", "engine_name", "make_trainer", "snapshot", "tiny_trainer"]
 
 #: A fast PPO-max run on the tiny models: two iterations of 16 episodes (4 prompts × 2 accumulation steps × 2).
 TINY = dict(
@@ -37,6 +39,23 @@ TINY = dict(
 SMOKE = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
 
 
+#: What every launched tiny run shares; each script sets its batch sizes, episodes and what it checks.
+TINY_RUN = dict(
+    response_length=6,
+    stop_token="eos",
+    learning_rate=1e-3,
+    num_sample_generations=0,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    save_strategy="no",
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    disable_tqdm=True,
+    seed=0,
+)
+
+
 def make_trainer(
     tmp_path,
     reward=None,
@@ -46,13 +65,20 @@ def make_trainer(
     peft_config=None,
     eval_dataset=None,
     arch="llama",
+    *,
+    output_dir=None,
+    base=TINY,
+    callbacks=None,
+    fsdp_on_cpu=False,
     **overrides,
 ):
-    """A :class:`PPOMaxTrainer` on the tiny ``arch`` models with :data:`TINY` (``overrides`` win), writing to
-    ``tmp_path / "out"``; the reward model is the tiny one unless ``reward`` is given, the prompts
-    ``prompt_texts(32)`` unless ``dataset`` is."""
-    tokenizer, policy, reward_model = build_models(arch)
-    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **{**TINY, **overrides})
+    """A :class:`PPOMaxTrainer` on the tiny ``arch`` models with the settings ``base`` (``overrides`` win), writing
+    to ``output_dir`` (default ``tmp_path / "out"``); the reward model is the tiny one unless ``reward`` is given, the
+    prompts ``prompt_texts(32)`` unless ``dataset`` is. ``fsdp_on_cpu``: :func:`let_fsdp_run_on_cpu`."""
+    tokenizer, policy, reward_model = build_models(arch, seed=0)
+    args = PPOMaxConfig(output_dir=str(output_dir or tmp_path / "out"), **{**base, **overrides})
+    if fsdp_on_cpu:
+        let_fsdp_run_on_cpu()  # after the config, which sets up the process state
     return PPOMaxTrainer(
         args=args,
         processing_class=tokenizer,
@@ -64,7 +90,36 @@ def make_trainer(
         ptx_dataset=ptx_dataset,
         peft_config=peft_config,
         eval_dataset=eval_dataset,
+        callbacks=callbacks,
     )
+
+
+def tiny_trainer(output_dir, callbacks=None, fsdp_on_cpu: bool = False, **settings):
+    """The launched scripts' trainer: :func:`make_trainer` with :data:`TINY_RUN` and ``settings``."""
+    return make_trainer(
+        None, output_dir=output_dir, base=TINY_RUN, callbacks=callbacks, fsdp_on_cpu=fsdp_on_cpu, **settings
+    )
+
+
+def engine_name(trainer) -> str:
+    """``deepspeed-zero2``/``-zero3``, ``fsdp2``, ``ddp`` or ``single``: what the trainer actually runs under."""
+    if trainer.is_deepspeed_enabled:
+        return f"deepspeed-zero{trainer.model_wrapped.zero_optimization_stage()}"
+    if trainer.is_fsdp_enabled:
+        return f"fsdp{trainer.accelerator.state.fsdp_plugin.fsdp_version}"
+    return "ddp" if trainer.accelerator.num_processes > 1 else "single"
+
+
+def let_fsdp_run_on_cpu() -> None:
+    """accelerate (1.15) enables FSDP only for GPU-type process groups and silently runs DDP on CPU processes;
+    present the CPU (gloo) group as MULTI_GPU so that FSDP2 really shards. Call it after the config (which sets up
+    the process state) and before the trainer."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
 def snapshot(module):

@@ -1,4 +1,4 @@
-"""The advantage-estimator seam (``trl_ppomax.advantages``): GAE as the registry's first entry, the name checked by
+"""The advantage-estimator seam (``trl_ppomax.ppo.advantages``): GAE as the registry's first entry, the name checked by
 the config, and a registered estimator used by the trainer without any other change."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import make_trainer
 
-from trl_ppomax import PPOMaxConfig, advantages, core
+from trl_ppomax import PPOMaxConfig
+from trl_ppomax.ppo import advantages, core
 
 
 def tokens(seed: int = 0):
@@ -49,8 +50,8 @@ def test_a_registered_estimator_is_the_one_the_trainer_uses(tmp_path, monkeypatc
 
     registry = {**advantages.ESTIMATORS, "negated": advantages.AdvantageEstimator("negated", True, negated_gae)}
     monkeypatch.setattr(advantages, "ESTIMATORS", registry)
-    monkeypatch.setattr("trl_ppomax.ppo_config.ESTIMATORS", registry)
-    monkeypatch.setattr("trl_ppomax.ppo_trainer.ESTIMATORS", registry)
+    monkeypatch.setattr("trl_ppomax.ppo.config.ESTIMATORS", registry)
+    monkeypatch.setattr("trl_ppomax.ppo.trainer.ESTIMATORS", registry)
     runs = {name: make_trainer(tmp_path / name, advantage_estimator=name, whiten_advantages=False)
             for name in ("gae", "negated")}  # fmt: skip
     prompts = runs["gae"].processing_class(["hello how are you", "tell me a story"], return_tensors="pt", padding=True)

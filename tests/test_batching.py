@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import changed, make_trainer, snapshot
 
-from trl_ppomax import PPOMaxConfig, metrics
-from trl_ppomax.rollout import Rollout, generate_responses, merge_rollouts, token_budget_batches
+from trl_ppomax import PPOMaxConfig
+from trl_ppomax.ppo import metrics
+from trl_ppomax.ppo.experience import Rollout, generate_responses, merge_rollouts, token_budget_batches
 
 
 def first_rollout(trainer, n: int = 1) -> Rollout:

@@ -7,9 +7,10 @@ import pytest
 import torch
 from helpers import make_trainer
 
-from trl_ppomax import PPOMaxConfig, core, metrics
-from trl_ppomax.ppo_config import PRESETS
-from trl_ppomax.rollout import Rollout
+from trl_ppomax import PPOMaxConfig
+from trl_ppomax.ppo import core, metrics
+from trl_ppomax.ppo.config import PRESETS
+from trl_ppomax.ppo.experience import Rollout
 
 NEW_OPTIONS = ("reward_norm_freeze", "reward_winsorize", "lam_critic", "lam_alpha")
 

@@ -62,7 +62,7 @@ def test_lazy_package_keeps_the_public_api():
 
     assert set(trl_ppomax.__all__) <= set(dir(trl_ppomax))
     from trl_ppomax import PPOMaxTrainer
-    from trl_ppomax.ppo_trainer import PPOMaxTrainer as direct
+    from trl_ppomax.ppo.trainer import PPOMaxTrainer as direct
 
     assert PPOMaxTrainer is direct
     with pytest.raises(AttributeError):
@@ -120,14 +120,14 @@ def test_env_lists_everything_a_bug_report_needs(capsys, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shipped, repo", [("configs", "configs"), ("accelerate_configs", "accelerate")])
 def test_recipes_use_the_shipped_configs(shipped, repo):
-    assert (ROOT / "recipes" / repo).resolve() == (ROOT / "trl_ppomax" / shipped).resolve()
-    assert list((ROOT / "trl_ppomax" / shipped).glob("*.yaml"))
+    assert (ROOT / "recipes" / repo).resolve() == (ROOT / "trl_ppomax" / "cli" / shipped).resolve()
+    assert list((ROOT / "trl_ppomax" / "cli" / shipped).glob("*.yaml"))
 
 
 def test_config_names_resolve_to_shipped_files(tmp_path):
-    from trl_ppomax.scripts import resolve_accelerate_config, resolve_config, resolve_config_argv
+    from trl_ppomax.cli.arguments import resolve_accelerate_config, resolve_config, resolve_config_argv
 
-    assert resolve_config("tiny_cpu").endswith("trl_ppomax/configs/tiny_cpu.yaml")
+    assert resolve_config("tiny_cpu").endswith("trl_ppomax/cli/configs/tiny_cpu.yaml")
     assert resolve_config("tiny_cpu.yaml") == resolve_config("tiny_cpu")
     mine = tmp_path / "mine.yaml"
     mine.write_text("seed: 1\n")
@@ -158,12 +158,12 @@ def test_accelerate_config_relaunches_through_accelerate(monkeypatch):
     (command,) = calls
     assert command[1:3] == ["-m", "accelerate.commands.launch"]
     assert command[3] == "--config_file" and command[4].endswith("accelerate_configs/deepspeed_zero2.yaml")
-    assert command[5].endswith("trl_ppomax/scripts/ppo.py")
+    assert command[5].endswith("trl_ppomax/cli/ppo.py")
     assert command[6:] == ["--config", module_config("tiny_cpu"), "--seed", "3"]
 
 
 def module_config(name: str) -> str:
-    from trl_ppomax.scripts import resolve_config
+    from trl_ppomax.cli.arguments import resolve_config
 
     return resolve_config(name)
 
@@ -257,7 +257,7 @@ def test_evaluate_takes_temperature_zero_with_greedy(evaluate_base):
 def test_consolidate_names_what_is_missing(tmp_path, capsys):
     """``trl-ppomax consolidate`` on a folder without an engine checkpoint: a one-line error, exit 2 (the real
     consolidation runs on a ZeRO-3 run's checkpoint in tests/test_engines.py)."""
-    from trl_ppomax.tiny import save_tiny_models
+    from trl_ppomax.toyworld.tiny import save_tiny_models
 
     plain = save_tiny_models(tmp_path / "tiny")["sft"]
     assert main(["consolidate", plain]) == 2

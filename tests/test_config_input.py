@@ -17,10 +17,10 @@ from trl import ModelConfig
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig
 from trl_ppomax.cli import TRAINING_COMMANDS, build_parser, main
-from trl_ppomax.ppo_config import _int_fields
-from trl_ppomax.scripts import parse_script_args, read_config, shipped_configs
-from trl_ppomax.scripts.ppo import PPOMaxScriptArguments
-from trl_ppomax.scripts.reward import RewardScriptArguments
+from trl_ppomax.cli.arguments import parse_script_args, read_config, shipped_configs
+from trl_ppomax.cli.ppo import PPOMaxScriptArguments
+from trl_ppomax.cli.reward import RewardScriptArguments
+from trl_ppomax.ppo.config import _int_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = {"output_dir": "out", "bf16": False, "use_cpu": True}
@@ -222,10 +222,12 @@ def test_new_field_names_are_read_as_the_old_ones_on_older_transformers(tmp_path
 # ------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("config", shipped_configs())
 def test_every_shipped_config_builds_without_deprecation_warnings(config, tmp_path, monkeypatch):
-    import trl_ppomax.tiny
+    import trl_ppomax.toyworld.tiny
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(trl_ppomax.tiny, "save_tiny_models", lambda folder: None)  # tiny_cpu builds them otherwise
+    monkeypatch.setattr(
+        trl_ppomax.toyworld.tiny, "save_tiny_models", lambda folder: None
+    )  # tiny_cpu builds them otherwise
     command = "reward" if config.startswith("reward_") else "ppo"
     argv = ["--config", config, "--bf16", "False", "--output_dir", str(tmp_path)]
     with warnings.catch_warnings(record=True) as caught:
@@ -233,7 +235,7 @@ def test_every_shipped_config_builds_without_deprecation_warnings(config, tmp_pa
         _, args, _ = parse_script_args(DATACLASSES[command], argv)
     deprecated = [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
     assert not deprecated
-    text = (ROOT / "trl_ppomax" / "configs" / f"{config}.yaml").read_text()
+    text = (ROOT / "trl_ppomax" / "cli" / "configs" / f"{config}.yaml").read_text()
     assert "\ngradient_checkpointing" not in text
     assert args.activation_checkpointing == ("activation_checkpointing: true" in text)
 

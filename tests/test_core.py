@@ -1,4 +1,4 @@
-"""Unit tests for ``trl_ppomax.core``: hand-computed tensors for every function, plus invariants.
+"""Unit tests for ``trl_ppomax.ppo.core``: hand-computed tensors for every function, plus invariants.
 
 Expected values are written out by hand or computed with plain-Python float loops in the test; the function under
 test never produces its own expectation. Cross-process statistics are tested by running two simulated "processes"
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_ppomax import core
-from trl_ppomax.core import (
+from trl_ppomax.ppo import core
+from trl_ppomax.ppo.core import (
     RunningMoments,
     clipped_policy_loss,
     clipped_value_loss,
@@ -1209,7 +1209,7 @@ def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
     descending ones): at most the one token at the boundary differs, where the two summation orders round apart."""
     from transformers import TopPLogitsWarper
 
-    from trl_ppomax.rollout import NucleusFilter
+    from trl_ppomax.ppo.experience import NucleusFilter
 
     gen = torch.Generator().manual_seed(3)
     for scale in (0.5, 2.0, 6.0):
@@ -1227,7 +1227,7 @@ def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
 def test_generated_tokens_penalty_equals_transformers_with_the_prompt_exempt():
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from trl_ppomax.rollout import GeneratedTokensPenalty
+    from trl_ppomax.ppo.experience import GeneratedTokensPenalty
 
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(4, 50, generator=gen)

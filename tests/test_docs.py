@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from user_setups import write_plain_folders
 
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.tiny import build_llama_style_tokenizer, llama_config
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -205,16 +205,16 @@ def check_training_flags(command: str, argv: list[str]) -> None:
     from transformers import HfArgumentParser
     from trl import ModelConfig
 
-    from trl_ppomax.scripts import resolve_accelerate_config, resolve_config
+    from trl_ppomax.cli.arguments import resolve_accelerate_config, resolve_config
 
     if command == "ppo":
-        from trl_ppomax.ppo_config import PPOMaxConfig
-        from trl_ppomax.scripts.ppo import PPOMaxScriptArguments as Script
+        from trl_ppomax.cli.ppo import PPOMaxScriptArguments as Script
+        from trl_ppomax.ppo.config import PPOMaxConfig
 
         types = (Script, PPOMaxConfig, ModelConfig)
     else:
-        from trl_ppomax.reward_config import PPOMaxRewardConfig
-        from trl_ppomax.scripts.reward import RewardScriptArguments as Script
+        from trl_ppomax.cli.reward import RewardScriptArguments as Script
+        from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
 
         types = (Script, PPOMaxRewardConfig, ModelConfig)
     rest = list(argv)

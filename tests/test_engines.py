@@ -507,8 +507,8 @@ def test_zero3_engine_checkpoint_consolidates_into_a_loadable_model(engine_only,
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from trl_ppomax.checkpoint import consolidate_engine_checkpoint
-    from trl_ppomax.modeling import sub_state_dict
+    from trl_ppomax.models import sub_state_dict
+    from trl_ppomax.ppo.checkpoint import consolidate_engine_checkpoint
 
     main, folder = engine_only.resumed[0], engine_only.dir / "policy"
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -26,17 +26,25 @@ from safetensors.torch import load_file
 from test_core import run_distributed
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 
-from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core, data, hub, rewards
-from trl_ppomax import metrics as M
-from trl_ppomax.checks import CheckpointError, required_checkpoint_files
+from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer, PPOMaxTrainer, data, rewards
 from trl_ppomax.cli import main
 from trl_ppomax.data import looks_local, tokenize_prompt
-from trl_ppomax.files import LOCK_NAME, DiskFullError, OutputDirInUse, file_problem
+from trl_ppomax.data.files import LOCK_NAME, DiskFullError, OutputDirInUse, file_problem
 from trl_ppomax.moss.recovery import TensorFolder, recover
-from trl_ppomax.ppo_state import PPOState
+from trl_ppomax.ppo import core
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo.checks import CheckpointError, required_checkpoint_files
+from trl_ppomax.ppo.experience import Rollout, drop_non_finite, kept_gather
+from trl_ppomax.ppo.state import PPOState
+from trl_ppomax.reporting import hub
 from trl_ppomax.rewards import call_reward_function
-from trl_ppomax.rollout import Rollout, drop_non_finite, kept_gather
-from trl_ppomax.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts, save_tiny_models
+from trl_ppomax.toyworld.tiny import (
+    build_llama_style_tokenizer,
+    build_models,
+    llama_config,
+    prompt_texts,
+    save_tiny_models,
+)
 
 # ==================================================================================================================
 # Bad input and settings: each fails before the first rollout, naming the setting and the fix.
@@ -551,7 +559,7 @@ def trainer_with_foreign_reward_model(tmp_path, saved: bool):
 
 def test_a_critic_warmup_as_long_as_the_run_is_said_loudly(tmp_path, caplog):
     """Issue 26, bad 6: the policy never moved, and nothing said so."""
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo_config"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo.config"):
         make_trainer(tmp_path, critic_warmup_steps=2)
     assert (
         "critic_warmup_steps=2 is not below the run's 2 iterations (total_episodes=32 ÷ batch_size=16" in caplog.text
@@ -1498,10 +1506,8 @@ def test_masked_whiten_with_fewer_than_two_elements(mask, shift_mean, expected):
 # Recipes: a local path that does not exist fails at once, naming the setting
 # ------------------------------------------------------------------------------------------------------------------
 def load_recipe(name: str):
-    """The module behind recipes/<name>.py (a thin wrapper): trl_ppomax.scripts.ppo or trl_ppomax.scripts.reward."""
-    return importlib.import_module(
-        {"ppo_max": "trl_ppomax.scripts.ppo", "reward_modeling": "trl_ppomax.scripts.reward"}[name]
-    )
+    """The module behind recipes/<name>.py (a thin wrapper): trl_ppomax.cli.ppo or trl_ppomax.cli.reward."""
+    return importlib.import_module({"ppo_max": "trl_ppomax.cli.ppo", "reward_modeling": "trl_ppomax.cli.reward"}[name])
 
 
 class NoLoading:
@@ -1778,7 +1784,7 @@ def test_reward_trainer_rejects_a_row_without_a_response(tmp_path, bad_row, colu
     ids=["token-ids", "conversation"],
 )
 def test_preference_row_check_covers_ids_and_conversations(rows, message):
-    from trl_ppomax.reward_trainer import check_preference_rows
+    from trl_ppomax.reward_modeling.trainer import check_preference_rows
 
     with pytest.raises(ValueError, match=message):
         check_preference_rows(Dataset.from_list(rows), "train")
@@ -1896,7 +1902,7 @@ def test_save_model_onto_a_file_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize(("total", "rounded"), [(20, True), (32, False)])
 def test_total_episodes_rounded_up_to_whole_batches_is_said(tmp_path, caplog, total, rounded):
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo_config"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo.config"):
         trainer = make_trainer(tmp_path, total_episodes=total)
     assert trainer.args.num_total_batches == 2
     said = (

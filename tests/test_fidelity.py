@@ -8,12 +8,13 @@ import torch
 from datasets import Dataset
 from helpers import make_trainer
 
-from trl_ppomax import PPOMaxConfig, core, metrics
+from trl_ppomax import PPOMaxConfig
 from trl_ppomax.data import prepare_text_dataset
-from trl_ppomax.modeling import response_logits
+from trl_ppomax.models import response_logits
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.rollout import sequence_inputs
-from trl_ppomax.tiny import build_llama_style_tokenizer
+from trl_ppomax.ppo import core, metrics
+from trl_ppomax.ppo.experience import sequence_inputs
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
 
 def first_rollout(trainer):
@@ -122,7 +123,7 @@ def test_critic_adam_epsilon_and_joint_gradient_clipping(tmp_path):
 
 
 def test_joint_clipping_bounds_the_norm_of_both_models_together(tmp_path):
-    from trl_ppomax.optim import clip_gradients
+    from trl_ppomax.ppo.optim import clip_gradients
 
     trainer = make_trainer(tmp_path)
     wrapper = trainer.model
@@ -193,7 +194,7 @@ def test_ptx_loss_mask_reaches_the_loss(tmp_path, monkeypatch):
     from helpers import TINY
 
     from trl_ppomax import PPOMaxTrainer
-    from trl_ppomax.tiny import build_models, prompt_texts
+    from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
     tokenizer, policy, reward_model = build_models()
     tokenizer.chat_template = (

@@ -6,14 +6,14 @@ import pytest
 from datasets import Dataset, DatasetDict
 from trl import apply_chat_template, is_conversational, maybe_apply_chat_template
 
-from trl_ppomax.hh_rlhf import (
+from trl_ppomax.data.hh_rlhf import (
     PREFERENCE_FEATURES,
     convert_hh_rlhf,
     hh_rlhf_to_preference,
     is_hh_rlhf,
     parse_hh_dialogue,
 )
-from trl_ppomax.tiny import build_tokenizer
+from trl_ppomax.toyworld.tiny import build_tokenizer
 
 PROMPT = (
     "\n\nHuman: What is a good name for a cat?"

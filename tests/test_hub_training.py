@@ -13,7 +13,7 @@ from datasets import Dataset
 from helpers import make_trainer
 from huggingface_hub import HfApi, RepoUrl
 
-from trl_ppomax import hub
+from trl_ppomax.reporting import hub
 
 
 @pytest.fixture

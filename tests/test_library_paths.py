@@ -9,10 +9,10 @@ from accelerate.state import PartialState
 from helpers import make_trainer
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
-from trl_ppomax import core
 from trl_ppomax.data import rows_of_this_process
-from trl_ppomax.modeling import load_weights, reference_policy
-from trl_ppomax.tiny import build_models
+from trl_ppomax.models import load_weights, reference_policy
+from trl_ppomax.ppo import core
+from trl_ppomax.toyworld.tiny import build_models
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
@@ -112,7 +112,7 @@ def test_accumulated_step_uses_the_mean_of_micro_batch_gradients(tmp_path, monke
         trainer.optimizer.zero_grad()
         return {}
 
-    monkeypatch.setattr("trl_ppomax.optim.optimizer_step", capture_instead_of_stepping)
+    monkeypatch.setattr("trl_ppomax.ppo.optim.optimizer_step", capture_instead_of_stepping)
     torch.manual_seed(3)
     trainer.ppo_update(experience)
     ((synced, accumulated),) = captured

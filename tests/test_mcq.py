@@ -17,7 +17,7 @@ from trl_ppomax.judging.mcq import (
     score_multiple_choice,
     select_shots,
 )
-from trl_ppomax.tiny import SPECIALS, WORDS, build_llama_style_tokenizer, llama_config, word_level_tokenizer
+from trl_ppomax.toyworld.tiny import SPECIALS, WORDS, build_llama_style_tokenizer, llama_config, word_level_tokenizer
 
 LETTER_TOKENS = ["A", "B", "C", "D", "A.", "B.", "C.", "D.", "Answer:"]
 

@@ -1,5 +1,5 @@
 """One source for metric names: everything the readers (CollapseMonitor, the figures, the toy world) look up in the
-logs is a name a real tiny run logs. Renaming a metric in the trainer without changing ``trl_ppomax.metrics`` (which
+logs is a name a real tiny run logs. Renaming a metric in the trainer without changing ``trl_ppomax.ppo.metrics`` (which
 the readers use) fails here."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from trl_ppomax import metrics, plotting
-from trl_ppomax.metrics import eval_name
-from trl_ppomax.monitor import CollapseMonitor
-from trl_ppomax.tiny import prompt_texts
+from trl_ppomax.ppo import metrics
+from trl_ppomax.ppo.metrics import eval_name
+from trl_ppomax.ppo.monitor import CollapseMonitor
+from trl_ppomax.reporting import plotting
 from trl_ppomax.toyworld import pipeline
+from trl_ppomax.toyworld.tiny import prompt_texts
 
 # User-supplied rollout metrics: the trainer logs them (and eval_<name>) only when they are passed as
 # ``rollout_metrics`` (the toy world passes its gold reward). The figures draw them when present, so they are read

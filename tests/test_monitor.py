@@ -10,10 +10,10 @@ import pytest
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from trl_ppomax.files import last_checkpoint_before
-from trl_ppomax.monitor import CollapseMonitor
+from trl_ppomax.data.files import last_checkpoint_before
+from trl_ppomax.ppo.monitor import CollapseMonitor
 
-LOGGER = "trl_ppomax.monitor"
+LOGGER = "trl_ppomax.ppo.monitor"
 HEALTHY = {
     "objective/kl": 1.0,
     "policy/perplexity": 8.0,

@@ -13,7 +13,7 @@ from trl_ppomax.moss.prompt import (
     setup_tokenizer,
     truncate_dialogue,
 )
-from trl_ppomax.tiny import build_llama_style_tokenizer, build_tokenizer
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_tokenizer
 
 
 def user(text):

@@ -30,7 +30,7 @@ from trl_ppomax.moss.recovery import (
     inv_freq,
     recover,
 )
-from trl_ppomax.tiny import build_llama_style_tokenizer, llama_config
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, llama_config
 
 
 def tiny_config(tokenizer) -> LlamaConfig:

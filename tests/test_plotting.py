@@ -8,7 +8,7 @@ import math
 import pytest
 
 from trl_ppomax.cli import main
-from trl_ppomax.plotting import (
+from trl_ppomax.reporting.plotting import (
     METRICS_READ,
     PANELS,
     load_log_history,

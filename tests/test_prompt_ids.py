@@ -17,7 +17,7 @@ from transformers import LlamaTokenizer, LlamaTokenizerFast
 
 from trl_ppomax.data import load_any_dataset, prepare_prompt_dataset, release_files, tokenize_prompt
 from trl_ppomax.moss.prompt import SPEAKER_TAGS, format_dialogue, setup_tokenizer
-from trl_ppomax.tiny import build_llama_style_tokenizer
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
 
 def user(text):
@@ -236,7 +236,7 @@ def test_the_release_ptx_format_loads_as_dialogues(tmp_path):
 
 
 def test_the_recipe_reads_a_release_folder(tmp_path):
-    from trl_ppomax.scripts.ppo import PPOMaxScriptArguments, load_prompts
+    from trl_ppomax.cli.ppo import PPOMaxScriptArguments, load_prompts
 
     write_json(tmp_path / "train.json", [["q1"], ["q2"], ["q3"]])
     write_json(tmp_path / "valid.json", [["v1"], ["v2"]])
@@ -354,7 +354,7 @@ def test_setup_tokenizer_refuses_a_tokenizer_that_differs_from_the_release(sente
 def test_the_recipe_loads_a_moss_tokenizer_as_released(sentencepiece_llama, tmp_path):
     from transformers import AutoTokenizer
 
-    from trl_ppomax.scripts.ppo import load_tokenizer
+    from trl_ppomax.cli.ppo import load_tokenizer
 
     folder, _ = sentencepiece_llama
     with pytest.raises(ValueError, match="legacy=True"):  # current transformers' default load

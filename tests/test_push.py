@@ -1,4 +1,4 @@
-"""``trl-ppomax push`` / :mod:`trl_ppomax.hub`: model cards and uploads, offline (a fake ``HfApi`` records calls)."""
+"""``trl-ppomax push`` / :mod:`trl_ppomax.reporting.hub`: model cards and uploads, offline (a fake ``HfApi`` records calls)."""
 
 import json
 import shutil
@@ -8,11 +8,11 @@ from typing import ClassVar
 
 import pytest
 
-from trl_ppomax import hub
 from trl_ppomax.cli import main
 from trl_ppomax.moss.card import moss_model_card
 from trl_ppomax.moss.recovery import CONVERSION_INFO
-from trl_ppomax.tiny import build_models
+from trl_ppomax.reporting import hub
+from trl_ppomax.toyworld.tiny import build_models
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak1234567890"
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from trl_ppomax.tiny import save_tiny_models
+from trl_ppomax.toyworld.tiny import save_tiny_models
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -143,7 +143,7 @@ def test_reward_configs_parse(config, tmp_path):
     from trl import ModelConfig, TrlParser
 
     from trl_ppomax import PPOMaxRewardConfig
-    from trl_ppomax.scripts.reward import RewardScriptArguments
+    from trl_ppomax.cli.reward import RewardScriptArguments
 
     parser = TrlParser((RewardScriptArguments, PPOMaxRewardConfig, ModelConfig))
     path = str(RECIPES / "configs" / config)

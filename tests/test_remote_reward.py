@@ -19,8 +19,8 @@ import pytest
 from helpers import changed, make_trainer, snapshot
 
 from trl_ppomax import RemoteRewardModel, rewards
-from trl_ppomax.remote_reward import RemoteRewardError
-from trl_ppomax.tiny import build_models
+from trl_ppomax.rewards.remote import RemoteRewardError
+from trl_ppomax.toyworld.tiny import build_models
 
 FAST = dict(max_retries=1, backoff=0.0)  # no waiting between attempts in the failure tests
 
@@ -115,7 +115,7 @@ def test_response_shapes(server, body, expected):
 
 def test_a_5xx_then_success_is_retried(server, caplog):
     server.answer = lambda payload, number: (503, {"error": "loading"}, 0) if number == 0 else (200, [7.0], 0)
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.remote_reward"):
+    with caplog.at_level(logging.WARNING, logger="trl_ppomax.rewards.remote"):
         assert RemoteRewardModel(server.url, backoff=0.01)(*texts(1)) == [7.0]
     assert len(server.payloads) == 2
     assert server.url in caplog.text and "503" in caplog.text and "retrying" in caplog.text
@@ -266,7 +266,7 @@ class OpenRLHFServer(LoopbackServer):
     def __init__(self, strip_eos: bool = True) -> None:
         import torch
 
-        from trl_ppomax.tiny import build_tokenizer
+        from trl_ppomax.toyworld.tiny import build_tokenizer
 
         self.tokenizer, self.strip_eos, self.payloads = build_tokenizer(), strip_eos, []
         self.model = build_models()[2].eval()
@@ -347,7 +347,7 @@ def test_an_openrlhf_server_scores_the_sequence_the_policy_wrote(openrlhf):
     generated, a BOS in the prompt kept; the scores are the ones OpenRLHF's own client would get."""
     import torch
 
-    from trl_ppomax.rollout import sequence_inputs
+    from trl_ppomax.ppo.experience import sequence_inputs
 
     tokenizer = openrlhf.tokenizer
     prompts = ["tell me a", "<s> hi how are you", "write a"]
@@ -371,7 +371,7 @@ def test_an_openrlhf_server_scores_the_sequence_the_policy_wrote(openrlhf):
 
 def test_a_chat_prompt_is_sent_as_the_template_rendered_it(openrlhf):
     """For a conversation, the query is the chat template's text as the policy read it, plus its response."""
-    from trl_ppomax.rollout import sequence_inputs
+    from trl_ppomax.ppo.experience import sequence_inputs
 
     tokenizer = openrlhf.tokenizer
     conversation = [{"role": "user", "content": "tell me a"}]
@@ -391,7 +391,7 @@ def test_ppo_max_trains_on_an_openrlhf_server(openrlhf, tmp_path, monkeypatch):
     decoded once (recorded where the trainer builds what a reward source gets), the labels column comes along."""
     from datasets import Dataset
 
-    from trl_ppomax.tiny import prompt_texts
+    from trl_ppomax.toyworld.tiny import prompt_texts
 
     seen = []
     build = rewards.completion_texts
@@ -420,8 +420,8 @@ def test_ppo_max_trains_on_an_openrlhf_server(openrlhf, tmp_path, monkeypatch):
 
 def test_our_protocol_gets_the_decoded_sequence_as_query_from_the_trainer_path(server):
     """Our own protocol's server gets the same ``query`` (and the texts as before) from the trainer's path."""
-    from trl_ppomax.rollout import sequence_inputs
-    from trl_ppomax.tiny import build_tokenizer
+    from trl_ppomax.ppo.experience import sequence_inputs
+    from trl_ppomax.toyworld.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     batch = rollout_batch(tokenizer, ["tell me a"], ["story </s>"])

@@ -11,7 +11,7 @@ from helpers import TINY, changed, make_trainer, snapshot
 from transformers import AutoModelForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
-from trl_ppomax.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts
 
 SMALL = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
 
@@ -146,7 +146,7 @@ def test_old_positional_form_still_works(tmp_path):
 def test_recipe_reward_funcs_dotted_paths():
     from trl import TrlParser
 
-    from trl_ppomax.scripts.ppo import PPOMaxScriptArguments
+    from trl_ppomax.cli.ppo import PPOMaxScriptArguments
 
     (script_args,) = TrlParser((PPOMaxScriptArguments,)).parse_args_into_dataclasses(
         ["--dataset_name", "x", "--reward_funcs", "trl.rewards.think_format_reward", "os.path.join"]

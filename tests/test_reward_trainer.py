@@ -13,10 +13,11 @@ from helpers import SMOKE
 from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
-from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer, core
-from trl_ppomax.reward_stats import fold_reward_stats, reward_statistics
-from trl_ppomax.reward_trainer import HISTOGRAM_NAME, with_lm_head
-from trl_ppomax.tiny import WORDS, build_models, prompt_texts
+from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer
+from trl_ppomax.ppo import core
+from trl_ppomax.reward_modeling.trainer import HISTOGRAM_NAME, with_lm_head
+from trl_ppomax.rewards.stats import fold_reward_stats, reward_statistics
+from trl_ppomax.toyworld.tiny import WORDS, build_models, prompt_texts
 
 FILLER = [w for w in WORDS if w not in ("please", "thanks")]
 
@@ -243,7 +244,7 @@ def test_bad_inputs(tmp_path):
 def test_margin_histogram_leaves_the_matplotlib_backend_alone(tmp_path, monkeypatch):
     import matplotlib
 
-    from trl_ppomax.reward_trainer import save_margin_histogram
+    from trl_ppomax.reward_modeling.trainer import save_margin_histogram
 
     def refuse(*args, **kwargs):
         raise AssertionError("matplotlib.use() changes a notebook user's backend")

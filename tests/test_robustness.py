@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 RESUMABLE = dict(total_episodes=64, ptx_coef=0.5, critic_warmup_steps=1, num_ppo_epochs=2, learning_rate=3e-3)
 PTX = Dataset.from_dict({"text": ["hello how are you today", "the cat is very nice and good", "tell me a story"] * 6})

@@ -7,9 +7,9 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from trl_ppomax import tiny
 from trl_ppomax.cli import main
-from trl_ppomax.tiny import WORDS, build_models, build_tokenizer, save_tiny_models
+from trl_ppomax.toyworld import tiny
+from trl_ppomax.toyworld.tiny import WORDS, build_models, build_tokenizer, save_tiny_models
 
 
 def assert_same_weights(a, b):

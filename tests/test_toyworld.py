@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_ppomax.monitor import CollapseMonitor
+from trl_ppomax.ppo.monitor import CollapseMonitor
 from trl_ppomax.toyworld import WorldSettings, gold_reward, prepare_world
 from trl_ppomax.toyworld.pipeline import run_method
 from trl_ppomax.toyworld.world import WorldSampler, prompt_text

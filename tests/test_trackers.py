@@ -14,10 +14,10 @@ from datasets import Dataset
 from helpers import SMOKE, make_trainer
 from transformers import TrainerControl, TrainerState
 
-from trl_ppomax import plotting
 from trl_ppomax.cli import main
-from trl_ppomax.tiny import prompt_texts
+from trl_ppomax.reporting import plotting
 from trl_ppomax.toyworld.demo import CompactLogCallback
+from trl_ppomax.toyworld.tiny import prompt_texts
 
 
 class StubTable:

@@ -7,9 +7,10 @@ import torch
 from datasets import Dataset
 from helpers import TINY, changed, make_trainer, snapshot
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, checks, core
-from trl_ppomax.plan import plan as run_plan
-from trl_ppomax.tiny import build_models, prompt_texts
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.cli.plan import plan as run_plan
+from trl_ppomax.ppo import checks, core
+from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 
 def first_rollout(trainer):
@@ -292,7 +293,7 @@ def test_clipping_disabled_reports_no_clipping(tmp_path):
 def test_sampling_settings_reach_generate(tmp_path):
     from transformers import TemperatureLogitsWarper
 
-    from trl_ppomax.rollout import GeneratedTokensPenalty, NucleusFilter
+    from trl_ppomax.ppo.experience import GeneratedTokensPenalty, NucleusFilter
 
     trainer = make_trainer(tmp_path)
     kwargs = trainer.generation.generation_kwargs(prompt_width=7)

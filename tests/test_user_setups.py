@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from user_setups import pythia_style_tokenizer, write_plain_folders
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.checks import tokenizer_mismatch
-from trl_ppomax.scripts import ppo, reward
-from trl_ppomax.tiny import build_llama_style_tokenizer
+from trl_ppomax.cli import ppo, reward
+from trl_ppomax.ppo.checks import tokenizer_mismatch
+from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
 ARCHS = ["llama", "gpt_neox"]
 
@@ -201,6 +201,6 @@ def test_reward_command_on_an_sft_trainer_folder(user_folders, tmp_path):
 
 
 def _preferences():
-    from trl_ppomax.tiny import preference_rows
+    from trl_ppomax.toyworld.tiny import preference_rows
 
     return preference_rows(16)

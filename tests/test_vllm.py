@@ -16,9 +16,9 @@ from helpers import TINY
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax import metrics as M
 from trl_ppomax.generation import HFGeneration
-from trl_ppomax.tiny import build_tokenizer, llama_config, prompt_texts
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.toyworld.tiny import build_tokenizer, llama_config, prompt_texts
 
 pytestmark = pytest.mark.vllm
 SETTINGS = {  # three iterations of 4 prompts

@@ -63,7 +63,7 @@ def clean_env(bin_dir: Path) -> dict:
 
 
 def test_the_wheel_ships_the_configs_and_is_the_one_imported(installed, tmp_path):
-    probe = "import trl_ppomax, trl_ppomax.scripts as s; print(trl_ppomax.__file__); print(*s.shipped_configs())"
+    probe = "import trl_ppomax, trl_ppomax.cli.arguments as s; print(trl_ppomax.__file__); print(*s.shipped_configs())"
     out = run([installed / "python", "-c", probe], cwd=tmp_path, env=clean_env(installed)).stdout.splitlines()
     assert Path(out[0]).is_relative_to(installed.parent), f"imported {out[0]}, not the wheel's trl_ppomax"
     assert {"tiny_cpu", "reward_tiny_cpu", "moss_7b_en"} <= set(out[1].split())

@@ -2,7 +2,7 @@
 
 Users do not build models in code: they train an SFT policy with ``trl.SFTTrainer``, a reward model with
 ``trl.RewardTrainer`` (or ``PPOMaxRewardTrainer``), and point a PPO script at the folders those wrote. What is in
-such folders differs from ``trl_ppomax.tiny``'s in ways that matter to the trainer's checks:
+such folders differs from ``trl_ppomax.toyworld.tiny``'s in ways that matter to the trainer's checks:
 
 - the tokenizer has **no** ``[PAD]``: like pythia's or llama's, and ``SFTTrainer`` / ``RewardTrainer`` save it with
   ``pad_token = eos_token``; TRL's PPO example then adds ``[PAD]``, one token more than the copy beside the weights;
@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from trl_ppomax.tiny import WORDS, build_llama_style_tokenizer, model_config, preference_rows, prompt_texts
+from trl_ppomax.toyworld.tiny import WORDS, build_llama_style_tokenizer, model_config, preference_rows, prompt_texts
 
 __all__ = ["EMBEDDINGS", "pythia_style_tokenizer", "user_tokenizer", "write_plain_folders", "write_user_folders"]
 
@@ -45,7 +45,7 @@ STEPS = dict(
 
 def pythia_style_tokenizer() -> PreTrainedTokenizerFast:
     """Shaped like pythia's (GPT-NeoX) tokenizer: one ``<|endoftext|>`` for bos, eos and unknown words at id 0, no pad
-    token, no chat template; word-level over :data:`~trl_ppomax.tiny.WORDS` and the role words."""
+    token, no chat template; word-level over :data:`~trl_ppomax.toyworld.tiny.WORDS` and the role words."""
     vocab = {token: i for i, token in enumerate(["<|endoftext|>", *WORDS, "user:", "assistant:", "system:"])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

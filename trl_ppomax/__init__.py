@@ -13,13 +13,13 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _LAZY = {
-    "CollapseMonitor": ".monitor",
-    "PPOMaxConfig": ".ppo_config",
-    "PPOMaxRewardConfig": ".reward_config",
-    "PPOMaxRewardTrainer": ".reward_trainer",
-    "PPOMaxTrainer": ".ppo_trainer",
-    "RemoteRewardModel": ".remote_reward",
-    "RunningMoments": ".core",
+    "CollapseMonitor": ".ppo.monitor",
+    "PPOMaxConfig": ".ppo.config",
+    "PPOMaxRewardConfig": ".reward_modeling.config",
+    "PPOMaxRewardTrainer": ".reward_modeling.trainer",
+    "PPOMaxTrainer": ".ppo.trainer",
+    "RemoteRewardModel": ".rewards.remote",
+    "RunningMoments": ".ppo.core",
     "WinRateCallback": ".judging.callback",
     "evaluate_policy": ".judging.run",
 }
@@ -38,15 +38,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported lazily by __getattr__
-    from .core import RunningMoments
-    from .judging.callback import WinRateCallback
-    from .judging.run import evaluate_policy
-    from .monitor import CollapseMonitor
-    from .ppo_config import PPOMaxConfig
-    from .ppo_trainer import PPOMaxTrainer
-    from .remote_reward import RemoteRewardModel
-    from .reward_config import PPOMaxRewardConfig
-    from .reward_trainer import PPOMaxRewardTrainer
+    from trl_ppomax.judging.callback import WinRateCallback
+    from trl_ppomax.judging.run import evaluate_policy
+    from trl_ppomax.ppo.config import PPOMaxConfig
+    from trl_ppomax.ppo.core import RunningMoments
+    from trl_ppomax.ppo.monitor import CollapseMonitor
+    from trl_ppomax.ppo.trainer import PPOMaxTrainer
+    from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
+    from trl_ppomax.reward_modeling.trainer import PPOMaxRewardTrainer
+    from trl_ppomax.rewards.remote import RemoteRewardModel
 
 
 def __getattr__(name: str) -> Any:

@@ -128,7 +128,7 @@ def count_generation(impl: str) -> None:
 
         count_generated(module, "batch_generation", lambda a, out: out[0].shape[0] * (out[0].shape[1] - a[1].shape[1]))
     elif impl == "ppomax+vllm":
-        from trl_ppomax.vllm_engine import VLLMEngine
+        from trl_ppomax.generation.vllm import VLLMEngine
 
         count_generated(VLLMEngine, "generate", lambda a, out: out[1].sum())
     else:
@@ -146,7 +146,7 @@ def build_inputs(sizes: dict, device: str, seed: int = 0):
     from datasets import Dataset
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-    from trl_ppomax.tiny import llama_config, word_level_tokenizer
+    from trl_ppomax.toyworld.tiny import llama_config, word_level_tokenizer
 
     specials = ["[PAD]", "[UNK]", "<s>", "</s>"]
     tokenizer = word_level_tokenizer(specials + [f"w{i}" for i in range(sizes["vocab_size"] - len(specials))])

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from trl_ppomax.testing import tiny_trainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers.py
+from helpers import tiny_trainer
 
 output = Path(sys.argv[1])
 on_cpu = "--cpu" in sys.argv

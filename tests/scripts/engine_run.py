@@ -27,14 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-from trl_ppomax.optim import adam_states
-from trl_ppomax.testing import engine_name, tiny_trainer
+from trl_ppomax.ppo.optim import adam_states
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers.py
+from helpers import engine_name, tiny_trainer
 
 #: The fixed input whose logits the test compares with the saved model's.
 FIXED_TEXT = "hello how are you today"

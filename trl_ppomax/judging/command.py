@@ -110,7 +110,7 @@ def check_settings(args: argparse.Namespace) -> None:
 
 def check_paths(args: argparse.Namespace) -> None:
     """A local model folder or data file that does not exist fails here, before anything loads or the Hub is tried."""
-    from ..data import check_local_paths
+    from trl_ppomax.data import check_local_paths
 
     sources = [split_category(item)[2] for item in args.prompts or []]
     data = {f"--prompts {s}": s.partition("#")[0] for s in sources}
@@ -122,8 +122,8 @@ def check_paths(args: argparse.Namespace) -> None:
 def _run_pairwise(args: argparse.Namespace) -> int:
     from datasets import concatenate_datasets
 
-    from .generation import GenerationSettings, load_prompts
-    from .run import evaluate_policy
+    from trl_ppomax.judging.generation import GenerationSettings, load_prompts
+    from trl_ppomax.judging.run import evaluate_policy
 
     if not args.baseline or not args.prompts or not args.judges:
         raise ValueError("--task pairwise needs --baseline, --prompts and --judges")
@@ -154,12 +154,12 @@ def build_judges(args: argparse.Namespace) -> list:
         if name == "rm":
             if not args.reward_model:
                 raise ValueError("--judges rm needs --reward-model")
-            from .scored import RewardModelJudge
+            from trl_ppomax.judging.scored import RewardModelJudge
 
             judges.append(RewardModelJudge(args.reward_model, tie_threshold=args.tie_threshold))
         elif name == "gold":
-            from ..toyworld import gold_rewards  # commands sit above the demo
-            from .scored import FunctionJudge
+            from trl_ppomax.judging.scored import FunctionJudge
+            from trl_ppomax.toyworld import gold_rewards  # commands sit above the demo
 
             function = gold_rewards
             if args.gold_function:
@@ -171,7 +171,7 @@ def build_judges(args: argparse.Namespace) -> list:
         elif name == "llm":
             if not args.judge_model:
                 raise ValueError("--judges llm needs --judge-model (and --base-url for a server other than OpenAI's)")
-            from .llm import LLMJudge
+            from trl_ppomax.judging.llm import LLMJudge
 
             judges.append(
                 LLMJudge(
@@ -183,7 +183,7 @@ def build_judges(args: argparse.Namespace) -> list:
                 )
             )
         elif name == "human" and args.human_sheet:
-            from .human import HumanJudge
+            from trl_ppomax.judging.human import HumanJudge
 
             key = Path(args.output) / "human" / "human_key.json"
             judges.append(HumanJudge(args.human_sheet, key, allow_partial=args.allow_partial))
@@ -194,8 +194,8 @@ def export_human_sheet(output: str) -> None:
     """Write the blind A/B sheet for the pairs of ``output`` (its ``pairs.jsonl``) under ``output/human``."""
     import json
 
-    from .base import Pair
-    from .human import export_sheet
+    from trl_ppomax.judging.base import Pair
+    from trl_ppomax.judging.human import export_sheet
 
     lines = (Path(output) / "pairs.jsonl").read_text(encoding="utf-8").splitlines()
     pairs = [Pair(**{**row, "finished": tuple(row["finished"])}) for row in map(json.loads, lines)]
@@ -207,7 +207,7 @@ def export_human_sheet(output: str) -> None:
 
 
 def _run_mcq(args: argparse.Namespace) -> int:
-    from .mcq import compare_multiple_choice
+    from trl_ppomax.judging.mcq import compare_multiple_choice
 
     if not args.data:
         raise ValueError("--task mcq needs --data (questions with question, choices/A-D and answer columns)")
@@ -233,7 +233,7 @@ def _run_mcq(args: argparse.Namespace) -> int:
 
 def _load_questions(source: str, split: str):
     """A split of ``source``: a Hub id (``ID#CONFIG`` for a subject or config), a folder or a data file."""
-    from ..data import load_any_dataset
+    from trl_ppomax.data import load_any_dataset
 
     name, _, config = source.partition("#")
     if config:

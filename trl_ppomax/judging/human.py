@@ -19,8 +19,8 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..files import write_json, write_text_atomically
-from .base import JsonlCache, Pair, Verdict, prompt_text
+from trl_ppomax.data.files import write_json, write_text_atomically
+from trl_ppomax.judging.base import JsonlCache, Pair, Verdict, prompt_text
 
 SHEET_NAME = "human_sheet.csv"
 KEY_NAME = "human_key.json"

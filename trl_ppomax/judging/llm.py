@@ -32,7 +32,7 @@ from typing import Any
 import openai
 from tqdm.auto import tqdm
 
-from .base import JsonlCache, Pair, Verdict, combine_swapped, prompt_text
+from trl_ppomax.judging.base import JsonlCache, Pair, Verdict, combine_swapped, prompt_text
 
 logger = logging.getLogger(__name__)
 

@@ -50,10 +50,10 @@ import torch
 from accelerate.utils import release_memory
 from tqdm.auto import tqdm
 
-from ..data import PromptCollator
-from ..files import write_json, write_text_atomically
-from .base import ALL
-from .generation import load_causal_lm
+from trl_ppomax.data import PromptCollator
+from trl_ppomax.data.files import write_json, write_text_atomically
+from trl_ppomax.judging.base import ALL
+from trl_ppomax.judging.generation import load_causal_lm
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .base import ALL, VERDICTS, Verdict
+from trl_ppomax.judging.base import ALL, VERDICTS, Verdict
 
 Z_95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from ..files import read_json, write_json, write_text_atomically
-from .base import JsonlCache, Judge
-from .generation import GenerationSettings, make_pairs
-from .report import format_table, plot_win_tie_lose, tally
+from trl_ppomax.data.files import read_json, write_json, write_text_atomically
+from trl_ppomax.judging.base import JsonlCache, Judge
+from trl_ppomax.judging.generation import GenerationSettings, make_pairs
+from trl_ppomax.judging.report import format_table, plot_win_tie_lose, tally
 
 
 def evaluate_policy(

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..data import PromptCollator, tokenize_prompt
-from ..modeling import sequence_scores
-from .base import JsonlCache, Pair, Verdict, margin_verdict
+from trl_ppomax.data import PromptCollator, tokenize_prompt
+from trl_ppomax.judging.base import JsonlCache, Pair, Verdict, margin_verdict
+from trl_ppomax.models import sequence_scores
 
 
 class ScoreJudge:
@@ -73,7 +73,7 @@ class RewardModelJudge(ScoreJudge):
     """A reward model (folder, Hub id or a loaded sequence-classification model with its tokenizer) scoring each
     answer on exactly the ids it was trained on: the prompt as the trainer encodes it
     (:func:`~trl_ppomax.data.tokenize_prompt`), the answer's tokens, and the stop token when the answer ended with it;
-    read where the model reads its score (:func:`~trl_ppomax.modeling.sequence_scores`)."""
+    read where the model reads its score (:func:`~trl_ppomax.models.sequence_scores`)."""
 
     name = "rm"
 

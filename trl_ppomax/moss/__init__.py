@@ -2,9 +2,16 @@
 weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives in this
 package."""
 
-from .card import moss_model_card
-from .prompt import SPEAKER_TAGS, build_prompt, chat_template, format_dialogue, setup_tokenizer, truncate_dialogue
-from .recovery import EXPECTED_SUMS, RELEASES, IntegrityError, recover
+from trl_ppomax.moss.card import moss_model_card
+from trl_ppomax.moss.prompt import (
+    SPEAKER_TAGS,
+    build_prompt,
+    chat_template,
+    format_dialogue,
+    setup_tokenizer,
+    truncate_dialogue,
+)
+from trl_ppomax.moss.recovery import EXPECTED_SUMS, RELEASES, IntegrityError, recover
 
 __all__ = [
     "EXPECTED_SUMS",

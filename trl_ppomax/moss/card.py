@@ -5,7 +5,7 @@ A folder holding the conversion record (:data:`~trl_ppomax.moss.recovery.CONVERS
 licence ``agpl-3.0``, the published diff as ``base_model``, the release's prompt format (rendered with
 :func:`~trl_ppomax.moss.prompt.format_dialogue` and the chat template), usage and the recovery command. A folder
 trained from a MOSS-RLHF model gets the trl-ppomax card with the MOSS-RLHF prompt format and licence; any other
-folder the generic card of :func:`trl_ppomax.hub.model_card`. The layout is :func:`trl_ppomax.hub.render_card`'s.
+folder the generic card of :func:`trl_ppomax.reporting.hub.model_card`. The layout is :func:`trl_ppomax.reporting.hub.render_card`'s.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import os
 from huggingface_hub import ModelCard
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ..files import read_json
-from ..hub import (
+from trl_ppomax.data.files import read_json
+from trl_ppomax.moss.prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
+from trl_ppomax.moss.recovery import CONVERSION_INFO, RELEASES, recovery_command
+from trl_ppomax.reporting.hub import (
     MODEL_KINDS,
     PAPER_LINK,
     ModelFolder,
@@ -27,8 +29,6 @@ from ..hub import (
     trained_intro,
     trainer_sections,
 )
-from .prompt import BOS_TOKEN, EOS_TOKEN, SPEAKER_TAGS, chat_template, format_dialogue
-from .recovery import CONVERSION_INFO, RELEASES, recovery_command
 
 __all__ = ["LICENCE_SECTION", "moss_model_card"]
 

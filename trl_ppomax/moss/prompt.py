@@ -305,7 +305,7 @@ def truncate_dialogue(
         ValueError: ``max_tokens`` is not a positive int, the messages are not a valid prompt (see
             :func:`format_dialogue`), or the tokenizer has no eos token.
     """
-    from ..data import drop_oldest_turns
+    from trl_ppomax.data import drop_oldest_turns
 
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")

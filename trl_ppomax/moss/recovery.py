@@ -38,8 +38,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..files import atomic_directory
-from .prompt import SPEAKER_TAGS, setup_tokenizer
+from trl_ppomax.data.files import atomic_directory
+from trl_ppomax.moss.prompt import SPEAKER_TAGS, setup_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -484,7 +484,7 @@ def resolve_source(path_or_repo: str, setting: str = "source") -> str:
     """A local folder as is; otherwise a Hub repo id, downloaded (weights, config, tokenizer) with huggingface_hub. A
     ``FileNotFoundError`` naming ``setting`` for a local path (:func:`~trl_ppomax.data.looks_local`) that is no
     folder, instead of a Hub error about a malformed repo id."""
-    from ..data import looks_local
+    from trl_ppomax.data import looks_local
 
     if os.path.isdir(path_or_repo):
         return path_or_repo

@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ..files import atomic_directory, read_json, write_json
-from ..tiny import llama_config, word_level_tokenizer
-from .world import EOS, WorldSampler, bradley_terry_label, gold_reward, vocabulary
+from trl_ppomax.data.files import atomic_directory, read_json, write_json
+from trl_ppomax.toyworld.tiny import llama_config, word_level_tokenizer
+from trl_ppomax.toyworld.world import EOS, WorldSampler, bradley_terry_label, gold_reward, vocabulary
 
 QUIET = dict(report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=50, bf16=False, use_cpu=True)
 
@@ -32,12 +32,12 @@ QUIET = dict(report_to="none", disable_tqdm=True, save_strategy="no", logging_st
 BUILD_MODULES = (
     "trl_ppomax.toyworld.world",
     "trl_ppomax.toyworld.build",
-    "trl_ppomax.tiny",
-    "trl_ppomax.reward_trainer",
-    "trl_ppomax.reward_config",
-    "trl_ppomax.reward_stats",
-    "trl_ppomax.modeling",
-    "trl_ppomax.core",
+    "trl_ppomax.toyworld.tiny",
+    "trl_ppomax.reward_modeling.trainer",
+    "trl_ppomax.reward_modeling.config",
+    "trl_ppomax.rewards.stats",
+    "trl_ppomax.models",
+    "trl_ppomax.ppo.core",
 )
 #: Libraries whose version changes the trained weights (numerics, trainers, tokenization).
 BUILD_LIBRARIES = ("torch", "transformers", "trl", "tokenizers", "datasets", "accelerate")
@@ -178,8 +178,8 @@ def preference_pairs(settings: WorldSettings, sft: str) -> Dataset:
 
 def train_reward_model(settings: WorldSettings, sft: str, output: Path) -> dict:
     """PPOMaxRewardTrainer (pairwise + imitation loss) from the SFT policy; returns its held-out accuracy."""
-    from ..reward_config import PPOMaxRewardConfig
-    from ..reward_trainer import PPOMaxRewardTrainer
+    from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
+    from trl_ppomax.reward_modeling.trainer import PPOMaxRewardTrainer
 
     pairs = preference_pairs(settings, sft).train_test_split(test_size=0.15, seed=settings.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(sft)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..files import write_json
-from .build import WorldSettings, prepare_world
-from .pipeline import run_method, win_tie_lose_vs_sft
-from .world import gold_reward
+from trl_ppomax.data.files import write_json
+from trl_ppomax.toyworld.build import WorldSettings, prepare_world
+from trl_ppomax.toyworld.pipeline import run_method, win_tie_lose_vs_sft
+from trl_ppomax.toyworld.world import gold_reward
 
 
 def format_table(rows: dict[str, dict[str, float]]) -> str:
@@ -58,8 +58,8 @@ class CompactLogCallback(TrainerCallback):
 def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: int = 0, cache_dir=None) -> dict:
     """Train the SFT policy and reward model (cached), then PPO-max; print SFT vs PPO-max and samples, and write
     ``training_dynamics.png`` and ``summary.json`` into ``output_dir``."""
-    from ..monitor import CollapseMonitor
-    from ..plotting import plot_training_dynamics
+    from trl_ppomax.ppo.monitor import CollapseMonitor
+    from trl_ppomax.reporting.plotting import plot_training_dynamics
 
     start = time.time()
     print("Toy world: SFT policy and reward model (trained once, then cached) …", flush=True)

@@ -11,7 +11,7 @@ import shutil
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from ..metrics import (
+from trl_ppomax.ppo.metrics import (
     EPISODE,
     GOLD_REWARD,
     KL,
@@ -22,8 +22,8 @@ from ..metrics import (
     VALUE_LOSS,
     eval_name,
 )
-from .build import QUIET, World
-from .world import WorldSampler, gold_rewards
+from trl_ppomax.toyworld.build import QUIET, World
+from trl_ppomax.toyworld.world import WorldSampler, gold_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ METHODS: dict[str, dict] = {
 
 def ppo_config(output_dir: str, method: str = "ppo_max", iterations: int = 100, seed: int = 0, **overrides):
     """PPOMaxConfig for ``method`` in the toy world: rollouts of 32 prompts, responses of up to 24 words."""
-    from ..ppo_config import PPOMaxConfig
+    from trl_ppomax.ppo.config import PPOMaxConfig
 
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
@@ -105,7 +105,7 @@ def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
     ``config.reward_weights``, one weight per source), e.g. the stress benchmark's offset or outliers."""
     from transformers import AutoModelForSequenceClassification
 
-    from ..ppo_trainer import PPOMaxTrainer
+    from trl_ppomax.ppo.trainer import PPOMaxTrainer
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(world.sft)
     ptx = None
@@ -189,9 +189,9 @@ def win_tie_lose_vs_sft(
     """The trained policy against the SFT policy on held-out prompts, judged by the gold reward
     (:func:`trl_ppomax.judging.run.evaluate_policy`, sampled as in training): ``{"win", "tie", "lose", …,
     "win_rate", "win_rate_ci95"}`` over all prompts. ``output_dir`` is emptied first (it caches by name only)."""
-    from ..judging.generation import GenerationSettings, load_prompts
-    from ..judging.run import evaluate_policy
-    from ..judging.scored import FunctionJudge
+    from trl_ppomax.judging.generation import GenerationSettings, load_prompts
+    from trl_ppomax.judging.run import evaluate_policy
+    from trl_ppomax.judging.scored import FunctionJudge
 
     shutil.rmtree(output_dir, ignore_errors=True)
     policy = trainer.accelerator.unwrap_model(trainer.model).policy

@@ -1,0 +1,687 @@
+"""Prompt and ptx datasets: preparation, padding, and a resumable shuffled batch order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import reprlib
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Literal
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+from trl import is_conversational
+from trl.trainer.utils import pad
+
+logger = logging.getLogger(__name__)
+
+
+class PromptCollator:
+    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask; a ``loss_mask``
+    column (ptx on dialogues) is padded alongside with 0. Every other column (``prompt``, ``solution``, …: what
+    reward functions are given as keywords) is passed through as a list."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
+        self.pad_token_id, self.padding_side = pad_token_id, padding_side
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
+        masks = [torch.ones_like(i) for i in ids]
+        batch = {
+            "input_ids": pad(ids, padding_value=self.pad_token_id, padding_side=self.padding_side),
+            "attention_mask": pad(masks, padding_value=0, padding_side=self.padding_side),
+        }
+        if "loss_mask" in examples[0]:
+            loss_masks = [torch.as_tensor(e["loss_mask"], dtype=torch.long) for e in examples]
+            batch["loss_mask"] = pad(loss_masks, padding_value=0, padding_side=self.padding_side)
+        for key in examples[0].keys() - batch.keys():
+            batch[key] = [e[key] for e in examples]
+        return batch
+
+
+def rows_of(columns: dict[str, list] | None, rows: Sequence[int]) -> dict[str, list]:
+    """Rows ``rows`` of every column (a forward micro-batch's share)."""
+    return {key: [values[i] for i in rows] for key, values in (columns or {}).items()}
+
+
+def repeat_rows(columns: dict[str, list] | None, times: int) -> dict[str, list]:
+    """Every row of every column repeated ``times`` times in place (``[a, a, b, b]``), as the prompts' samples are."""
+    return {key: [v for v in values for _ in range(times)] for key, values in (columns or {}).items()}
+
+
+def split_batch(batch: dict, device) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """``(tensors on device, other columns)`` of a collated prompt batch: the columns go to the reward functions."""
+    tensors = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return tensors, {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+
+
+class ShuffledBatches:
+    """The ``i``-th batch of a reshuffled-every-epoch stream, as a pure function of ``(seed, i)``.
+
+    Epoch ``e`` uses ``randperm(n)`` seeded with ``seed + e``; batch ``i`` is the ``i mod (n // global_batch)``-th
+    slice of ``global_batch`` indices of epoch ``i // (n // global_batch)``, of which each process takes its own
+    ``local_batch`` share. No global random state is used, so a resumed run continues the exact data order by
+    restarting from the saved batch counter.
+    """
+
+    def __init__(
+        self, dataset: Dataset, local_batch: int, num_processes: int, process_index: int, seed: int, collate: Callable
+    ) -> None:
+        self.dataset, self.local_batch, self.seed, self.collate = dataset, local_batch, seed, collate
+        self.global_batch = local_batch * num_processes
+        self.offset = process_index * local_batch
+        self.batches_per_epoch = len(dataset) // self.global_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"The dataset has {len(dataset)} rows, fewer than one batch over all processes ({self.global_batch}); "
+                "add rows or lower the batch size."
+            )
+        self._epoch, self._order = -1, None
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        epoch, position = divmod(index, self.batches_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(len(self.dataset), generator=generator)
+        start = position * self.global_batch + self.offset
+        rows = self._order[start : start + self.local_batch].tolist()
+        return self.collate([self.dataset[i] for i in rows])
+
+
+def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids a model family was trained on for one prompt: for a conversation, the chat template's text with only
+    the template's own special tokens (``add_special_tokens=False``, as TRL's SFT); for plain text, the tokenizer's
+    own rule (``tokenizer(text)``, e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: a leading
+    BOS that the text already held and the tokenizer added again is dropped."""
+    if is_conversational({"prompt": prompt}):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
+
+def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
+    """The most recent turns of a conversation that ``fits``: whole turns dropped from the start, one at a time
+    (system messages kept), never cutting a turn — the MOSS-RLHF release's rule (``ppo_datahelper.py``). None when
+    even the last turn alone does not fit."""
+    system, turns = _split_system(messages)
+    for start in range(len(turns)):
+        kept = system + turns[start:]
+        if fits(kept):
+            return kept
+    return None
+
+
+def _split_system(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(system messages, turns)`` of a conversation."""
+    system = [m for m in messages if m.get("role") == "system"]
+    return system, [m for m in messages if m.get("role") != "system"]
+
+
+def prepare_prompt_dataset(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    num_proc: int | None = None,
+    max_prompt_length: int | None = None,
+    truncate: bool = True,
+    name: str = "The prompt dataset",
+    max_kept_length: int | None = None,
+) -> Dataset:
+    """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
+    (text or conversation, see :func:`tokenize_prompt`), the MOSS-RLHF release's way (``ppo_datahelper.py``):
+
+    - a conversation with an empty turn (content None, empty or blank) is dropped, with a warning that counts them;
+    - a conversation longer than ``max_prompt_length`` drops its oldest whole turns (:func:`drop_oldest_turns`);
+    - a prompt still longer is never cut: with ``truncate`` it is kept whole up to ``max_kept_length`` tokens
+      (default ``max_prompt_length``) and skipped beyond, with a warning that counts both; else it raises.
+
+    Empty text prompts and ids, and ``prompt`` and ``input_ids`` columns that disagree, are refused (``name`` says
+    which dataset). The other columns are kept: reward functions get them as keywords, as TRL's GRPO does."""
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
+    columns = dataset.column_names
+    _refuse_wrong_prompt_types(dataset, name)
+    for column in ("prompt", "input_ids"):
+        if column in columns:
+            _refuse_empty_prompts(dataset[column], column, name)
+    if "prompt" in columns:
+        _refuse_unknown_roles(dataset["prompt"], name)
+    if "input_ids" in columns:
+        if "prompt" in columns:
+            _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
+    elif "prompt" in columns:
+        dataset = _tokenize_prompts(_drop_empty_turns(dataset, num_proc, name), tokenizer, num_proc, max_prompt_length)
+        _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
+    else:
+        raise ValueError(
+            f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
+            f"conversation); {name} has {columns}."
+        )
+    if not max_prompt_length:
+        return dataset
+    return _limit_prompt_length(dataset, max_prompt_length, max_kept_length or max_prompt_length, truncate, name)
+
+
+def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_prompt_length: int | None) -> Dataset:
+    """An ``input_ids`` column; conversations longer than ``max_prompt_length`` lose their oldest whole turns, down
+    to the last turn alone (the release's loop: drop while too long and more than one turn remains)."""
+
+    def fits(kept: list[dict]) -> bool:
+        return len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
+
+    def tokenize(example: dict) -> dict:
+        prompt = example["prompt"]
+        if max_prompt_length and is_conversational({"prompt": prompt}):
+            system, turns = _split_system(prompt)
+            prompt = drop_oldest_turns(prompt, fits) or system + turns[-1:]
+        return {"input_ids": tokenize_prompt(prompt, tokenizer)}
+
+    dropped = [c for c in ("attention_mask", "loss_mask") if c in dataset.column_names]
+    return dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
+
+
+def _is_blank(content) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip())
+
+
+#: The roles a prompt conversation may hold.
+ROLES = ("system", "user", "assistant")
+
+
+def _refuse_unknown_roles(prompts: list, name: str) -> None:
+    """Refuse conversations with a message whose role is not one of :data:`ROLES` (e.g. "usr", "human")."""
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            unknown = sorted({str(m.get("role")) for m in prompt if isinstance(m, dict)} - set(ROLES))
+            if unknown:
+                raise ValueError(
+                    f"{name}: row {row} has a message with the role {unknown[0]!r}; a conversation's roles must be "
+                    f"one of {ROLES} (chat templates read no other). Rename it, e.g. with dataset.map(...)."
+                )
+
+
+def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Dataset:
+    """``dataset`` without the conversations that have an empty turn (the release's ``all(sample)``) or no user turn,
+    counted in a warning; raises when none is left."""
+
+    def complete(example: dict) -> bool:  # a user turn, and no message whose content is None, empty or blank
+        prompt = example["prompt"]
+        if not isinstance(prompt, list):
+            return True
+        return any(m.get("role") == "user" for m in prompt) and not any(_is_blank(m.get("content")) for m in prompt)
+
+    kept = dataset.filter(complete, num_proc=num_proc, desc="Dropping empty turns")
+    dropped = len(dataset) - len(kept)
+    if dropped == 0:
+        return dataset
+    message = (
+        f"{name}: {dropped} of {len(dataset)} conversations have an empty message (content missing, None, empty or "
+        "blank) or no user turn"
+    )
+    if len(kept) == 0:
+        raise ValueError(f"{message}: no prompt is left. Fill in or remove the empty turns.")
+    logger.warning("%s; they were dropped, as the MOSS-RLHF release drops such samples.", message)
+    return kept
+
+
+#: What each prompt column must hold: (test of one value, what the message says it must be).
+PROMPT_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "prompt": (
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, dict) for m in v)),
+        "a text (str) or a conversation (a list of {'role': ..., 'content': ...} messages)",
+    ),
+    "input_ids": (
+        lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v),
+        "a list of token ids (ints)",
+    ),
+}
+
+
+def _column_type_fits(feature, column: str) -> bool:
+    """Whether the Arrow type of ``column`` alone shows that every row has the right type (no pass over the rows)."""
+    inner = getattr(feature, "feature", None)  # the item type of a list column
+    if column == "prompt":
+        return getattr(feature, "dtype", None) in ("string", "large_string") or isinstance(inner, dict)
+    return str(getattr(inner, "dtype", "")).startswith(("int", "uint"))
+
+
+def _refuse_wrong_prompt_types(dataset: Dataset, name: str) -> None:
+    """Refuse a ``prompt`` column that holds neither texts nor conversations (e.g. numbers, or token ids), or an
+    ``input_ids`` column that holds no lists of ints, naming the column and the first such row."""
+    for column, (fits, expected) in PROMPT_TYPES.items():
+        if column not in dataset.column_names or _column_type_fits(dataset.features[column], column):
+            continue
+        wrong = ((row, v) for row, v in enumerate(dataset[column]) if v is not None and not fits(v))
+        row, value = next(wrong, (None, None))
+        if row is None:
+            continue
+        hint = (
+            " If these are token ids, put them, one list per row, in an 'input_ids' column instead."
+            if column == "prompt"
+            else " Tokenize the prompts (or pass texts in a 'prompt' column and let the trainer tokenize them)."
+        )
+        raise ValueError(
+            f"{name}: row {row} of the {column!r} column holds {type(value).__name__} {reprlib.repr(value)}; each "
+            f"row must be {expected}.{hint}"
+        )
+
+
+def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
+    """Refuse None, blank text, no ids or no messages (a conversation with an empty turn is dropped instead)."""
+    empty = [i for i, prompt in enumerate(prompts) if _is_blank(prompt) or len(prompt) == 0]
+    if not empty:
+        return
+    what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
+    raise ValueError(
+        f"{name}: {len(empty)} of {len(prompts)} prompts {what} (the first at row {empty[0]}); the policy needs a "
+        f"prompt to respond to. Remove or fill them first, e.g. dataset.filter(...) on the {column!r} column."
+    )
+
+
+def _check_prompts_match_ids(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc, name: str) -> None:
+    """A dataset with both ``prompt`` and ``input_ids``: fine when every ``input_ids`` is the tokenized prompt;
+    otherwise it is ambiguous which one the user meant, so refuse."""
+
+    def same(example: dict) -> dict:
+        return {"same": tokenize_prompt(example["prompt"], tokenizer) == list(example["input_ids"])}
+
+    flags = dataset.map(same, remove_columns=dataset.column_names, num_proc=num_proc, desc="Comparing columns")
+    differ = [i for i, ok in enumerate(flags["same"]) if not ok]
+    if differ:
+        raise ValueError(
+            f"{name} has both a 'prompt' and an 'input_ids' column, and in {len(differ)} of {len(dataset)} rows (the "
+            f"first: row {differ[0]}) the ids are not the tokenized prompt. The 'input_ids' column would be used as "
+            "it is and the prompt ignored. Drop one: dataset.remove_columns('prompt') to train on the ids as they "
+            "are, or dataset.remove_columns('input_ids') to have the prompts tokenized here."
+        )
+
+
+def _limit_prompt_length(dataset: Dataset, max_length: int, max_kept: int, truncate: bool, name: str) -> Dataset:
+    """Prompts longer than ``max_length`` (after dropping turns) are never cut: kept whole up to ``max_kept`` tokens
+    and skipped beyond (``truncate``), with a warning that counts both; or an error (not ``truncate``)."""
+    if max_kept < max_length:
+        raise ValueError(f"max_kept_length={max_kept} must be at least max_prompt_length={max_length}.")
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    too_long = [n for n in lengths if n > max_length]
+    if not too_long:
+        return dataset
+    message = (
+        f"{name}: {len(too_long)} of {len(lengths)} prompts are longer than {max_length} tokens (longest: "
+        f"{max(too_long)}), conversations after dropping their oldest turns"
+    )
+    if not truncate:
+        raise ValueError(
+            f"{message}. Shorten them, raise max_prompt_length (the model's context minus response_length by "
+            f"default), or set truncate_long_prompts=True to keep them whole up to {max_kept} tokens and skip longer "
+            "ones (a prompt is never cut inside a turn)."
+        )
+    fitting = [i for i, n in enumerate(lengths) if n <= max_kept]
+    if not fitting:
+        raise ValueError(
+            f"{message}, and all are longer than {max_kept} tokens, the longest prompt that leaves room for a full "
+            "response: none is left. Shorten the prompts or lower response_length."
+        )
+    skipped = len(lengths) - len(fitting)
+    kept = f"{len(too_long) - skipped} kept whole (at most {max_kept} tokens: a prompt is never cut inside a turn)"
+    logger.warning("%s: %s, %d skipped (longer), as the MOSS-RLHF release does.", message, kept, skipped)
+    return dataset.select(fitting) if skipped else dataset
+
+
+def prepare_text_dataset(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None, assistant_only: bool = True
+) -> Dataset:
+    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids``, ``text`` (the tokenizer's own special tokens, as
+    :func:`tokenize_prompt`) or conversational ``messages`` (the chat template). For ``messages`` with
+    ``assistant_only``, a ``loss_mask`` keeps the loss on the assistant turns only, as the MOSS-RLHF release masks its
+    pre-training dialogues (``ppo_datahelper.py``); that needs ``{% generation %}`` markers in the chat template."""
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        return dataset.select_columns([c for c in ("input_ids", "loss_mask") if c in columns])
+    if "messages" in columns:
+        if assistant_only and not re.search(r"\{%-?\s*generation\s*-?%\}", tokenizer.chat_template or ""):
+            raise ValueError(
+                "ptx_assistant_only=True needs a chat template with {% generation %} markers around the assistant "
+                "turns (the MOSS-RLHF template has them; see transformers' return_assistant_tokens_mask). Use such a "
+                "template, or set ptx_assistant_only=False to train the ptx loss on every token."
+            )
+
+        def tokenize(example: dict) -> dict:
+            out = tokenizer.apply_chat_template(
+                example["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only
+            )
+            mask = out["assistant_masks"] if assistant_only else [1] * len(out["input_ids"])
+            return {"input_ids": out["input_ids"], "loss_mask": mask}
+
+        return dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc="Tokenizing ptx dialogues")
+    if "text" not in columns:
+        raise ValueError(f"ptx_dataset needs an 'input_ids', 'text' or 'messages' column; it has {columns}.")
+    return dataset.map(
+        lambda e: {"input_ids": tokenizer(e["text"])["input_ids"]},
+        remove_columns=columns,
+        num_proc=num_proc,
+        desc="Tokenizing ptx texts",
+    )
+
+
+def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callable[[Dataset], Dataset]:
+    """``prepare_prompt_dataset`` with the trainer's settings: the prompt budget (``max_prompt_length``, or the
+    policy's context minus ``response_length``), the longest prompt kept whole (:func:`longest_prompt_length`) and
+    the truncation rule."""
+    limit = prompt_length_limit(args.max_prompt_length, policy, args.response_length)
+    return partial(
+        prepare_prompt_dataset,
+        tokenizer=tokenizer,
+        num_proc=args.dataset_num_proc,
+        max_prompt_length=limit,
+        truncate=args.truncate_long_prompts,
+        max_kept_length=longest_prompt_length(policy, args.response_length),
+    )
+
+
+def model_context(model) -> int | None:
+    """The model's context, ``config.max_position_embeddings`` (of the text config for a multimodal model), or None
+    when the config does not say."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None and hasattr(config, "get_text_config"):
+        context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
+
+
+def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
+    """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``;
+    raises (:func:`check_prompt_budget`) when a prompt and its response cannot fit in that context."""
+    context = model_context(model)
+    if context is None:
+        return max_prompt_length
+    check_prompt_budget(context, max_prompt_length, response_length)
+    return context - response_length if max_prompt_length is None else max_prompt_length
+
+
+def longest_prompt_length(model, response_length: int) -> int | None:
+    """The longest prompt kept whole when even its last turn exceeds the prompt budget: the policy's context minus
+    ``response_length`` (a full response must fit too), or None when the context is unknown. The release keeps such
+    a prompt up to its total context (2048) and samples 512 more tokens past LLaMA's positions; here it is skipped."""
+    context = model_context(model)
+    return None if context is None else context - response_length
+
+
+def check_prompt_budget(context: int, max_prompt_length: int | None, response_length: int) -> None:
+    """Prompt and response share the policy's ``context``: ``response_length`` must leave at least one prompt token,
+    and ``max_prompt_length + response_length`` must fit."""
+    where = f"the policy's context of {context} tokens (config.max_position_embeddings)"
+    if response_length >= context:
+        raise ValueError(
+            f"response_length={response_length} does not fit {where}: prompt and response share it, so "
+            f"{context - response_length} tokens would be left for the prompt. Lower response_length to leave room "
+            f"for your prompts (e.g. response_length={context // 4} leaves {context - context // 4} prompt tokens), "
+            "or use a model with a longer context."
+        )
+    if max_prompt_length is not None and max_prompt_length + response_length > context:
+        left, shorter = context - response_length, f", or lower response_length to {context - max_prompt_length}"
+        shorter_responses = f"{shorter} or less" if max_prompt_length < context else ""
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length} + response_length={response_length} = "
+            f"{max_prompt_length + response_length} tokens exceed {where}. Lower max_prompt_length to {left} or less "
+            f"(or leave it unset to use the {left} tokens response_length leaves){shorter_responses}."
+        )
+
+
+# Prompt sources for the recipes
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
+
+
+def looks_local(name: str, data: bool = False) -> bool:
+    """Whether ``name`` is meant as a local path, not a Hub id: it starts with ``.``, ``/`` or ``~``, has more parts
+    than a Hub id's ``org/name``, its first folder exists here, or (a dataset) it ends with a data-file extension."""
+    parts = name.replace(os.sep, "/").split("/")
+    return (
+        name.startswith((".", "/", "~"))
+        or len(parts) > 2
+        or (len(parts) == 2 and os.path.isdir(parts[0]))
+        or (data and name.lower().endswith(DATA_EXTENSIONS))
+    )
+
+
+def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] = ()) -> None:
+    """Fail at once, naming the setting, when a model or dataset setting (``…dataset_name``, or named in
+    ``datasets``) is a local path that does not exist (a typo), instead of trying the Hub and failing there after
+    retries."""
+    for setting, name in settings.items():
+        local = name and looks_local(name, data=setting.endswith("dataset_name") or setting in datasets)
+        if local and not os.path.exists(os.path.expanduser(name)):
+            raise FileNotFoundError(
+                f"{setting} not found: {name} (no such local file or folder; a Hub repository is named 'org/name')."
+            )
+
+
+def load_any_dataset(
+    name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
+) -> Dataset:
+    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt).
+
+    The MOSS-RLHF release's data files (:func:`release_files`: a file, or a folder's ``*train.json`` /
+    ``*valid.json``) are read as the release reads them (:func:`read_release_files`): as prompts (``kind="prompts"``)
+    or as dialogues for the ptx loss (``kind="ptx"``)."""
+    from datasets import load_dataset
+
+    files = release_files(name, split)
+    if files:
+        return read_release_files(files, kind)
+    if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
+        return load_data_file(name, split)
+    return load_dataset(name, name=config, split=split)
+
+
+def load_data_file(path: str, split: str = "train") -> Dataset:
+    """The rows of a local data file (:data:`FILE_BUILDERS`) as the split ``split``. An empty file, or one its
+    builder cannot read (a broken JSON line, a damaged Parquet file), fails here with a ``ValueError`` naming the
+    file (and the first bad line of a JSON file), not deep in ``datasets`` without it."""
+    from datasets import load_dataset
+
+    builder = FILE_BUILDERS[os.path.splitext(path)[1]]
+    try:
+        dataset = load_dataset(builder, data_files={split: path}, split=split)
+    except Exception as err:  # StopIteration, ArrowInvalid, DatasetGenerationError, …: none names the file
+        where = _first_bad_json_line(path) if builder == "json" else ""
+        raise ValueError(
+            f"{path} could not be read as a {builder} data file{where}: {type(err).__name__}: {err}"
+        ) from err
+    if len(dataset) == 0:
+        raise ValueError(f"{path} holds no rows: give a data file with one row per example.")
+    return dataset
+
+
+def _first_bad_json_line(path: str) -> str:
+    """`` (line N is not JSON)`` for the first non-blank line of a JSON-lines file that does not parse; `` (the
+    file is empty)``; or nothing (a whole-file JSON document, or every line parses)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as file:
+        text = file.read()
+    if not text.strip():
+        return " (the file is empty)"
+    try:
+        json.loads(text)
+        return ""
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            if line.strip():
+                json.loads(line)
+        except json.JSONDecodeError as err:
+            return f" (line {number} is not JSON: {err.msg})"
+    return ""
+
+
+#: Split names read from the files of a release folder whose names end with another word (``*valid.json``).
+RELEASE_SPLIT_FILES = {"validation": "valid"}
+
+
+def release_files(name: str, split: str = "train") -> list[str]:
+    """The MOSS-RLHF release's data files (JSON lists of samples, each a list of turns) that ``name`` holds for
+    ``split``: ``name`` itself when it is one; in a folder, every such file named ``*{split}.json`` (``validation``
+    reads ``*valid.json``), sorted, as the release's ``ppo_datahelper.py``. Empty when ``name`` is neither."""
+    if os.path.isfile(name):
+        return [name] if name.endswith(".json") and _looks_like_release_list(name) else []
+    if not os.path.isdir(name):
+        return []
+    suffix = f"{RELEASE_SPLIT_FILES.get(split, split)}.json"
+    files = sorted(os.path.join(name, f) for f in os.listdir(name) if f.endswith(suffix))
+    files = [f for f in files if os.path.isfile(f)]
+    return files if files and all(_looks_like_release_list(f) for f in files) else []
+
+
+def _looks_like_release_list(path: str) -> bool:
+    """Whether a JSON file opens as a list of lists (``[[``, or ``[]``): the release's samples, each a list of turns,
+    rather than the list of records (``[{``) that the ``json`` dataset builder reads."""
+    with open(path, encoding="utf-8-sig") as file:
+        head = "".join(file.read(4096).split())
+    return head.startswith(("[[", "[]"))
+
+
+def _read_release_list(path: str) -> list[list[str | None]] | None:
+    """The samples of a release data file, or None when ``path`` holds something else."""
+    with open(path, encoding="utf-8-sig") as file:
+        try:
+            data = json.load(file)
+        except json.JSONDecodeError:
+            return None
+    turns = isinstance(data, list) and all(isinstance(s, list) for s in data)
+    return data if turns and all(t is None or isinstance(t, str) for s in data for t in s) else None
+
+
+def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "prompts") -> Dataset:
+    """The samples of the release's data files (JSON lists of samples, each a list of turns), in file order.
+
+    - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's** (:func:`roles_from_the_end`, the
+      release's ``i + (len + 1) % 2``); a sample with no turn or an empty one (None, empty or blank) is dropped, as
+      the release's ``all(sample)`` does.
+    - ``kind="ptx"``: a ``messages`` column, the human's turn first (:func:`roles_from_the_start`); a sample with
+      fewer than two turns or an empty one is dropped, as the release does.
+
+    Dropped samples are counted in a warning per file; raises when none is left."""
+    samples, shortest = [], 2 if kind == "ptx" else 1
+    for path in paths:
+        data = _read_release_list(path)
+        if data is None:
+            raise ValueError(f"{path} is not a MOSS-RLHF data file: a JSON list of samples, each a list of turns.")
+        kept = [s for s in data if len(s) >= shortest and not any(_is_blank(t) for t in s)]
+        if len(kept) < len(data):
+            few = "fewer than two" if kind == "ptx" else "no"
+            message = (
+                f"{path}: dropped {len(data) - len(kept)} of {len(data)} samples with {few} turns or an empty one"
+            )
+            logger.warning("%s, as the MOSS-RLHF release does.", message)
+        samples.extend(kept)
+    if not samples:
+        raise ValueError(
+            f"No sample is left in {', '.join(paths)}: every sample has an empty turn, or the files are empty."
+        )
+    if kind == "ptx":
+        return Dataset.from_dict({"messages": [roles_from_the_start(s) for s in samples]})
+    return Dataset.from_dict({"prompt": [roles_from_the_end(s) for s in samples]})
+
+
+def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
+    """Messages for a list of turns whose last one is the user's: ``[..., assistant, user]``."""
+    return [
+        {"role": "user" if (len(turns) - 1 - i) % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
+    ]
+
+
+def roles_from_the_start(turns: list[str]) -> list[dict[str, str]]:
+    """Messages for a list of turns whose first one is the user's: ``[user, assistant, user, ...]``."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def to_prompt_dataset(dataset: Dataset) -> Dataset:
+    """Keep (or make) the ``prompt`` column from the common formats: prompt-only and preference datasets with
+    ``prompt``; conversational ``messages`` (everything up to the last user turn); raw HH-RLHF (``chosen``/``rejected``
+    dialogues); tokenized ``input_ids`` is kept as is. The other columns stay: reward functions receive them (e.g. a
+    ``solution`` column)."""
+    from trl_ppomax.data.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
+
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        return dataset.remove_columns([c for c in ("prompt",) if c in columns])
+    if "prompt" in columns:
+        return dataset
+    if is_hh_rlhf(dataset):
+        return convert_hh_rlhf(dataset).select_columns(["prompt"])
+    if "messages" in columns:
+        return dataset.map(
+            lambda e: {"prompt": _up_to_last_user_turn(e["messages"])}, remove_columns=["messages"], desc="Prompts"
+        )
+    raise ValueError(
+        f"Cannot find prompts in a dataset with columns {columns}: expected 'prompt', 'messages', 'input_ids', or "
+        "Anthropic HH-RLHF 'chosen'/'rejected' dialogues."
+    )
+
+
+def _up_to_last_user_turn(messages: list[dict]) -> list[dict]:
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("A conversation in 'messages' has no user turn to use as a prompt.")
+    return messages[: last_user + 1]
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The tokenizer needs a pad token; a pad token equal to eos works here but is worth a warning."""
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        raise ValueError(
+            "The tokenizer has no pad token; add one, e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and "
+            "resize the models' embeddings, or set tokenizer.pad_token to an unused token."
+        )
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        logger.warning(
+            "The pad token is the eos token (%r). Responses are cut after their first stop token, so this is safe "
+            "here, but models that find their last token by the pad id misread such sequences; a dedicated pad "
+            "token is safer.",
+            tokenizer.eos_token,
+        )
+
+
+def rows_of_this_process(num_rows: int, accelerator) -> tuple[list[int], list[float]]:
+    """This process's share of ``range(num_rows)`` and a weight per row: 1, or 0 for the padding that gives every
+    process the same number of rows (generation may be a collective, e.g. under ZeRO-3)."""
+    rows = list(range(num_rows))
+    with accelerator.split_between_processes(rows) as own:
+        real = len(own)
+    with accelerator.split_between_processes(rows, apply_padding=True) as padded:
+        return list(padded), [1.0] * real + [0.0] * (len(padded) - real)
+
+
+def batch_streams(
+    train_dataset: Dataset, ptx_dataset: Dataset | None, tokenizer, args, accelerator, collate: Callable
+) -> tuple[ShuffledBatches, ShuffledBatches | None]:
+    """This process's rollout batches (``local_prompt_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
+    batches (``per_device_train_batch_size`` texts, right-padded), each a resumable shuffled stream."""
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    batches = partial(
+        ShuffledBatches, num_processes=accelerator.num_processes, process_index=accelerator.process_index, seed=seed
+    )
+    prompts = batches(train_dataset, args.local_prompt_batch_size, collate=collate)
+    if ptx_dataset is None or args.ptx_coef <= 0:
+        return prompts, None
+    ptx = prepare_text_dataset(ptx_dataset, tokenizer, args.dataset_num_proc, args.ptx_assistant_only)
+    right_padded = PromptCollator(tokenizer.pad_token_id, padding_side="right")
+    return prompts, batches(ptx, args.per_device_train_batch_size, collate=right_padded)
+
+
+def progress(chunks: list, args, desc: str = "Generating") -> list:
+    """``chunks`` with a progress bar on the local main process when there is more than one and ``disable_tqdm`` is
+    off (long rollouts and evaluations)."""
+    from accelerate import PartialState
+
+    if len(chunks) <= 1 or args.disable_tqdm or not PartialState().is_local_main_process:
+        return chunks
+    from tqdm.auto import tqdm
+
+    return tqdm(chunks, desc=desc, leave=False)

@@ -1,0 +1,365 @@
+"""Models: the policy + critic wrapper and how logits, values and scores are read from a model.
+
+A new model family is taught in :func:`backbone_and_head` (body and scalar head of a ``*ForSequenceClassification``).
+Sequences are ``[query (left-padded, width L) | response (right-padded, width T)]``; the logits and value for
+response token ``t`` are read at position ``L − 1 + t``, the score where the model reads it (:func:`score_position`).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.trainer_utils import load_sharded_checkpoint
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from trl.trainer.utils import disable_dropout_in_model
+
+from trl_ppomax.data.files import ADAPTER_WEIGHTS
+
+#: Attribute names of the scalar head of a sequence-classification model, in the order they are tried.
+SCORE_HEAD_NAMES = ("score", "classifier")
+
+
+class PolicyAndCritic(nn.Module):
+    """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both.
+
+    ``forward`` returns the response logits (B, T, V), the values (B, T) and, when ``ptx_inputs`` is given, the
+    policy's logits on that pre-training batch. trl 1.12's names ``policy`` and ``value_model`` both work."""
+
+    def __init__(self, policy: nn.Module, critic: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The policy's and the critic's layer classes: FSDP's transformer auto-wrap shards layer by layer."""
+        names = []
+        for model in (self.policy, self.critic):
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            names += list(getattr(base, "_no_split_modules", None) or [])
+        return list(dict.fromkeys(names))
+
+    @property
+    def value_model(self) -> nn.Module:
+        """The critic, under trl 1.12's name (``trainer.model.value_model``)."""
+        return self.critic
+
+    def forward(self, inputs: dict, response_width: int, ptx_inputs: dict | None = None):
+        logits = response_logits(self.policy, inputs, response_width)
+        values = token_values(self.critic, inputs, response_width)
+        ptx_logits = self.policy(**ptx_inputs, use_cache=False).logits if ptx_inputs is not None else None
+        return logits, values, ptx_logits
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
+        for model in (self.policy, self.critic):
+            if hasattr(type(model), "activation_checkpointing_enable"):  # transformers ≥ 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        flag = getattr(type(self.policy), "is_activation_checkpointing", None)
+        name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
+        return bool(getattr(self.policy, name, False))
+
+    def gradient_checkpointing_disable(self) -> None:
+        for model in (self.policy, self.critic):
+            name = "activation_checkpointing_disable"
+            getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
+
+
+def without_zero3_init():
+    """A context in which transformers builds whole models (``from_config``) even under a DeepSpeed ZeRO-3 launch,
+    where it would build them inside ``zero.Init``, partitioned over the processes: for a model that one process
+    builds and writes (the tiny models), or a shell whose parameters are all replaced (``with_lm_head``)."""
+    from contextlib import nullcontext
+
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "set_zero3_state", nullcontext)()  # marks zero.Init as already entered
+
+
+def _accepts(module: nn.Module, argument: str) -> bool:
+    return argument in inspect.signature(module.forward).parameters
+
+
+def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
+    """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2`` (only the last ``T + 1``
+    asked for, ``logits_to_keep``, when the model supports it)."""
+    extra = {"logits_to_keep": response_width + 1} if _accepts(model, "logits_to_keep") else {}
+    logits = model(**inputs, use_cache=False, **extra).logits
+    return logits[:, -response_width - 1 : -1]
+
+
+def score_head(model: nn.Module) -> nn.Module | None:
+    """The scalar head of a ``*ForSequenceClassification`` model (PEFT-wrapped or not), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in SCORE_HEAD_NAMES:
+        head = getattr(base, name, None)
+        if head is not None:
+            return head
+    return None
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The transformer body and the scalar head of a ``*ForSequenceClassification`` model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    head = score_head(model)
+    if backbone is None or head is None:
+        raise ValueError(
+            f"{type(model).__name__} is not a sequence-classification model with a `score` head; load reward and "
+            "value models with AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)."
+        )
+    return backbone, head
+
+
+def token_values(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
+    """Per-token values (B, T) of a sequence-classification critic: its head applied at every position."""
+    backbone, head = backbone_and_head(model)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, -response_width - 1 : -1]
+    return head(hidden).squeeze(-1).float()
+
+
+def score_position(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Index (B,) of the token a ``*ForSequenceClassification`` ``model`` reads its score at: the model's own rule.
+
+    transformers reads the rightmost position whose id is not ``config.pad_token_id``: with a dedicated pad token the
+    last real token, with ``pad == eos`` (trl's default without a pad, e.g. LLaMA) the token *before* trailing eos(s),
+    as trl's ``RewardTrainer`` trains it. Positions with ``attention_mask == 0`` are skipped too. Without a pad id in
+    the config: the last attended position. A row with no readable token gives 0, as transformers does.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    pad_id = getattr(config, "pad_token_id", None)
+    readable = torch.ones_like(input_ids, dtype=torch.bool) if pad_id is None else input_ids != pad_id
+    if attention_mask is not None:
+        readable = readable & attention_mask.bool()
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return (positions * readable).argmax(-1)
+
+
+def sequence_scores(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Reward-model score (B,) of query ⊕ response ``inputs``, read where the model itself reads it
+    (:func:`score_position`): the same token as ``model(**inputs).logits`` and the reward trainer, in every padding."""
+    backbone, head = backbone_and_head(model)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state
+    last = score_position(model, inputs["input_ids"], inputs.get("attention_mask"))
+    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return head(picked).squeeze(-1).float()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building the trained and frozen models from the trainer's arguments
+# --------------------------------------------------------------------------------------------------------------------
+def is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def policy_and_reference(
+    model: nn.Module, ref_model: nn.Module | None, peft_config
+) -> tuple[nn.Module, nn.Module | None]:
+    """The policy (wrapped with ``peft_config`` if given) and the frozen reference: ``ref_model``, a copy of the
+    policy, or ``None`` for a PEFT policy (whose reference is the policy with its adapter disabled)."""
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if is_peft(model):
+        return model, None
+    if ref_model is None:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, ref_model
+
+
+def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
+    """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3;
+    :meth:`~trl_ppomax.rewards.RewardSources.critic_source` chose one that reads the policy's tokens)."""
+    if value_model is not None:
+        return value_model
+    return copy.deepcopy(reward_model).requires_grad_(True)
+
+
+def check_single_label(model) -> None:
+    """Reward and value models must output one score."""
+    config = getattr(model, "config", None)
+    if isinstance(model, nn.Module) and config is not None and getattr(config, "num_labels", 1) != 1:
+        raise ValueError(
+            f"Reward and value models must output one score (num_labels=1); {type(model).__name__} has "
+            f"num_labels={config.num_labels}. Load it with num_labels=1."
+        )
+
+
+def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
+    """``(policy, reference, critic)`` from the trainer's arguments (checked by
+    :func:`~trl_ppomax.ppo.checks.check_model_arguments`), with dropout off everywhere (PPO's ratio must start at 1)."""
+    policy, reference = policy_and_reference(model, ref_model, peft_config)
+    if is_peft(policy) and args.model_adapter_name:
+        policy.set_adapter(args.model_adapter_name)
+    critic = critic_from(value_model, reward_model)
+    for module in (policy, critic, reference, reward_model):
+        if isinstance(module, nn.Module):
+            disable_dropout_in_model(module)
+    for scorer in (reward_model, critic):
+        check_single_label(scorer)
+    return policy, reference, critic
+
+
+def prepare_frozen(module: nn.Module, accelerator) -> nn.Module:
+    """A reference or reward model for inference only: frozen, and sharded under DeepSpeed ZeRO-3 or FSDP as the
+    trained models are (trl's ``prepare_deepspeed`` / ``prepare_fsdp``), else moved to the device."""
+    from accelerate.utils import DistributedType
+    from trl.models.utils import prepare_deepspeed, prepare_fsdp
+
+    module.eval().requires_grad_(False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return prepare_deepspeed(module, accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return prepare_fsdp(module, accelerator)
+    return module.to(accelerator.device)
+
+
+@contextmanager
+def policy_for_generation(model: nn.Module, accelerator, args) -> Iterator[PolicyAndCritic]:
+    """The unwrapped :class:`PolicyAndCritic` ready for generation (trl's ``unwrap_model_for_generation``), except that
+    under DeepSpeed ZeRO-3 with ``ds3_gather_for_generation`` only the **policy's** parameters are gathered: the critic,
+    as large as the policy, stays sharded (use only ``.policy`` inside the block)."""
+    from trl.models.utils import add_hooks, remove_hooks, unwrap_model_for_generation
+
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    checkpointing_kwargs = args.checkpointing[1]
+    if not (plugin is not None and plugin.zero_stage == 3 and args.ds3_gather_for_generation):
+        gather = args.ds3_gather_for_generation
+        with unwrap_model_for_generation(
+            model, accelerator, gather, gradient_checkpointing_kwargs=checkpointing_kwargs
+        ) as w:
+            yield w
+        return
+    import deepspeed
+
+    wrapper = accelerator.unwrap_model(model)
+    checkpointing = wrapper.is_gradient_checkpointing
+    if checkpointing:
+        wrapper.gradient_checkpointing_disable()
+    with deepspeed.zero.GatheredParameters(list(wrapper.policy.parameters())):
+        remove_hooks(model)  # the engine's fetch/release hooks would re-partition the gathered policy
+        try:
+            yield wrapper
+        finally:
+            add_hooks(model)
+    if checkpointing:
+        wrapper.gradient_checkpointing_enable(checkpointing_kwargs)
+
+
+@contextmanager
+def reference_policy(ref_model: nn.Module | None, policy: nn.Module, ref_adapter_name: str | None):
+    """The reference model, or, for a PEFT policy, the policy with its adapter disabled (or switched to
+    ``ref_adapter_name``, the active adapter restored afterwards: trl's ``use_adapter``)."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    from trl.trainer.utils import use_adapter
+
+    with use_adapter(policy, ref_adapter_name):
+        yield policy
+
+
+@contextmanager
+def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
+    """Under FSDP2, the root units of ``models`` gathered (embeddings, final norm, heads) so that submodules can be
+    called on their own (``policy.generate``, a backbone and its score head). A no-op otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [model for model in models if isinstance(model, FSDPModule)]
+    for root in roots:
+        root._get_fsdp_state()._lazy_init()  # what the root's first forward would do (a no-op after it)
+        root.unshard()
+    try:
+        yield
+    finally:
+        for root in roots:
+            root.reshard()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Weights from a saved folder, and what identifies a run's models
+# --------------------------------------------------------------------------------------------------------------------
+def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Entries of ``state`` under ``prefix`` (e.g. ``"policy."``), with the prefix removed."""
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+
+
+def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
+    """Load the weights ``save_pretrained`` wrote in ``folder`` (one safetensors file, a sharded index, or a PEFT
+    adapter) into ``module``; tied weights may be absent, anything else missing or unexpected is an error."""
+    folder = Path(folder)
+    if (folder / ADAPTER_WEIGHTS).exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
+        return
+    if isinstance(module, PreTrainedModel):
+        # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out), with
+        # the module's own config: a missing or foreign config.json must not build another model (a default 7B Llama)
+        if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
+            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
+        dtype = next(module.parameters()).dtype
+        loaded, info = type(module).from_pretrained(
+            folder, config=module.config, dtype=dtype, output_loading_info=True
+        )
+        mismatched = [key for key, *_ in info.get("mismatched_keys", [])]  # left at from_pretrained's random init
+        _check_weights_fit(module, folder, [*info["missing_keys"], *mismatched], list(info["unexpected_keys"]))
+        module.load_state_dict(loaded.state_dict())
+        return
+    if (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
+        missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
+    else:
+        if not (folder / SAFE_WEIGHTS_NAME).exists():
+            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
+        missing, unexpected = module.load_state_dict(load_file(folder / SAFE_WEIGHTS_NAME), strict=False)
+    _check_weights_fit(module, folder, missing, unexpected)
+
+
+def _check_weights_fit(module: nn.Module, folder: Path, missing: list[str], unexpected: list[str]) -> None:
+    """Tied weights may be absent from a saved folder; any other missing or unexpected weight is an error."""
+    tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
+    missing = [key for key in missing if key not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"The weights in {folder} do not match {type(module).__name__}: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}. Resume with the same model architecture the checkpoint was written with."
+        )
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # ZeRO-3 partitions report ds_numel
+
+
+def model_identity(wrapper) -> dict:
+    """What identifies the models of a run: the policy's ``_name_or_path`` and the parameter counts of policy and
+    critic (counted before ``accelerator.prepare`` shards them)."""
+    config = getattr(wrapper.policy, "config", None)
+    return {
+        "policy": getattr(config, "_name_or_path", None) or None,
+        "policy_parameters": _parameter_count(wrapper.policy),
+        "critic_parameters": _parameter_count(wrapper.critic),
+    }

@@ -1,0 +1,620 @@
+"""Saving, resuming and the best model of :class:`~trl_ppomax.PPOMaxTrainer`, on top of transformers' ``Trainer``
+(which saves the optimizer, scheduler, RNG and trainer states and rotates checkpoints): the policy/critic split of
+one state dict, the PPO state (:class:`~trl_ppomax.ppo.state.PPOState`) and the run's settings.
+
+``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top (``from_pretrained``
+loads it); ``critic/``; ``optimizer.pt``/``scheduler.pt`` (or a DeepSpeed engine checkpoint); ``rng_state*.pth``;
+``trainer_state.json``; ``ppo_state.json`` (counters, reward moments, data position, run settings). ``checkpoint-0``,
+the initial policy, is written when its step-0 evaluation is the best so far and the best model must be loadable.
+
+Under DeepSpeed ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` false (a DeepSpeed JSON that does not set
+it), the full weights are never gathered, as transformers' ``Trainer`` does then: checkpoints and ``save_model`` hold
+the engine's sharded checkpoint (``global_step*/``, with DeepSpeed's ``zero_to_fp32.py`` beside it), the configs and
+the tokenizer, and no plain weights; a resume under DeepSpeed reads the engine checkpoint, and
+:func:`consolidate_engine_checkpoint` turns such a folder into plain transformers folders afterwards.
+
+Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.ppo.checks`): a trainer trains
+once; one run at a time holds ``output_dir`` (a lock file, released at the end of ``train()``); a fresh run does not
+reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless
+``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``). A full disk is
+reported as such, naming the folder and its free space (nothing is overwritten). ``output_dir`` is checked writable
+at init. ``training_args.bin`` is written without secrets (no token on disk).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback, TrainerState
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, rotate_checkpoints
+from transformers.utils import PushInProgress
+from transformers.utils.hub import hf_api
+
+from trl_ppomax.data.files import (
+    CRITIC_DIR,
+    PPO_STATE_NAME,
+    DiskFullError,
+    OutputDirInUse,
+    atomic_directory,
+    checkpoint_folders,
+    checkpoint_number,
+    lock_output_dir,
+    probe_writable,
+    read_json,
+    unlock_output_dir,
+    write_json,
+)
+from trl_ppomax.models import is_peft, load_weights, model_identity, sub_state_dict
+from trl_ppomax.ppo import checks, optim
+from trl_ppomax.reporting.hub import without_secrets
+
+logger = logging.getLogger(__name__)
+
+
+#: Files of a checkpoint's top level that a push during training does not copy into ``output_dir`` (DeepSpeed's
+#: ``latest`` and recovery scripts belong to its engine folder).
+PUSH_SKIPPED = (
+    "optimizer*",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*",
+    TRAINER_STATE_NAME,
+    PPO_STATE_NAME,
+    "latest",
+    "zero_to_*.py",
+)
+
+#: The line a DeepSpeed JSON needs for ZeRO-3 to save plain model folders.
+GATHER_ON_SAVE = '"stage3_gather_16bit_weights_on_model_save": true'
+
+
+def engine_checkpoint_advice(folder: str) -> str:
+    """How to turn the sharded DeepSpeed engine checkpoint in ``folder`` into plain model folders, and how to save
+    plain folders directly next time (the end of the warnings about engine-only saves)."""
+    return (
+        "To get a plain transformers folder (policy at the top, critic/ when the folder has one): "
+        f"`trl-ppomax consolidate {folder}`, or consolidate_engine_checkpoint('{folder}') from trl_ppomax.ppo.checkpoint "
+        "(on CPU, no GPU needed; it needs memory for the fp32 weights). DeepSpeed's own converters work too, "
+        f"`python {os.path.join(folder, 'zero_to_fp32.py')} {folder} OUT` or "
+        f"deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict('{folder}', 'OUT'): their state "
+        "dict holds the policy's weights under the prefix `policy.` and the critic's under `critic.` (strip it before "
+        f'load_state_dict). To save plain folders directly, add {GATHER_ON_SAVE} under "zero_optimization" in the '
+        "DeepSpeed JSON (or `zero3_save_16bit_model: true` in the accelerate config): save_model then gathers the full "
+        "weights on the main process."
+    )
+
+
+class _WaitForHubPush(TrainerCallback):
+    """At the end of training, wait for the checkpoint pushes still in flight (as transformers' Trainer does)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._finish_current_push()
+
+
+class _UnlockOutputDir(TrainerCallback):
+    """At the end of training, release the ``output_dir`` lock taken when it started."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._unlock_output_dir()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer side
+# ----------------------------------------------------------------------------------------------------------------
+class CheckpointMixin:
+    """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
+
+    ``ppo_state.json`` holds what ``TrainerState`` does not: episode, running reward moments, skip counters, ptx data
+    position and run settings. Resuming restores it with the weights, optimizer, scheduler and RNG states, so a
+    resumed run continues exactly as if it had never stopped.
+
+    Contract with the trainer (besides ``transformers.Trainer``'s attributes): it owns ``ppo_state`` (a
+    :class:`~trl_ppomax.ppo.state.PPOState`) and a prompt ``train_dataset`` (its size is a run setting); nothing else
+    of the trainer's is read or written here.
+    """
+
+    #: Settings of ``args`` that define a run: a resume with other values would change which prompts an iteration
+    #: reads (the prompt stream, :class:`~trl_ppomax.data.ShuffledBatches`, takes ``batch_size ÷
+    #: num_samples_per_prompt`` prompts per iteration over the processes, shuffled by ``data_seed`` or ``seed``), the
+    #: episode count or the schedule (``num_processes`` is ``world_size``).
+    RUN_SETTINGS = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_mini_batches",
+        "num_samples_per_prompt",
+        "num_ppo_epochs",
+        "world_size",
+        "batch_size",
+        "total_episodes",
+        "num_total_batches",
+        "seed",
+        "data_seed",
+        "preset",
+        "learning_rate",
+        "effective_critic_learning_rate",
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        training_args, model = kwargs.get("args"), kwargs.get("model")
+        if training_args is not None and training_args.should_save:
+            probe_writable(training_args.output_dir)
+        self._model_identity = model_identity(model) if hasattr(model, "policy") else {}
+        self._run_started = False
+        self._resume_path: str | None = None
+        self._lock_owner = object()  # this trainer's token for the output_dir lock
+        super().__init__(*args, **kwargs)
+        if self.args.push_to_hub:
+            self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
+        self.add_callback(_UnlockOutputDir(self))
+
+    # -- before the first rollout -----------------------------------------------------------------------------------
+    def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
+        """``train()``'s checks before its first rollout (see the module docstring); each refusal names the fix."""
+        if self._run_started:
+            raise RuntimeError(
+                f"train() was already called on this trainer (it reached iteration {self.state.global_step}); its "
+                "model, optimizer and counters carry that run. To train again, build a new PPOMaxTrainer; to continue "
+                "a stopped run, build a new PPOMaxTrainer and call train(resume_from_checkpoint=True) (or the path of "
+                "a checkpoint)."
+            )
+        self._lock_output_dir()
+        try:
+            if resume_from_checkpoint:
+                self._resume_path = self._checked_checkpoint(resume_from_checkpoint)
+            else:
+                self._claim_output_dir()
+        except BaseException:
+            self._unlock_output_dir()
+            raise
+        self._run_started = True
+        if self._engine_checkpoint_only and self.is_world_process_zero():
+            logger.warning(
+                "DeepSpeed ZeRO-3 with stage3_gather_16bit_weights_on_model_save false (your DeepSpeed config does not "
+                "set it): the full weights are never gathered, so every checkpoint-N and save_model will hold "
+                "DeepSpeed's sharded engine checkpoint (global_step*/, weights and optimizer states) with the configs "
+                "and the tokenizer, but no plain model weights. Resuming under DeepSpeed works as usual. %s",
+                engine_checkpoint_advice("FOLDER"),
+            )
+
+    @property
+    def _engine_checkpoint_only(self) -> bool:
+        """Whether the full weights cannot be gathered to save them: DeepSpeed ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` (accelerate's ``get_state_dict`` refuses then). Saves then
+        write the engine's sharded checkpoint instead of plain weights, as transformers' ``Trainer`` does."""
+        if not self.is_deepspeed_enabled:
+            return False
+        engine = self.model_wrapped
+        return engine.zero_optimization_stage() == 3 and not engine.zero_gather_16bit_weights_on_model_save()
+
+    def _lock_output_dir(self) -> None:
+        """One run per ``output_dir``: the main process holds its lock (:func:`~trl_ppomax.data.files.lock_output_dir`)
+        from here to the end of ``train()`` (or the process); every process raises when another run holds it."""
+        from accelerate.utils import broadcast_object_list
+
+        refused = None
+        if self.is_world_process_zero() and self.args.should_save:
+            try:
+                lock_output_dir(self.args.output_dir, self._lock_owner)
+            except OutputDirInUse as err:
+                refused = str(err)
+        refused = broadcast_object_list([refused])[0]
+        if refused:
+            raise OutputDirInUse(refused)
+
+    def _unlock_output_dir(self) -> None:
+        if self.is_world_process_zero():
+            unlock_output_dir(self.args.output_dir, self._lock_owner)
+
+    def _claim_output_dir(self) -> None:
+        """Refuse a fresh run in an ``output_dir`` holding checkpoints, or (``overwrite_output_dir``) delete them."""
+        args = self.args
+        found = checkpoint_folders(args.output_dir)
+        if not found:
+            return
+        names = ", ".join(p.name for p in found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        if not args.overwrite_output_dir:
+            raise ValueError(
+                f"output_dir {args.output_dir!r} already holds checkpoints of a run ({names}); a fresh run there would "
+                "mix with them (rotation, resume). Pass train(resume_from_checkpoint=True) to continue that run, set "
+                "overwrite_output_dir=True to delete them and start over, or choose another output_dir."
+            )
+        logger.warning(
+            "overwrite_output_dir=True: deleting the checkpoints of the previous run in %s: %s.",
+            args.output_dir,
+            names,
+        )
+        if args.should_save:
+            root = Path(args.output_dir)
+            for path in [
+                *found,
+                *root.glob(f".tmp-{PREFIX_CHECKPOINT_DIR}-*"),
+                *root.glob(f".old-{PREFIX_CHECKPOINT_DIR}-*"),
+            ]:
+                shutil.rmtree(path, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def _run_settings(self) -> dict:
+        """The settings that define this run, stored in ``ppo_state.json`` and compared on resume."""
+        settings = {name: getattr(self.args, name) for name in self.RUN_SETTINGS}
+        settings["num_processes"] = settings.pop("world_size")
+        settings["train_dataset_size"] = len(self.train_dataset)
+        return {**settings, **self._model_identity}
+
+    def _checked_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
+        """:func:`checks.checked_checkpoint` for this run's settings and engine."""
+        engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
+        return checks.checked_checkpoint(resume_from_checkpoint, self.args, self._run_settings(), engine)
+
+    # -- saving -----------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
+        from every shard under DeepSpeed ZeRO-3 or FSDP. Written atomically (:func:`atomic_directory` with ``merge``):
+        a crash or full disk leaves the folder as it was; ``checkpoint-N`` folders or logs beside it are kept.
+
+        Under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` (:attr:`_engine_checkpoint_only`) the
+        folder gets DeepSpeed's sharded engine checkpoint instead of the weights, with the config and tokenizer, and a
+        warning says how to consolidate it. Every process must call it (the engine saves are collectives)."""
+        final = output_dir or self.args.output_dir
+        engine_only = self._engine_checkpoint_only
+        with atomic_directory(final, self.accelerator, merge=True) as folder:
+            self._save_weights(folder, with_critic=False, engine_checkpoint=engine_only)
+        if engine_only and self.is_world_process_zero():
+            tag = _drop_older_engine_folders(final)
+            logger.warning(
+                "save_model: %s holds DeepSpeed's sharded engine checkpoint (%s/, with the optimizer states), the "
+                "policy's config and the tokenizer, but no plain model weights: under ZeRO-3 with "
+                "stage3_gather_16bit_weights_on_model_save false the full weights are not gathered. %s",
+                final,
+                tag,
+                engine_checkpoint_advice(str(final)),
+            )
+        if self.args.push_to_hub and not _internal_call:  # as transformers' Trainer: a user's save is pushed
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """transformers' ``Trainer.push_to_hub``; when only an engine checkpoint can be saved
+        (:attr:`_engine_checkpoint_only`) there is no plain model to push: ``output_dir`` is saved (on every
+        process) and a warning says how to consolidate and push it, but nothing is uploaded."""
+        if not self._engine_checkpoint_only:
+            return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
+        self.save_model(_internal_call=True)
+        if self.is_world_process_zero():
+            repo = self.hub_model_id or self.args.hub_model_id
+            logger.warning(
+                "push_to_hub: not pushing %s to %s: it holds a sharded DeepSpeed engine checkpoint, not a model that "
+                "from_pretrained loads (ZeRO-3 with stage3_gather_16bit_weights_on_model_save false). Consolidate it "
+                "(see the save_model warning above), then push the plain folder with `trl-ppomax push %s --repo-id "
+                "%s`.",
+                self.args.output_dir,
+                repo,
+                self.args.output_dir,
+                repo,
+            )
+        return None
+
+    def _save_weights(self, folder: str, with_critic: bool, engine_checkpoint: bool = False) -> None:
+        """The policy (and critic) weights, configs and tokenizer into ``folder``; a collective (every process).
+        Under :attr:`_engine_checkpoint_only` the weights are not gathered: ``engine_checkpoint`` writes the engine's
+        sharded checkpoint into ``folder`` instead (a checkpoint's ``_save_optimizer_and_scheduler`` writes it
+        otherwise) and only the configs go beside it."""
+        if self._engine_checkpoint_only:
+            if engine_checkpoint:
+                self.model_wrapped.save_checkpoint(folder)  # every process writes its shard of weights and optimizer
+            if self.args.should_save:
+                wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+                _save_config(wrapper.policy, folder)
+                if with_critic:
+                    _save_config(wrapper.critic, os.path.join(folder, CRITIC_DIR))
+                self._save_tokenizer_and_args(folder)
+            return
+        try:
+            state = self.accelerator.get_state_dict(self.model_wrapped)  # a collective under ZeRO-3 / FSDP
+        except ValueError as error:
+            raise ValueError(
+                f"Could not gather the full weights to save them: {error}. Under DeepSpeed ZeRO-3 set "
+                "`zero3_save_16bit_model: true` in the accelerate config."
+            ) from error
+        if not self.args.should_save:
+            return
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        wrapper.policy.save_pretrained(folder, state_dict=sub_state_dict(state, "policy."))
+        if with_critic:
+            wrapper.critic.save_pretrained(
+                os.path.join(folder, CRITIC_DIR), state_dict=sub_state_dict(state, "critic.")
+            )
+        self._save_tokenizer_and_args(folder)
+
+    def _save_tokenizer_and_args(self, folder: str) -> None:
+        self.processing_class.save_pretrained(folder)
+        torch.save(without_secrets(self.args), os.path.join(folder, TRAINING_ARGS_NAME))  # never a token on disk
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-N`` atomically: everything needed to continue the run exactly."""
+        self._check_finite_weights()
+        run_dir, step = self.args.output_dir, self.state.global_step
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.state.best_global_step is not None:  # 0 when the initial policy is the best so far
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if self.state.best_global_step == step or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+        try:
+            with atomic_directory(final, self.accelerator) as folder:
+                # engine-only saves: the engine folder holds the weights; _save_optimizer_and_scheduler writes it
+                self._save_weights(folder, with_critic=True, engine_checkpoint=self.args.save_only_model)
+                if not self.args.save_only_model:
+                    self._save_optimizer_and_scheduler(folder)
+                    self._save_rng_state(folder)
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+                    write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+        except DiskFullError as err:
+            raise DiskFullError(
+                f"{err} Training stopped at iteration {step}; the checkpoints written before are complete: once there "
+                "is space, continue the run with train(resume_from_checkpoint=True)."
+            ) from err.__cause__
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Push the policy of ``checkpoint_folder`` (and, with ``hub_strategy`` "checkpoint"/"all_checkpoints", the
+        folder itself) to ``hub_model_id``, as transformers' Trainer does, in the background; the model card comes
+        along, and ``training_args.bin`` is written without secrets."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END or self.hub_model_id is None:
+            return
+        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
+            return
+        with_checkpoint = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+        if self._engine_checkpoint_only and not with_checkpoint:
+            self._warn_no_model_push()
+            return
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        output_dir, source = self.args.output_dir, Path(checkpoint_folder)
+        message = f"Training in progress, step {self.state.global_step}"
+        jobs = []
+        if self._engine_checkpoint_only:  # no plain policy to push: only the checkpoint folder goes
+            self._warn_no_model_push()
+        else:
+            for entry in source.iterdir():  # the policy folder at the top of the checkpoint, not its internals
+                if entry.is_file() and not any(fnmatch.fnmatch(entry.name, p) for p in PUSH_SKIPPED):
+                    shutil.copy(entry, os.path.join(output_dir, entry.name))
+            torch.save(without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
+            self.create_model_card()
+            jobs.append(
+                hf_api().upload_folder(
+                    repo_id=self.hub_model_id,
+                    folder_path=output_dir,
+                    commit_message=message,
+                    token=self.args.hub_token,
+                    run_as_future=True,
+                    ignore_patterns=["_*", ".*", f"{PREFIX_CHECKPOINT_DIR}-*"],
+                    revision=self.args.hub_revision,
+                )
+            )
+        if with_checkpoint:
+            jobs.append(
+                hf_api().upload_folder(
+                    repo_id=self.hub_model_id,
+                    folder_path=checkpoint_folder,
+                    path_in_repo="last-checkpoint"
+                    if self.args.hub_strategy == HubStrategy.CHECKPOINT
+                    else source.name,
+                    commit_message=f"{message}, checkpoint",
+                    token=self.args.hub_token,
+                    run_as_future=True,
+                    revision=self.args.hub_revision,
+                )
+            )
+        if self.push_in_progress is None or self.push_in_progress.is_done():
+            self.push_in_progress = PushInProgress(jobs)
+        else:
+            self.push_in_progress.jobs.extend(jobs)
+
+    def _warn_no_model_push(self) -> None:
+        """Once per trainer: a push during training leaves the model out when only engine checkpoints are saved."""
+        if getattr(self, "_warned_no_model_push", False):
+            return
+        self._warned_no_model_push = True
+        logger.warning(
+            "push_to_hub: the checkpoints hold sharded DeepSpeed engine checkpoints, no plain model (ZeRO-3 with "
+            "stage3_gather_16bit_weights_on_model_save false): no model is pushed to %s during training%s. %s",
+            self.hub_model_id,
+            "; the checkpoint folders are (hub_strategy)"
+            if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+            else "",
+            engine_checkpoint_advice("CHECKPOINT"),
+        )
+
+    def _ppo_state(self) -> dict:
+        return {
+            "global_step": self.state.global_step,
+            "episode": self.state.episode,
+            **self.ppo_state.state_dict(),
+            "run": self._run_settings(),
+        }
+
+    def _check_finite_weights(self) -> None:
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        bad = [name for name, p in wrapper.named_parameters() if p.numel() and not torch.isfinite(p).all()]
+        if bad:
+            raise RuntimeError(
+                f"Refusing to write a checkpoint: non-finite weights in {bad[:3]}. Lower the learning rate or "
+                "max_grad_norm, and resume from the last checkpoint."
+            )
+
+    # -- resuming ---------------------------------------------------------------------------------------------------
+    def _resume(self, resume_from_checkpoint: str | bool) -> None:
+        """Restore the whole run state from the checkpoint :meth:`_start_run` checked (or, called alone, from
+        ``resume_from_checkpoint`` after checking it); with ``resume_weights_only`` not optimizer, scheduler, RNG."""
+        path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
+        weights_only = self.args.resume_weights_only
+        saved = read_json(os.path.join(path, PPO_STATE_NAME))
+        with checks.reading(path, "the weights", loading=True):
+            self._load_weights_from(path)
+        if not weights_only:
+            with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
+                self._load_optimizer_and_scheduler(path)
+            if self._learning_rates_changed(saved.get("run") or {}):  # resume_allow_changes: the new rates apply
+                optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)
+        planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
+        self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
+        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
+            setattr(self.state, name, getattr(planned, name))
+        with checks.reading(path, PPO_STATE_NAME):
+            self.state.episode = saved["episode"]
+            self.ppo_state.load_state_dict(saved)
+        if weights_only:
+            logger.warning(
+                "resume_weights_only=True: resumed the weights and PPO state of %s at iteration %d; the optimizer "
+                "(Adam moments) and the learning-rate schedule restart from scratch and the sampling RNG is not "
+                "restored.",
+                path,
+                self.state.global_step,
+            )
+        else:
+            with checks.reading(path, "rng_state*.pth", loading=True):
+                self._load_rng_state(path)
+        logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
+
+    def _learning_rates_changed(self, saved: dict) -> bool:
+        """Whether this run's learning rates differ from those of the checkpoint's run settings ``saved``."""
+        current = self._run_settings()
+        names = ("learning_rate", "effective_critic_learning_rate")
+        return any(name in saved and saved[name] != current[name] for name in names)
+
+    def _load_weights_from(self, path: str) -> None:
+        if self.is_deepspeed_enabled:  # the engine checkpoint holds the weights (and optimizer)
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model_wrapped, path)
+            return
+        if self.is_fsdp_enabled:  # sharded parameters: the FSDP checkpoint the Trainer wrote beside the weights
+            from accelerate.utils import load_fsdp_model
+
+            load_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model_wrapped, path)
+            return
+        wrapper = self.accelerator.unwrap_model(self.model_wrapped)
+        load_weights(wrapper.policy, path)
+        load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))
+
+    def _load_best_model(self) -> None:
+        """Load the best checkpoint's weights (``load_best_model_at_end``), once a run has finished, and say which:
+        a warning when it is ``checkpoint-0``, the initial policy that no later evaluation beat."""
+        path = self.state.best_model_checkpoint
+        if not (self.args.load_best_model_at_end and path):
+            return
+        self._load_weights_from(path)
+        metric = self.args.metric_for_best_model
+        metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+        if checkpoint_number(path) == 0:
+            logger.warning(
+                "load_best_model_at_end: the best model is the initial policy (step 0, before any update): no later "
+                "evaluation beat its %s = %.6g. The trainer now holds the initial (SFT) weights of %s, not trained "
+                "ones.",
+                metric,
+                self.state.best_metric,
+                path,
+            )
+        else:
+            logger.info(
+                "load_best_model_at_end: loaded the best model, %s (%s = %.6g).", path, metric, self.state.best_metric
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine-only saves (ZeRO-3 without gathering): configs beside the engine checkpoint, and consolidating it
+# ----------------------------------------------------------------------------------------------------------------
+def _save_config(model, folder: str) -> None:
+    """What ``save_pretrained`` writes besides the weights: the config (with ``architectures``, as it sets them) and
+    the generation config, or a PEFT model's adapter config."""
+    os.makedirs(folder, exist_ok=True)
+    if is_peft(model):
+        model.peft_config[model.active_adapter].save_pretrained(folder)
+        return
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(folder)
+
+
+def _drop_older_engine_folders(folder: str | os.PathLike) -> str | None:
+    """Remove the ``global_step*`` folders of earlier engine-only saves into ``folder`` (``save_model`` merges into
+    it); keep the one DeepSpeed's ``latest`` names, returned."""
+    folder = Path(folder)
+    latest = folder / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else None
+    for old in folder.glob("global_step*"):
+        if tag and old.name != tag and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return tag
+
+
+def consolidate_engine_checkpoint(folder: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> Path:
+    """Turn a folder that holds only a sharded DeepSpeed engine checkpoint (a ``checkpoint-N`` or ``save_model``
+    folder of a ZeRO-3 run with ``stage3_gather_16bit_weights_on_model_save`` false) into plain transformers folders:
+    the policy at the top of ``output_dir`` (default: ``folder`` itself, beside the engine checkpoint), the critic in
+    ``output_dir/critic`` when ``folder`` has ``critic/config.json``; the tokenizer comes along. Runs on CPU, in one
+    process, with DeepSpeed's ``zero_to_fp32`` (fp32 weights from the optimizer's master copy; it needs memory for
+    them). Returns ``output_dir``; ``from_pretrained`` loads it."""
+    import transformers
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = Path(folder)
+    output = Path(output_dir) if output_dir is not None else folder
+    if not (folder / "config.json").is_file():
+        has_adapter = (folder / "adapter_config.json").is_file()
+        raise ValueError(
+            f"{folder} has no config.json"
+            + (
+                " (a PEFT policy: consolidate with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint and load the "
+                "`policy.` entries into the PEFT model)"
+                if has_adapter
+                else ": pass a checkpoint-N or save_model folder of a trl-ppomax run"
+            )
+            + "."
+        )
+    if not (folder / "latest").is_file():
+        raise ValueError(f"{folder} holds no DeepSpeed engine checkpoint (no `latest` file beside a global_step*/).")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), lazy_mode=True)  # read each tensor on demand
+    parts = [("policy.", folder, output, transformers.AutoModelForCausalLM)]
+    if (folder / CRITIC_DIR / "config.json").is_file():
+        parts.append(
+            ("critic.", folder / CRITIC_DIR, output / CRITIC_DIR, transformers.AutoModelForSequenceClassification)
+        )
+    for prefix, source, target, auto in parts:
+        weights = {name: tensor.contiguous() for name, tensor in sub_state_dict(state, prefix).items()}
+        config = transformers.AutoConfig.from_pretrained(source)
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        with torch.device("meta"):
+            model = auto.from_config(config) if model_class is None else model_class(config)
+        _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+        model.tie_weights()
+        missing = [name for name, p in model.named_parameters() if p.is_meta]
+        if missing or unexpected:
+            raise ValueError(
+                f"The engine checkpoint of {folder} does not fit {source / 'config.json'}: missing {missing[:5]}, "
+                f"unexpected {list(unexpected)[:5]}."
+            )
+        with atomic_directory(target, merge=True) as temporary:
+            model.save_pretrained(temporary)
+            if prefix == "policy.":
+                transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(temporary)
+        del model, weights
+    return output

@@ -1,0 +1,644 @@
+"""Checks of :class:`~trl_ppomax.PPOMaxTrainer`'s inputs, run by its constructor before anything expensive.
+
+Every fault visible in the arguments fails here, naming the argument and the fix, instead of as an ``IndexError`` deep
+in the first rollout or as silently wrong training (numeric settings: ``PPOMaxConfig._validate``).
+
+- :func:`check_inputs`: types, missing arguments, ptx dataset, tokenizer, stop token; loads models given as paths.
+- :func:`check_model_arguments`: none passed twice, one PEFT wrapping, no reference beside a PEFT policy.
+- :func:`prepare_and_check`: with the models built: vocabulary sizes, stop token id, score heads, prompt datasets
+  (prepared, ids checked against the policy's vocabulary), ``metric_for_best_model``.
+- :func:`checked_checkpoint`: a checkpoint to resume is complete, undamaged and from the same settings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from datasets import Dataset
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerState
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import get_last_checkpoint
+
+from trl_ppomax import data, rewards
+from trl_ppomax import models as modeling
+from trl_ppomax.data.files import (
+    CRITIC_DIR,
+    PPO_STATE_NAME,
+    checkpoint_number,
+    file_problem,
+    last_checkpoint_before,
+    read_json,
+    weight_files,
+)
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo.config import PPOMaxConfig
+
+logger = logging.getLogger(__name__)
+
+#: How a model argument given as a path or Hub id is loaded.
+MODEL_LOADERS = {
+    "model": (AutoModelForCausalLM, {}),
+    "ref_model": (AutoModelForCausalLM, {}),
+    "reward_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
+    "value_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
+}
+
+_MISSING = {
+    "model": "pass the policy to train: a causal LM (AutoModelForCausalLM.from_pretrained(...)) or its path / Hub id",
+    "reward_model": "pass a reward model (AutoModelForSequenceClassification with num_labels=1, or its path / Hub id) "
+    "or a reward function (prompts=, completions=, completion_ids=, **columns) -> list[float], or a list of them "
+    "(reward_funcs=)",
+    "train_dataset": "pass a datasets.Dataset of prompts (a 'prompt' or an 'input_ids' column)",
+}
+
+
+def check_inputs(
+    args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None
+) -> tuple:
+    """Check the constructor's arguments (``models``: ``model``, ``ref_model``, ``reward_model``, ``value_model`` as
+    passed) and load those given as paths. Returns ``(processing_class, model, ref_model, reward_model, value_model)``;
+    the tokenizer is loaded from ``model``'s path when ``processing_class`` is None."""
+    if not isinstance(args, PPOMaxConfig):
+        raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
+    for name, value in (("model", models["model"]), ("reward_model", models["reward_model"])):
+        if value is None:
+            raise ValueError(f"{name} is None: {_MISSING[name]}.")
+    if train_dataset is None:
+        raise ValueError(f"train_dataset is None: {_MISSING['train_dataset']}.")
+    for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
+        _check_dataset_type(name, dataset)
+    if args.ptx_coef > 0 and ptx_dataset is None:
+        raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
+    rewards.check_reward_functions(models["reward_model"], train_dataset.column_names)
+    for name, value in models.items():  # a missing local folder, before loading anything (a tokenizer first)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            check_model_path(name, item)
+    if processing_class is None:
+        if not _is_path(models["model"]):
+            raise ValueError(
+                "processing_class is None: pass the policy's tokenizer, e.g. "
+                "processing_class=AutoTokenizer.from_pretrained(<the policy's path or Hub id>)."
+            )
+        processing_class = AutoTokenizer.from_pretrained(os.fspath(models["model"]))
+    data.check_tokenizer(processing_class)
+    _check_stop_token(args, processing_class)
+    loaded = {name: load_model(name, value) for name, value in models.items()}  # last: loading may take minutes
+    check_model_arguments(loaded, peft_config)
+    for name in ("model", "ref_model"):
+        check_generates(name, loaded[name])
+    return processing_class, loaded["model"], loaded["ref_model"], loaded["reward_model"], loaded["value_model"]
+
+
+def check_model_arguments(models: dict, peft_config=None) -> None:
+    """The models fit together: none passed twice (the critic would train the reward model, or the reference move
+    with the policy), one PEFT wrapping, no reference beside a PEFT policy."""
+    model, ref_model, value_model = models["model"], models["ref_model"], models["value_model"]
+    if value_model is not None and value_model is models["reward_model"]:
+        raise ValueError(
+            "value_model is the same object as reward_model, so training the critic would change the reward; "
+            "pass a separate copy, or value_model=None to initialise the critic from the reward model."
+        )
+    if ref_model is not None and ref_model is model:
+        raise ValueError("ref_model is the same object as model; pass a separate copy, or None to copy it.")
+    peft = modeling.is_peft(model)
+    if peft and peft_config is not None:
+        raise ValueError("model is already a PEFT model; do not pass peft_config as well.")
+    if (peft or peft_config is not None) and ref_model is not None:
+        raise ValueError("A PEFT policy's reference is the model with its adapter disabled: pass ref_model=None.")
+
+
+def check_generates(name: str, model) -> None:
+    """The policy (``model``) and its reference must be causal LMs: the rollout calls ``generate`` and reads the
+    next-token logits; a sequence classifier (a reward model passed as the policy) would fail there."""
+    if model is None:
+        return
+    base = model.get_base_model() if modeling.is_peft(model) else model
+    kind = type(base).__name__
+    if callable(getattr(base, "generate", None)) and not kind.endswith("ForSequenceClassification"):
+        return
+    role = "the policy" if name == "model" else "the reference policy"
+    raise TypeError(
+        f"{name} is a {kind}, which cannot generate text: {role} must be a causal language model with generate(), "
+        "e.g. AutoModelForCausalLM.from_pretrained(<the SFT model>). A *ForSequenceClassification model is a reward "
+        "model or critic: pass it as reward_model= or value_model=."
+    )
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, str | os.PathLike)
+
+
+def load_model(name: str, value):
+    """``value`` itself, or, for a path or Hub id, the model loaded from it as :data:`MODEL_LOADERS` says."""
+    if isinstance(value, list | tuple):  # several reward sources: models, paths and functions
+        return [load_model(name, item) for item in value]
+    if not _is_path(value):
+        return value
+    check_model_path(name, value)
+    cls, kwargs = MODEL_LOADERS[name]
+    logger.info("Loading %s from %s with %s.from_pretrained.", name, value, cls.__name__)
+    try:
+        return cls.from_pretrained(os.fspath(value), **kwargs)
+    except (OSError, ValueError) as error:
+        kind = OSError if isinstance(error, OSError) else ValueError
+        raise kind(f"{name}={os.fspath(value)!r} could not be loaded with {cls.__name__}: {error}") from error
+
+
+def check_model_path(name: str, value) -> None:
+    """A ``FileNotFoundError`` naming the argument when ``value`` is meant as a local path (a ``Path``, or a string
+    :func:`data.looks_local` says is one) that does not exist: a typo, not a Hub id to look up."""
+    if not _is_path(value):
+        return
+    text = os.fspath(value)
+    local = isinstance(value, os.PathLike) or data.looks_local(text)
+    path = os.path.expanduser(text)
+    if local and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name}={text!r} could not be loaded: the local path {os.path.abspath(path)} does not exist (no such "
+            "file or folder). Fix the path (relative paths start from the current folder, "
+            f"{os.getcwd()}); a Hub model is named 'org/name'."
+        )
+
+
+def _check_dataset_type(name: str, dataset) -> None:
+    if isinstance(dataset, Dataset):
+        return
+    if isinstance(dataset, dict):
+        fix = f"pass one split, e.g. {name}=dataset[{next(iter(dataset), 'train')!r}]"
+    else:
+        fix = "PPO samples prompts by index, so pass a datasets.Dataset (not a streaming IterableDataset)"
+    raise TypeError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}: {fix}.")
+
+
+def _named_eval_datasets(eval_dataset) -> list[tuple[str, object]]:
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"eval_dataset[{key!r}]", value) for key, value in eval_dataset.items()]
+    return [("eval_dataset", eval_dataset)]
+
+
+def _check_stop_token(args, tokenizer) -> None:
+    if args.stop_token == "eos" and tokenizer.eos_token_id is None:
+        raise ValueError(
+            "stop_token='eos' but the tokenizer has no eos token, so responses would never stop (and every one "
+            "would get missing_eos_penalty). Set stop_token_id to the id that ends a response, give the tokenizer an "
+            "eos token (tokenizer.eos_token = ...), or set stop_token=None to generate response_length tokens."
+        )
+    if args.missing_eos_penalty is not None and args.stop_token_id is None and tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"missing_eos_penalty={args.missing_eos_penalty} needs a stop token, but stop_token_id is None and the "
+            "tokenizer has no eos token, so every response would be penalised. Set stop_token_id, or "
+            "missing_eos_penalty=None."
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Once the models are built
+# --------------------------------------------------------------------------------------------------------------------
+def prepare_and_check(
+    args, tokenizer, built: dict[str, nn.Module | None], stop_token_id, train_dataset, eval_dataset, rollout_metrics
+) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]:
+    """Check the built models (``built``: ``policy``, ``ref_model``, ``reward_model``, ``value_model``, the last
+    being the critic) and the stop token id, prepare the prompt datasets (:func:`data.prompt_preparer`) and check
+    their ids and ``metric_for_best_model``. Returns the prepared ``(train_dataset, eval_dataset)``."""
+    policy = built["policy"]
+    check_vocabularies(tokenizer, built)
+    check_stop_token_id(stop_token_id, tokenizer, embedding_size(policy))
+    for name, module in built.items():  # reward_model (reward_model[i] for several sources) and value_model
+        if name.startswith(("reward_model", "value_model")) and isinstance(module, nn.Module):
+            modeling.backbone_and_head(module)  # raises, naming the fix, for a model without a score head
+    prepare = data.prompt_preparer(args, tokenizer, policy)
+    vocab = embedding_size(policy)
+
+    def prepared(dataset: Dataset, name: str) -> Dataset:
+        dataset = prepare(dataset, name=name)
+        check_prompt_ids(dataset, vocab, name)
+        return dataset
+
+    train_dataset = prepared(train_dataset, "train_dataset")
+    if isinstance(eval_dataset, dict):
+        eval_dataset = {key: prepared(value, f"eval_dataset[{key!r}]") for key, value in eval_dataset.items()}
+    elif eval_dataset is not None:
+        eval_dataset = prepared(eval_dataset, "eval_dataset")
+    rewards.check_reward_functions(list((rollout_metrics or {}).values()), what="rollout metric")
+    check_best_metric(args.metric_for_best_model, eval_dataset, rollout_metrics)
+    return train_dataset, eval_dataset
+
+
+def prepare_eval_prompts(trainer, dataset: Dataset, name: str = "eval_dataset") -> Dataset:
+    """A dataset passed to ``evaluate()`` prepared exactly as the training prompts: tokenized, cut to the same prompt
+    budget, its ids checked."""
+    _check_dataset_type(name, dataset)
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    dataset = data.prompt_preparer(trainer.args, trainer.processing_class, policy)(dataset, name=name)
+    check_prompt_ids(dataset, embedding_size(policy), name)
+    return dataset
+
+
+def embedding_size(model) -> int | None:
+    """Rows of ``model``'s input embedding (the ids it can read), or its config's ``vocab_size``; None if unknown."""
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    size = getattr(embeddings, "num_embeddings", None)  # kept under ZeRO-3, where the weight is a placeholder
+    if size is None and getattr(embeddings, "weight", None) is not None and embeddings.weight.ndim == 2:
+        size = embeddings.weight.shape[0]
+    if size is None:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(config, "vocab_size", None)
+    return int(size) if size is not None else None
+
+
+def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
+    """Every model must read every id the policy can generate or the tokenizer can produce; the pad id must be one
+    the policy can read (padding is embedded too). Reward models with their own tokenizer are not in ``built``."""
+    policy_size, tokens = embedding_size(built["policy"]), len(tokenizer)
+    if policy_size is not None and tokenizer.pad_token_id >= policy_size:
+        raise ValueError(
+            f"The tokenizer's pad token id {tokenizer.pad_token_id} is outside the policy's embedding ({policy_size} "
+            f"ids), so padded batches would fail. Resize the policy after adding tokens: "
+            f"model.resize_token_embeddings(len(tokenizer)) (= {tokens}), or use a pad token the policy knows."
+        )
+    if policy_size is not None and policy_size < tokens:  # not blamed on the reference, a copy when ref_model=None
+        raise ValueError(
+            f"The policy (model) has an embedding for {policy_size} token ids, fewer than the tokenizer's "
+            f"(processing_class) {tokens} tokens: prompts can hold ids up to {tokens - 1}, which the policy cannot "
+            "read (nor its reference, a copy of it when ref_model=None). Pass the policy's own tokenizer as "
+            f"processing_class, or resize the policy after adding tokens: model.resize_token_embeddings({tokens})."
+        )
+    for name in [name for name in built if name != "policy"]:
+        size = embedding_size(built.get(name))
+        check_same_tokenizer(name, built.get(name), tokenizer, size, policy_size)
+        if size is not None and size < tokens:
+            raise ValueError(
+                f"{name} has an embedding for {size} token ids, fewer than the tokenizer's {tokens} tokens: prompts "
+                f"and responses can hold ids up to {tokens - 1}, which {name} cannot read (an IndexError, or a "
+                f"device-side assert on GPU, in the first rollout). Use a {name} built for the policy's tokenizer, or "
+                f"resize it: {name}.resize_token_embeddings({tokens})."
+            )
+        if size is not None and policy_size is not None and size < policy_size:
+            logger.warning(
+                "%s reads %d token ids, the policy's embedding has %d rows (padded past the tokenizer's %d tokens, as "
+                "e.g. Qwen's are): should the policy ever sample one of the padding ids, %s cannot read it.",
+                name,
+                size,
+                policy_size,
+                tokens,
+                name,
+            )
+
+
+#: A text whose ids tell two tokenizers apart (words, digits, punctuation, accents, CJK).
+TOKENIZER_PROBE = "The quick brown fox paid 12.50 for 3 naïve cafés; 你好, world!"
+
+
+def own_tokenizer(model: nn.Module):
+    """The tokenizer saved beside ``model`` (the local folder it was loaded from), or None."""
+    folder = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        return None
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception:  # an unreadable or foreign tokenizer: judged by the vocabulary size alone
+        return None
+
+
+def special_tokens(tokenizer) -> set[str]:
+    """The tokens ``tokenizer`` treats as special: its named ones (pad, eos, ...) and every added special token."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_tokens) | {token.content for token in added.values() if token.special}
+
+
+def tokenizer_mismatch(own, tokenizer) -> str | None:
+    """Why a model's ``own`` tokenizer is not the policy's ``tokenizer``, or None when they are the same.
+
+    They are the same when every id both have stands for the same token, and :data:`TOKENIZER_PROBE` becomes the same
+    ids. Ids only one of them has are extensions (a ``[PAD]`` added after the model was saved, the MOSS role tokens):
+    whether the model can read them is a question of its embedding size, checked apart. Two special tokens at one id
+    (``[PAD]`` and ``<pad>``) agree: both are markers the models only see masked or at the end."""
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    ours, theirs = special_tokens(tokenizer), special_tokens(own)
+    conflicts = sorted(
+        (i, token, by_id[i])
+        for token, i in own.get_vocab().items()
+        if i in by_id and by_id[i] != token and not (token in theirs and by_id[i] in ours)
+    )
+    if conflicts:
+        i, token, policy_token = conflicts[0]
+        return (
+            f"{len(conflicts)} of its {len(own)} token ids stand for other tokens in the policy's tokenizer (id {i} is "
+            f"{token!r} for it, {policy_token!r} for the policy)"
+        )
+    encoded = [t(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"] for t in (tokenizer, own)]
+    if encoded[0] != encoded[1]:
+        return f"{TOKENIZER_PROBE!r} becomes other ids ({encoded[1][:8]}… for it, {encoded[0][:8]}… for the policy)"
+    return None
+
+
+def check_same_tokenizer(name: str, model, tokenizer, size: int | None, policy_size: int | None) -> None:
+    """A model that reads the policy's token ids must have been built for the policy's tokenizer: its own tokenizer
+    (saved beside it) must not differ from the policy's (:func:`tokenizer_mismatch`); without one, an embedding larger
+    than the policy's means another tokenizer. Else it would score the policy's ids as its own words."""
+    if not isinstance(model, nn.Module):
+        return
+    own = own_tokenizer(model)
+    fix = (
+        "pass its tokenizer, reward_processing_classes=[...] with one entry per reward source, so that the texts are "
+        "re-tokenized for it"
+        if name.startswith("reward_model")
+        else f"use a {name} built on the policy's tokenizer"
+    )
+    mismatch = tokenizer_mismatch(own, tokenizer) if own is not None else None
+    if mismatch:
+        raise ValueError(
+            f"{name} comes with another tokenizer ({own.name_or_path}: {len(own)} tokens; the policy's has "
+            f"{len(tokenizer)}): {mismatch}, so it would read the policy's token ids as other words. "
+            f"{fix[0].upper() + fix[1:]}."
+        )
+    if own is None and size is not None and policy_size is not None and size > policy_size:
+        raise ValueError(
+            f"{name} reads {size} token ids, more than the policy's {policy_size}: it was built for another "
+            f"tokenizer, and would read the policy's token ids as its own words. {fix[0].upper() + fix[1:]}; if it "
+            f"does share the policy's tokenizer, resize it: {name}.resize_token_embeddings({policy_size})."
+        )
+
+
+def check_stop_token_id(stop_token_id: int | None, tokenizer, policy_size: int | None) -> None:
+    """The stop token must be an id the tokenizer has and the policy can generate, or responses never stop."""
+    if stop_token_id is None:
+        return
+    limit = min(len(tokenizer), policy_size or len(tokenizer))
+    if not 0 <= stop_token_id < limit:
+        raise ValueError(
+            f"stop_token_id={stop_token_id} is outside the vocabulary (the tokenizer has {len(tokenizer)} tokens, "
+            f"the policy's embedding {policy_size} ids), so the policy can never generate it and responses would never "
+            f"stop. Use an id below {limit}, e.g. the eos id {tokenizer.eos_token_id}, or stop_token='eos'."
+        )
+
+
+def check_prompt_ids(dataset: Dataset, vocab_size: int | None, name: str) -> None:
+    """Every prompt id must be in ``[0, vocab_size)`` of the policy (computed with Arrow, without a Python pass)."""
+    if vocab_size is None or len(dataset) == 0:
+        return
+    import pyarrow.compute as pc
+
+    bounds = pc.min_max(pc.list_flatten(dataset.with_format("arrow")["input_ids"]))
+    low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    if low is None or (low >= 0 and high < vocab_size):
+        return
+    row = next(i for i, ids in enumerate(dataset["input_ids"]) if min(ids) < 0 or max(ids) >= vocab_size)
+    raise ValueError(
+        f"{name} holds input_ids outside the policy's vocabulary [0, {vocab_size}): they range from {low} to {high} "
+        f"(the first such row: {row}). They were tokenized with another tokenizer or hold a placeholder such as -100. "
+        "Tokenize the prompts with this trainer's processing_class, or pass a 'prompt' column and let the trainer "
+        "tokenize it."
+    )
+
+
+def evaluation_metric_names(eval_dataset, rollout_metrics) -> list[str]:
+    """The names ``evaluate()`` logs: ``eval_<metric>``, or ``eval_<name>_<metric>`` for a dict of datasets."""
+    prefixes = [f"eval_{key}" for key in eval_dataset] if isinstance(eval_dataset, dict) else ["eval"]
+    names = [*M.PER_RESPONSE, *(rollout_metrics or {})]
+    return [M.eval_name(name, prefix) for prefix in prefixes for name in names]
+
+
+def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_metrics) -> None:
+    """``metric_for_best_model`` must be one that ``evaluate()`` logs, or the first evaluation fails (in the
+    Trainer's ``_determine_best_metric``), hours into the run."""
+    if metric_for_best_model is None:
+        return
+    key = metric_for_best_model if metric_for_best_model.startswith("eval_") else f"eval_{metric_for_best_model}"
+    logged = evaluation_metric_names(eval_dataset, rollout_metrics)
+    if key in logged:
+        return
+    close = difflib.get_close_matches(key, logged, n=4, cutoff=0.5)
+    hint = f"Close names: {', '.join(close)}. " if close else ""
+    raise ValueError(
+        f"metric_for_best_model={metric_for_best_model!r} is never logged: evaluate() reports no {key!r}, so choosing "
+        f"the best model would fail at the first evaluation. {hint}evaluate() logs: {', '.join(logged)}. Set "
+        "metric_for_best_model to one of them (the 'eval_' prefix is optional), e.g. 'objective/scores' for the mean "
+        "reward."
+    )
+
+
+def check_engine(fsdp_enabled: bool, distributed_type) -> None:
+    """Warn when the launcher asked for FSDP but the trainer runs without it: accelerate (1.x) enables FSDP only on
+    GPU-type process groups, so on CPU processes the FSDP settings are silently dropped and the run is plain DDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp_enabled:
+        logger.warning(
+            "FSDP was requested (ACCELERATE_USE_FSDP=true) but is not active: accelerate enables it only on GPU "
+            "process groups (this one is %s), so this run replicates every model on every process (DDP).",
+            distributed_type,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoints to resume: complete, undamaged, from the same run (checked by PPOMaxTrainer.train before its first rollout)
+# --------------------------------------------------------------------------------------------------------------------
+#: ``ppo_state.json`` keys a resume needs.
+PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, damaged or from other settings; the message names what to do."""
+
+
+def checked_checkpoint(resume_from_checkpoint: str | bool, args, run_settings: dict, engine: str | None) -> str:
+    """The checkpoint to resume (a path, or True for the newest in ``args.output_dir``), once it has been checked: its
+    states readable, the run settings (``run_settings``, this run's) unchanged, no file missing, none damaged.
+    ``engine``: "deepspeed", "fsdp" or None (what holds the optimizer). A :class:`CheckpointError` else."""
+    if resume_from_checkpoint is True:
+        path = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    else:
+        path = os.fspath(resume_from_checkpoint)
+    if path is None or not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
+        raise CheckpointError(
+            f"No complete trl-ppomax checkpoint at {path or args.output_dir!r}: expected a checkpoint-N folder "
+            f"holding {PPO_STATE_NAME}. Pass the path of one, or resume_from_checkpoint=None to start over."
+        )
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+        raise CheckpointError(
+            f"The checkpoint {path} is incomplete: missing {TRAINER_STATE_NAME}. Resume from a complete checkpoint."
+        )
+    saved = read_state_files(path)
+    check_run_settings(path, saved.get("run"), run_settings, args.resume_allow_changes)
+    for file in required_checkpoint_files(path, args, engine):
+        problem = file_problem(file)
+        if problem:
+            raise CheckpointError(damaged_message(path, os.path.relpath(file, path), problem))
+    return path
+
+
+def read_state_files(path: str) -> dict:
+    """``ppo_state.json`` (returned) and ``trainer_state.json`` of ``path``, checked to be readable and complete."""
+    with reading(path, PPO_STATE_NAME):
+        saved = read_json(os.path.join(path, PPO_STATE_NAME))
+        if any(key not in saved for key in PPO_STATE_KEYS):
+            raise ValueError(f"it must be a JSON object with the keys {list(PPO_STATE_KEYS)}")
+    with reading(path, TRAINER_STATE_NAME):
+        TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
+    return saved
+
+
+def check_run_settings(path: str, saved: dict | None, current: dict, allow_changes: bool) -> None:
+    """Refuse (or, with ``allow_changes``, warn about) run settings that differ from the checkpoint's ``saved``.
+    Settings ``saved`` lacks (a checkpoint of an earlier trl-ppomax) cannot be compared: a warning names them."""
+    if saved is None:
+        logger.warning(
+            "%s predates stored run settings: cannot check that it was written with the same batch sizes, "
+            "episodes, seed, dataset and models; resuming anyway.",
+            path,
+        )
+        return
+    unchecked = [name for name in current if name not in saved]
+    if unchecked:  # a checkpoint of an earlier trl-ppomax, which did not store these yet
+        logger.warning(
+            "%s predates the stored run setting(s) %s: cannot check that they are the checkpoint's; resuming with "
+            "this run's values (%s). Make sure they are the ones the run was started with.",
+            path,
+            ", ".join(unchecked),
+            ", ".join(f"{name}={current[name]!r}" for name in unchecked),
+        )
+    changed = {name: (saved[name], current.get(name)) for name in saved if saved[name] != current.get(name)}
+    if not changed:
+        return
+    lines = "\n".join(f"  {name}: checkpoint {old!r}, now {new!r}" for name, (old, new) in changed.items())
+    message = f"The settings that define the run differ from those of the checkpoint {path}:\n{lines}\n"
+    if allow_changes:
+        logger.warning(
+            "%sresume_allow_changes=True: resuming anyway; episode counts, the data order, the schedule and the "
+            "learning rates follow the new settings.",
+            message,
+        )
+        return
+    raise CheckpointError(
+        f"{message}Resume with the checkpoint's settings, set resume_allow_changes=True to continue with the new "
+        "ones anyway (episode counts, the data order, the schedule and the learning rates then follow them), or start "
+        "a fresh run in another output_dir."
+    )
+
+
+def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
+    """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones.
+    With ``resume_weights_only`` only the weights (and the JSON states) are required.
+
+    Under DeepSpeed the weights (and optimizer states) come from the engine checkpoint, weights-only resumes
+    included (:func:`engine_checkpoint_files`): the plain weight files are then not required (a ZeRO-3 run without
+    ``stage3_gather_16bit_weights_on_model_save`` writes none), only checked when present."""
+    missing, files = [], []
+    if engine == "deepspeed":
+        engine_files, engine_missing = engine_checkpoint_files(path, args.world_size)
+        files += engine_files
+        missing += engine_missing
+    for folder in (path, os.path.join(path, CRITIC_DIR)):
+        try:
+            files += [os.fspath(f) for f in weight_files(folder)]
+        except FileNotFoundError as err:
+            if engine == "deepspeed":
+                continue
+            only_engine = folder == path and os.path.isfile(os.path.join(path, "latest"))
+            missing.append(
+                f"{os.path.relpath(folder, path)} weights ({err})"
+                + (
+                    " — it holds only a sharded DeepSpeed engine checkpoint (global_step*/): resume it under "
+                    "DeepSpeed with the same ZeRO stage and number of processes, or write plain weights into it "
+                    "first with trl_ppomax.ppo.checkpoint.consolidate_engine_checkpoint"
+                    if only_engine
+                    else ""
+                )
+            )
+    if not args.resume_weights_only:
+        needed = [SCHEDULER_NAME, *rng_files(args.world_size)]
+        if engine == "fsdp":
+            if not any(Path(path).glob("optimizer*")):
+                missing.append("optimizer*")
+        elif engine != "deepspeed":  # DeepSpeed's optimizer states are in its engine checkpoint, checked above
+            needed.insert(0, OPTIMIZER_NAME)
+        for name in needed:
+            if os.path.isfile(os.path.join(path, name)):
+                files.append(os.path.join(path, name))
+            else:
+                missing.append(name)
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint {path} is incomplete: missing {'; '.join(missing)}. Resuming without these would "
+            "silently restart Adam and the learning-rate schedule, or sample with other random numbers. Resume "
+            "from a complete checkpoint, or set resume_weights_only=True to load only the weights and the PPO "
+            "state (a fresh optimizer and schedule)."
+        )
+    return files
+
+
+def engine_checkpoint_files(path: str, world_size: int) -> tuple[list[str], list[str]]:
+    """The files of the DeepSpeed engine checkpoint in ``path`` that a resume reads, and what is missing of it: the
+    ``latest`` file, the ``global_step*/`` folder it names, model states and (ZeRO) the optimizer states of every one
+    of the ``world_size`` processes (the fp32 weights of ZeRO-3 live there)."""
+    root = Path(path)
+    latest = root / "latest"
+    if not latest.is_file():
+        return [], ["the DeepSpeed engine checkpoint (global_step*/ and its `latest` file: weights and optimizer)"]
+    tag = latest.read_text(errors="replace").strip()
+    folder = root / tag
+    if not tag or not folder.is_dir():
+        return [os.fspath(latest)], [f"the DeepSpeed engine folder {tag or '(empty)'}/ that `latest` names"]
+    missing, files = [], [os.fspath(latest)]
+    models, optims = sorted(folder.glob("*model_states.pt")), sorted(folder.glob("*optim_states.pt"))
+    if not models:
+        missing.append(f"{tag}/*model_states.pt")
+    for kind, found in (("model states", models), ("optimizer states", optims)):
+        ranks = {int(f.name.split("zero_pp_rank_")[1].split("_")[0]) for f in found if "zero_pp_rank_" in f.name}
+        absent = [rank for rank in range(world_size) if rank not in ranks]
+        if ranks and absent:  # one file per process (data-parallel rank)
+            missing.append(f"{tag}/ {kind} of process(es) {absent}")
+        files += [os.fspath(f) for f in found]
+    return files, missing
+
+
+def rng_files(world_size: int) -> list[str]:
+    """The RNG-state files a checkpoint of ``world_size`` processes holds."""
+    return ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{i}.pth" for i in range(world_size)]
+
+
+@contextmanager
+def reading(checkpoint: str, what: str, loading: bool = False) -> Iterator[None]:
+    """Turn a failure while reading ``what`` from ``checkpoint`` into a :class:`CheckpointError` naming it. With
+    ``loading`` (the files passed the damage checks; loading them into the models failed) the message also allows
+    for a checkpoint written for other models or settings."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:
+        reason = " ".join(str(err).split())[:300]
+        raise CheckpointError(damaged_message(checkpoint, what, reason, loading)) from err
+
+
+def damaged_message(checkpoint: str | os.PathLike, what: str, reason: str, loading: bool = False) -> str:
+    previous = last_checkpoint_before(Path(checkpoint).parent, checkpoint_number(checkpoint))
+    advice = (
+        f"resume from the previous checkpoint instead: resume_from_checkpoint={str(previous)!r}"
+        if previous
+        else "resume from an earlier copy, or start over in a new output_dir"
+    )
+    if loading:
+        return (
+            f"Could not load {what} from the checkpoint {checkpoint} ({reason}): it is damaged (not written "
+            f"completely, or changed since) or was written for other models or settings; {advice}."
+        )
+    return (
+        f"The checkpoint {checkpoint} is damaged: {what} could not be read ({reason}). It was not written completely "
+        f"(a crash or a full disk) or was changed since; {advice}."
+    )

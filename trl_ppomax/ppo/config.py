@@ -1,0 +1,743 @@
+"""PPOMaxConfig: every field of trl 1.12's ``PPOConfig`` (same names, defaults and meaning) plus the PPO-max fields.
+
+Preset-dependent fields default to ``None`` (or :data:`FROM_PRESET` where ``None`` means "off"), resolved in
+``__post_init__`` from :data:`PRESETS`, the one table of those defaults; an explicit value always wins. Help texts and
+the class docstring are generated from it, so documentation cannot drift from behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import numbers
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin
+
+import torch
+from transformers import TrainingArguments
+
+from trl_ppomax.ppo.advantages import ESTIMATORS
+from trl_ppomax.ppo.core import KLEstimator, RewardNorm
+
+logger = logging.getLogger(__name__)
+
+Preset = Literal["ppo_max", "vanilla", "ppo_max_robust"]
+ImportanceSampling = Literal["old_policy", "reference"]
+VLLMMode = Literal["colocate", "server"]
+AdvantageScope = Literal["batch", "minibatch"]
+GradClipScope = Literal["per_model", "joint"]
+
+# Defaults that differ between the paper's PPO-max, trl 1.12's PPO and our robust PPO-max; the rest have one default.
+PRESETS: dict[str, dict[str, Any]] = {
+    "ppo_max": {
+        "reward_norm": "running",
+        "reward_clip": 10.0,
+        "whiten_advantages": False,
+        "lam": 0.9,
+        "max_grad_norm": 1.0,
+        "critic_warmup_steps": 4,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "repetition_penalty": 1.1,
+        "logprob_temperature": 1.0,
+        "vllm_importance_sampling_correction": True,
+        "reward_norm_freeze": False,
+        "reward_winsorize": None,
+        "lam_critic": None,
+        "lam_alpha": None,
+    },
+    "vanilla": {
+        "reward_norm": "none",
+        "reward_clip": None,
+        "whiten_advantages": True,
+        "lam": 0.95,
+        "max_grad_norm": 0.0,
+        "critic_warmup_steps": 0,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+        "logprob_temperature": None,
+        "vllm_importance_sampling_correction": False,
+        "reward_norm_freeze": False,
+        "reward_winsorize": None,
+        "lam_critic": None,
+        "lam_alpha": None,
+    },
+}
+#: Beyond the paper: PPO-max plus frozen, winsorised reward moments and decoupled, length-adaptive GAE, the combination
+#: the stress benchmark shows helping (benchmarks/README.md).
+PRESETS["ppo_max_robust"] = {
+    **PRESETS["ppo_max"],
+    "reward_norm_freeze": True,
+    "reward_winsorize": 3.0,
+    "lam_critic": 1.0,
+    "lam_alpha": 0.05,
+}
+
+
+def default_bf16(fp16: bool) -> bool:
+    """bf16 by default only where it runs: on a GPU that supports it, and not together with fp16."""
+    return not fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+class _FromPreset:
+    """Default of a preset field where ``None`` means "off"; replaced in ``__post_init__`` by the preset's value. Not a
+    string, so argument parsers pass it through."""
+
+    def __repr__(self) -> str:
+        return "<from preset>"
+
+
+FROM_PRESET = _FromPreset()
+
+
+def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
+    """A field whose default comes from the preset; unset: ``None``, or :data:`FROM_PRESET` if ``None`` means "off"."""
+    defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
+    return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": f"{text} Default: {defaults}."})
+
+
+#: The tests behind the allowed values a range rule names.
+_RANGES: dict[str, Callable[[float], bool]] = {
+    "≥ 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "≥ 1": lambda v: v >= 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+}
+# Numeric fields checked at construction: (field, allowed values as :data:`_RANGES` names them, what the field means or
+# what to set). ", or None" after the allowed values lets None through; NaN and ±inf never pass.
+_RANGE_RULES: tuple[tuple[str, str, str], ...] = (
+    ("learning_rate", "≥ 0", "A negative rate is gradient ascent; typical values: 1e-7 to 1e-5."),
+    ("critic_learning_rate", "≥ 0, or None", "None uses learning_rate; a negative rate trains away from the returns."),
+    ("kl_coef", "≥ 0", "A negative coefficient rewards drifting from the reference policy; 0 disables the penalty."),
+    ("cliprange", "≥ 0, or None", "None disables policy clipping; the usual ε is 0.2."),
+    ("cliprange_value", "≥ 0, or None", "None disables value clipping; the usual ε_v is 0.2."),
+    ("gamma", "in [0, 1]", "The discount factor of GAE; RLHF uses 1.0."),
+    ("lam", "in [0, 1]", "The λ of GAE; the paper uses 0.9, trl 1.12 0.95."),
+    ("vf_coef", "≥ 0", "A negative weight trains the critic away from the returns; the usual weight is 0.1."),
+    (
+        "total_episodes",
+        "> 0, or None",
+        "Responses to train on; None: num_train_epochs × dataset size × samples per prompt.",
+    ),
+    ("num_train_epochs", "> 0", "Passes over the prompts when total_episodes is None."),
+    ("missing_eos_penalty", "≥ 0, or None", "Subtracted from the score of a response without the stop token."),
+    ("temperature", "> 0", "The sampling temperature; 1.0 samples the model as it is."),
+    ("logprob_temperature", "> 0, or None", "None uses the sampling temperature; 1.0 the model's raw logits."),
+    ("top_p", "in (0, 1]", "The nucleus-sampling threshold; 1.0 disables it."),
+    (
+        "repetition_penalty",
+        "> 0",
+        "CTRL's penalty θ on tokens already generated (> 1 discourages repeats); 1.0 disables it, the release used 1.1.",
+    ),
+    ("critic_adam_epsilon", "> 0, or None", "None uses adam_epsilon; the release used 1e-8 for the critic."),
+    ("max_skipped_iterations", "≥ 1", "Consecutive skipped iterations before the run stops with an error."),
+    ("stop_token_id", "≥ 0, or None", "A token id of the tokenizer; None uses stop_token."),
+    ("response_length", "≥ 1", "The most tokens a response may have."),
+    ("per_device_train_batch_size", "≥ 1", "Rows per process in each optimizer micro-batch."),
+    ("gradient_accumulation_steps", "≥ 1", "Micro-batches per optimizer step."),
+    ("local_rollout_forward_batch_size", "≥ 1", "Rows per process in each no-grad forward and generation call."),
+    ("num_samples_per_prompt", "≥ 1", "Responses sampled per prompt; 1 samples each prompt once."),
+    ("max_tokens_per_microbatch", "≥ 1, or None", "None splits micro-batches by rows."),
+    ("max_prompt_length", "≥ 1, or None", "None: the policy's context minus response_length."),
+    ("num_ppo_epochs", "≥ 1", "Passes over each rollout batch."),
+    ("num_mini_batches", "≥ 1", "Minibatches each rollout batch is split into."),
+    ("reward_clip", "> 0, or None", "δ of the score clip [−δ, δ]; None disables it."),
+    ("max_grad_norm", "≥ 0", "0 disables gradient clipping."),
+    ("advantage_clip", "> 0, or None", "c of the advantage clip [−c, c]; None disables it."),
+    ("critic_warmup_steps", "≥ 0", "Critic-only iterations at the start; 0 disables critic pre-training."),
+    ("ptx_coef", "≥ 0", "λ_ptx of the PPO-ptx loss; 0 disables it."),
+    ("entropy_coef", "≥ 0", "0 disables the entropy regulariser."),
+    ("vllm_importance_sampling_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
+    ("reward_winsorize", "> 0, or None", "k of the raw-score clip at k scales of the center; None disables it."),
+    ("lam_critic", "in [0, 1], or None", "The critic's GAE λ (1: Monte-Carlo returns); None uses lam."),
+    ("lam_alpha", "> 0, or None", "α of the length-adaptive policy λ = 1 − 1/(α·l); None uses lam."),
+)
+
+
+def _check_range(name: str, value: Any, allowed: str, hint: str) -> None:
+    """A ``ValueError`` naming ``name``, ``allowed`` and ``hint`` unless ``value`` is finite and allowed (or None)."""
+    if value is None and allowed.endswith("or None"):
+        return
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if number and math.isfinite(value) and _RANGES[allowed.removesuffix(", or None")](value):
+        return
+    raise ValueError(f"{name} must be a finite number {allowed}; got {value!r}. {hint}")
+
+
+def _is_int_type(hint: Any) -> bool:
+    """Whether a field's type is ``int`` or ``int | None`` (not ``bool``, ``float``, ``int | float`` or ``int | str``)."""
+    if hint is int:
+        return True
+    return get_origin(hint) in (typing.Union, types.UnionType) and set(get_args(hint)) == {int, type(None)}
+
+
+@functools.cache
+def _int_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """``(name, None allowed)`` of the ``int`` and ``int | None`` fields a dataclass ``cls`` takes."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name] is not int) for f in fields(cls) if f.init and _is_int_type(hints.get(f.name)))
+
+
+def _whole_number_hint(name: str, value: Any) -> str:
+    """What to write instead of ``value`` for the whole-number field ``name``."""
+    if isinstance(value, bool):
+        return f"write {name}={int(value)} if you mean that number."
+    if isinstance(value, numbers.Real) and math.isfinite(value):
+        if float(value).is_integer():
+            return f"write {name}={int(value)} (in a YAML config `{name}: {int(value)}`, without the '.0')."
+        return f"write {name}={math.floor(value)} or {name}={math.ceil(value)}."
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return f"write {name}={int(value)}, a number, not a string."
+    return f"write a whole number, e.g. {name}=1."
+
+
+def check_int_fields(config: Any) -> None:
+    """A ``ValueError`` for the first ``int`` field of the dataclass ``config`` that holds anything but a whole number
+    (a float such as ``2.0`` from YAML, a bool, a string), naming the field, the value and what to write: a float
+    there passed every check and failed deep in training (``torch.manual_seed`` "expected a long"). Called in
+    ``__post_init__`` on what the user passed, before the base classes set fields of their own."""
+    for name, none_allowed in _int_fields(type(config)):
+        value = getattr(config, name)
+        if (value is None and none_allowed) or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
+            continue
+        kind = "" if value is None else f" (a {type(value).__name__})"
+        raise ValueError(
+            f"{name} must be a whole number{' or None' if none_allowed else ''}, got {value!r}{kind}: "
+            + _whole_number_hint(name, value)
+        )
+
+
+@dataclass
+class PPOMaxConfig(TrainingArguments):
+    r"""Configuration of [`PPOMaxTrainer`]: trl 1.12's ``PPOConfig`` plus PPO-max (see the field list below).
+
+    Works with [`~transformers.HfArgumentParser`] / [`trl.TrlParser`]. Defaults that differ from
+    [`~transformers.TrainingArguments`]: ``logging_steps=10``, activation (gradient) checkpointing on, ``bf16`` on
+    a GPU that supports it unless ``fp16``, ``learning_rate=3e-6``, and ``max_grad_norm`` from the preset.
+    """
+
+    # ---- preset ---------------------------------------------------------------------------------------------------
+    preset: Preset = field(
+        default="ppo_max",
+        metadata={
+            "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max), 'vanilla' (trl 1.12's PPO maths, for "
+            "ablations) or 'ppo_max_robust' (beyond the paper: PPO-max with frozen, winsorised reward moments and "
+            "decoupled, length-adaptive GAE; benchmarks/README.md). Fields set explicitly override the preset."
+        },
+    )
+
+    # ---- TrainingArguments overrides (as in TRL) ------------------------------------------------------------------
+    learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate of the policy (AdamW)."})
+    logging_steps: float = field(
+        default=10, metadata={"help": "Log every X PPO iterations (a float in (0, 1) is a ratio of all iterations)."}
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision; default: True on a GPU supporting it, unless fp16."}
+    )
+    max_grad_norm: float | None = _preset_field(
+        "max_grad_norm",
+        "Global gradient clipping (App. C.2 of the paper), applied separately to the policy's and the critic's "
+        "gradients; 0 disables it (0, not None, as in trl 1.12 and TrainingArguments, which never clipped).",
+    )
+
+    # ---- trl 1.12 PPOConfig fields --------------------------------------------------------------------------------
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to prepare the dataset."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Minibatches each rollout batch is split into."})
+    total_episodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Episodes (responses) to train on; default num_train_epochs × dataset size × samples per prompt."
+        },
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Per-process batch size of the no-grad forwards and generation in rollouts."}
+    )
+    num_samples_per_prompt: int = field(
+        default=1,
+        metadata={
+            "help": "Responses sampled per prompt (TRL GRPO's num_generations, OpenRLHF's n_samples_per_prompt): each "
+            "prompt is encoded once and sampled n times. Batch sizes and total_episodes count responses, so a rollout "
+            "batch holds batch_size / n prompts."
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget (rows × padded prompt + response width, per process) of each no-grad forward and "
+            "update micro-batch: sequences are sorted by length and packed under it; a longer sequence goes alone. "
+            "The update's loss and gradients are those of the row split (per-token weights). None: split by rows."
+        },
+    )
+    num_sample_generations: int = field(
+        default=10, metadata={"help": "Number of `generate_completions` sample tables printed during training."}
+    )
+    response_length: int = field(default=53, metadata={"help": "Maximum number of generated response tokens."})
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={"help": "'eos' to stop responses at the tokenizer's eos token; exclusive with `stop_token_id`."},
+    )
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "Token id that ends a response; exclusive with `stop_token`."}
+    )
+    temperature: float | None = _preset_field(
+        "temperature",
+        "Sampling temperature (§5.4). The log-probs of KL, ratio and entropy use `logprob_temperature`.",
+    )
+    logprob_temperature: float | None = _preset_field(
+        "logprob_temperature",
+        "Temperature of the log-probs behind the KL penalty, the PPO ratio and the entropy: None = the sampling "
+        "temperature, logits / T (trl 1.12); 1.0 = the model's raw logits, as the MOSS-RLHF release computes them "
+        "(ppo_trainer.py), so KL and ratio measure the model itself rather than its tempered sampling distribution.",
+        none_is_a_value=True,
+    )
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of a response without the stop token (≥ 0)."}
+    )
+    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the SFT model."})
+    reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the reward model."})
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "PEFT adapter trained as the policy, when the model has several."}
+    )
+    ref_adapter_name: str | None = field(
+        default=None, metadata={"help": "PEFT adapter used as the reference; default: adapters disabled."}
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    whiten_rewards: bool = field(
+        default=False,
+        metadata={"help": "Whiten the token rewards per batch without removing their mean, (r − μ)/σ + μ (trl 1.12)."},
+    )
+    kl_coef: float = field(
+        default=0.05, metadata={"help": "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19)."}
+    )
+    kl_estimator: KLEstimator = field(
+        default="k1", metadata={"help": "KL estimator in the reward: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2)."}
+    )
+    cliprange: float | None = field(
+        default=0.2, metadata={"help": "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping."}
+    )
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    cliprange_value: float | None = field(
+        default=0.2, metadata={"help": "ε_v of the clipped value loss (§3.2.3); None disables value clipping."}
+    )
+    advantage_estimator: str = field(
+        default="gae",
+        metadata={
+            "help": "How advantages are estimated: a name of trl_ppomax.ppo.advantages.ESTIMATORS; 'gae' (§3.2.2)."
+        },
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE (§3.2.2)."})
+    lam: float | None = _preset_field(
+        "lam",
+        "λ of GAE (§3.2.2); the paper uses 0.9 in all its experiments (App. C.3), trl 1.12 and the release 0.95.",
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={"help": "Under DeepSpeed ZeRO-3, gather the policy's weights for generation (faster, more memory)."},
+    )
+
+    # ---- prompts and evaluation ----------------------------------------------------------------------------------
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Longest prompt in tokens; None: the policy's context minus response_length."}
+    )
+    truncate_long_prompts: bool = field(
+        default=True,
+        metadata={
+            "help": "A prompt over max_prompt_length after dropping oldest turns is never cut: True keeps it if it "
+            "fits the context with response_length, else skips it (counted in a warning), as MOSS-RLHF; False raises."
+        },
+    )
+    eval_do_sample: bool = field(
+        default=False, metadata={"help": "Evaluation responses: sampled like rollouts (True) or greedy (False)."}
+    )
+
+    # ---- safety: reusing folders, resuming, bad numbers ------------------------------------------------------------
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start afresh in an output_dir holding checkpoints (deleted first); else it is refused."},
+    )
+    resume_weights_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume without optimizer, scheduler or RNG states (fresh Adam and schedule); else refused."
+        },
+    )
+    resume_allow_changes: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even if settings that define the run (batch sizes, episodes, seed, dataset size, preset, "
+            "models) differ from the checkpoint's; otherwise the differences are listed and the resume refused."
+        },
+    )
+    max_skipped_iterations: int = field(
+        default=3,
+        metadata={"help": "Stop with an error after this many consecutive iterations skipped for non-finite numbers."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Weights of the reward sources (reward_model / reward_funcs as a list), one per source, as in "
+            "TRL's GRPOConfig; the weighted sum is the score PPO-max normalises. Default: all 1."
+        },
+    )
+
+    # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
+    num_total_batches: int | None = field(
+        default=None, metadata={"help": "Derived: PPO iterations, from total_episodes (written back as trl 1.12 did)."}
+    )
+    micro_batch_size: int | None = field(
+        default=None, metadata={"help": "Derived: per_device_train_batch_size × world_size."}
+    )
+    local_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Derived: per-process rollout batch = per_device × grad_accumulation × num_mini_batches."},
+    )
+    batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
+    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
+    mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch over all processes."})
+    local_prompt_batch_size: int | None = field(
+        default=None, metadata={"help": "Derived: prompts per process in a rollout batch (÷ num_samples_per_prompt)."}
+    )
+
+    # ---- PPO-max: sampling (§5.4) ---------------------------------------------------------------------------------
+    top_p: float | None = _preset_field("top_p", "Nucleus sampling threshold for rollouts (§5.4).")
+    repetition_penalty: float | None = _preset_field(
+        "repetition_penalty", "Repetition penalty for rollouts (§5.4 of the paper's release)."
+    )
+
+    # ---- PPO-max: score reparameterisation (§5.3.1) ---------------------------------------------------------------
+    reward_norm: RewardNorm | None = _preset_field(  # noqa: RUF009
+        "reward_norm",
+        "Reward normalisation with historical moments over all processes (§5.3.1, eq. 18): 'running' = (r − μ)/σ, "
+        "'scale' = r/σ, 'none'.",
+    )
+    reward_clip: float | None = _preset_field(
+        "reward_clip", "δ: clip the (normalised) score to [−δ, δ] (§5.3.1); None disables it.", none_is_a_value=True
+    )
+    whiten_advantages: bool | None = _preset_field(
+        "whiten_advantages",
+        "Advantage normalisation over the real tokens of the global batch (§5.3.1). Not part of PPO-max (Fig. 5 gives it "
+        "no star; App. B.1, Fig. 14: with reward normalisation and value clipping it is the first run to collapse); "
+        "trl 1.12 always whitened.",
+    )
+    advantage_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Clip whitened advantages to [−c, c] (§5.3.1; the release's option, off in its scripts, is 0.5); "
+            "None disables it. App. B.1: advantage clipping together with value clipping did not converge."
+        },
+    )
+    advantage_whitening_scope: AdvantageScope = field(
+        default="batch",
+        metadata={
+            "help": "Whiten (and clip) advantages over the whole rollout batch ('batch', trl 1.12) or over each "
+            "minibatch before its optimizer step ('minibatch', §5.3.1 and the release's option); global over processes."
+        },
+    )
+
+    # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
+    importance_sampling: ImportanceSampling = field(
+        default="old_policy",
+        metadata={"help": "PPO ratio's denominator: the rollout ('old') policy or the reference model (§5.3.2)."},
+    )
+    critic_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."},
+    )
+    critic_warmup_steps: int | None = _preset_field(
+        "critic_warmup_steps",
+        "PPO iterations at the start that train only the critic (critic pre-training, §5.3.3).",
+    )
+    critic_warmup_replaces_lr_warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "With critic_warmup_steps > 0: the critic's learning rate skips the LR warm-up (the critic "
+            "pre-training replaces it, §5.3.3) and the policy's schedule starts when the policy starts training."
+        },
+    )
+    critic_adam_epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Adam ε of the critic; None = adam_epsilon (the release: 1e-6 policy, 1e-8 critic)."},
+    )
+    grad_clip_scope: GradClipScope = field(
+        default="per_model",
+        metadata={
+            "help": "max_grad_norm clips the policy's and the critic's gradients separately ('per_model') or as one "
+            "vector ('joint', the release's single DeepSpeed engine). Under DeepSpeed the engine always clips jointly."
+        },
+    )
+
+    # ---- beyond the paper: robust reward normalisation and a better critic (preset "ppo_max_robust") -----------------
+    reward_norm_freeze: bool | None = _preset_field(
+        "reward_norm_freeze",
+        "Seed the reward moments with the starting policy's scores, then freeze them: they are updated only during the "
+        "first max(critic_warmup_steps, 1) iterations (sampled before the policy moves), so that later improvement is "
+        "not normalised away as the moments follow the policy (the paper keeps updating them).",
+    )
+    reward_winsorize: float | None = _preset_field(
+        "reward_winsorize",
+        "k: clip each raw score to μ ± k·σ of the reward moments (the batch's median ± k·1.4826·MAD while they are "
+        "empty) before it updates the moments and is normalised, so that a few heavy-tailed scores cannot inflate σ; "
+        "None disables it.",
+        none_is_a_value=True,
+    )
+    lam_critic: float | None = _preset_field(
+        "lam_critic",
+        "Decoupled GAE (VC-PPO, VAPO): the λ of the critic's targets, separate from the policy's; 1.0 regresses the "
+        "critic on Monte-Carlo returns. None uses the policy's λ.",
+        none_is_a_value=True,
+    )
+    lam_alpha: float | None = _preset_field(
+        "lam_alpha",
+        "Length-adaptive GAE (VAPO): the policy's λ per response is clip(1 − 1/(α·l), 0, 1) for a response of l "
+        "tokens (VAPO's α: 0.05) instead of `lam`; None uses `lam`.",
+        none_is_a_value=True,
+    )
+
+    # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
+    ptx_coef: float = field(
+        default=0.0,
+        metadata={"help": "λ_ptx of PPO-ptx: weight of the LM loss on ptx_dataset (needed; §3.2.3 eq. 17, §5.4)."},
+    )
+    ptx_assistant_only: bool = field(
+        default=True,
+        metadata={
+            "help": "For a conversational ptx_dataset ('messages'), the LM loss counts only assistant turns, as the "
+            "release masks it (ppo_datahelper.py); needs a chat template that marks the assistant turns as generation "
+            "blocks (see transformers' return_assistant_tokens_mask)."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default)."}
+    )
+    entropy_target: float | None = field(
+        default=None,
+        metadata={"help": "With entropy_coef > 0: None = bonus −H; H* = the release's clipped |H − H*| (App. B.3)."},
+    )
+
+    # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate the rollouts with vLLM (the other forwards stay in the trainer); needs `vllm`."},
+    )
+    vllm_mode: VLLMMode = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vLLM engine in every training process, sharing its GPU; 'server': a separate "
+            "`trl vllm-serve` server (weights are pushed over NCCL: needs CUDA)."
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "colocate: share of the GPU's memory vLLM may take (weights and KV cache)."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "colocate: GPUs per vLLM engine (must divide the number of processes)."}
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "colocate: free vLLM's memory between rollouts (slower wake-up)."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "colocate: vLLM's context (prompt + response); None: the model's."}
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "vLLM's model implementation: 'vllm' or 'transformers'."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "server: its URL, e.g. http://localhost:8000 (overrides host and port)."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "server: host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "server: port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "server: seconds to wait for it to be up."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "server: port of the weight-update group."})
+    vllm_importance_sampling_correction: bool | None = _preset_field(
+        "vllm_importance_sampling_correction",
+        "With use_vllm: multiply each token's policy loss by the truncated importance weight min(π_HF / π_vLLM, "
+        "`vllm_importance_sampling_clip_max`), correcting for vLLM sampling from a slightly different distribution "
+        "than the HF forward (TRL GRPO's token_truncate).",
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=3.0, metadata={"help": "The cap C of the truncated importance weights (TRL GRPO's default)."}
+    )
+
+    def __post_init__(self) -> None:
+        self._resolve_preset()
+        check_int_fields(self)  # what the user passed, before TrainingArguments sets fields of its own
+        self._validate()
+        if self.advantage_clip is not None and self.cliprange_value is not None:
+            logger.warning(
+                "advantage_clip=%s together with cliprange_value=%s: the paper (App. B.1) found that constraining both "
+                "the advantages and the value function did not converge; it recommends reward scaling + value "
+                "clipping, or reward + advantage normalisation and clipping, not both.",
+                self.advantage_clip,
+                self.cliprange_value,
+            )
+        if self.bf16 is None:
+            self.bf16 = default_bf16(self.fp16)
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "objective/scores"  # the release kept the best policy by validation reward
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # trl's default; `--gradient_checkpointing False` still turns it off
+        super().__post_init__()
+        self._check_deepspeed_batch()
+        self._derive_sizes()
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+    def _resolve_preset(self) -> None:
+        if self.preset not in get_args(Preset):
+            raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
+        for name, value in PRESETS[self.preset].items():
+            current = getattr(self, name)
+            if current is self.__dataclass_fields__[name].default or current is FROM_PRESET:
+                setattr(self, name, value)
+
+    def _validate(self) -> None:
+        """Reject settings that would crash late or train silently wrong, naming the field, allowed values and fix."""
+        for name, allowed, hint in _RANGE_RULES:
+            _check_range(name, getattr(self, name), allowed, hint)
+        if self.stop_token is not None and self.stop_token_id is not None:
+            raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
+        self._validate_sampling_and_packing()
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {tuple(ESTIMATORS)}, got {self.advantage_estimator!r}; register "
+                "another in trl_ppomax.ppo.advantages.ESTIMATORS."
+            )
+        for name, allowed in (
+            ("stop_token", Literal["eos", None]),
+            ("reward_norm", RewardNorm),
+            ("kl_estimator", KLEstimator),
+            ("importance_sampling", ImportanceSampling),
+            ("advantage_whitening_scope", AdvantageScope),
+            ("grad_clip_scope", GradClipScope),
+            ("vllm_mode", VLLMMode),
+        ):
+            choices = get_args(allowed)
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
+
+    def _validate_sampling_and_packing(self) -> None:
+        local = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        if local % self.num_samples_per_prompt:
+            raise ValueError(
+                f"num_samples_per_prompt={self.num_samples_per_prompt} must divide the per-process rollout batch "
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = {local}), which "
+                "counts responses; change one of them."
+            )
+        if self.max_tokens_per_microbatch is None:
+            return
+        if self.ptx_coef > 0:
+            raise ValueError("max_tokens_per_microbatch does not support ptx_coef > 0 yet; set one of them off.")
+        if self.entropy_coef > 0 and self.entropy_target is not None:
+            raise ValueError(
+                "max_tokens_per_microbatch with entropy_target: |mean(H) − H*| is not a per-token sum, so packing "
+                "would change the loss; set entropy_target=None (the plain bonus) or max_tokens_per_microbatch=None."
+            )
+
+    def _check_deepspeed_batch(self) -> None:
+        """A DeepSpeed JSON of the user's own that writes its batch sizes out must say what this run does: DeepSpeed
+        steps the optimizer after its own ``gradient_accumulation_steps`` micro-batches, so another number would
+        silently change every update (accelerate only warns, and uses DeepSpeed's)."""
+        plugin = getattr(self, "deepspeed_plugin", None)
+        config = plugin.deepspeed_config if plugin is not None else {}
+        for key, name in [
+            ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+            ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ]:
+            given = config.get(key, "auto")
+            if given != "auto" and int(given) != getattr(self, name):
+                missing = (
+                    " (accelerate's value when the file has none)" if key == "gradient_accumulation_steps" else ""
+                )
+                raise ValueError(
+                    f"The DeepSpeed config says {key}={given}{missing}, but {name}={getattr(self, name)}: set them "
+                    f'equal, or {key} to "auto" in the DeepSpeed config (and train_batch_size to their product × the '
+                    'number of processes, or "auto").'
+                )
+
+    def _derive_sizes(self) -> None:
+        self.local_batch_size = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        )
+        self.micro_batch_size = self.per_device_train_batch_size * self.world_size
+        self.batch_size = self.local_batch_size * self.world_size
+        self.mini_batch_size = self.batch_size // self.num_mini_batches
+        self.local_mini_batch_size = self.local_batch_size // self.num_mini_batches
+        self.local_prompt_batch_size = self.local_batch_size // self.num_samples_per_prompt
+
+    @property
+    def checkpointing(self) -> tuple[bool, dict | None]:
+        """Whether activation checkpointing is on, and its kwargs (transformers < 5.20 names it gradient_…)."""
+        if hasattr(self, "activation_checkpointing"):
+            return bool(self.activation_checkpointing), self.activation_checkpointing_kwargs
+        return bool(self.gradient_checkpointing), self.gradient_checkpointing_kwargs
+
+    @property
+    def effective_critic_learning_rate(self) -> float:
+        return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+    @property
+    def effective_logprob_temperature(self) -> float:
+        """The temperature of the log-probs of KL, ratio and entropy (``logprob_temperature`` or the sampling one)."""
+        return self.temperature if self.logprob_temperature is None else self.logprob_temperature
+
+    def set_run_length(self, dataset_size: int) -> None:
+        """Write back ``total_episodes`` (if unset: ``num_train_epochs`` × ``dataset_size`` × ``num_samples_per_prompt``)
+        and ``num_total_batches`` (PPO iterations), as trl 1.12's trainer did, for scripts reading them."""
+        prompts = self.batch_size // self.num_samples_per_prompt
+        if dataset_size < prompts:
+            raise ValueError(
+                f"The training dataset has {dataset_size} prompts, fewer than one rollout batch "
+                f"(per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches × processes "
+                f"÷ num_samples_per_prompt = {prompts}); add prompts or lower those sizes."
+            )
+        episodes_per_epoch = dataset_size * self.num_samples_per_prompt
+        given = self.total_episodes
+        self.total_episodes = self.total_episodes or int(self.num_train_epochs * episodes_per_epoch)
+        self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+        trained = self.num_total_batches * self.batch_size
+        if trained != self.total_episodes:  # PPO trains whole rollout batches
+            (logger.warning if given else logger.info)(
+                "total_episodes=%d%s is not a multiple of the rollout batch, batch_size=%d (per_device_train_batch_size "
+                "× gradient_accumulation_steps × num_mini_batches × processes): the run trains %d iterations = %d "
+                "episodes, %d more than asked. Set total_episodes to a multiple of %d (e.g. %s) to train exactly that.",
+                self.total_episodes,
+                "" if given else " (num_train_epochs × prompts × num_samples_per_prompt)",
+                self.batch_size,
+                self.num_total_batches,
+                trained,
+                trained - self.total_episodes,
+                self.batch_size,
+                " or ".join(str(n) for n in (trained - self.batch_size, trained) if n > 0),
+            )
+        if self.critic_warmup_steps >= self.num_total_batches:
+            logger.warning(
+                "critic_warmup_steps=%d is not below the run's %d iterations (total_episodes=%d ÷ batch_size=%d, "
+                "rounded up): only the critic trains, the policy will not change. Lower critic_warmup_steps or raise "
+                "total_episodes to train the policy.",
+                self.critic_warmup_steps,
+                self.num_total_batches,
+                self.total_episodes,
+                self.batch_size,
+            )
+
+
+def render_field_docs(cls: type, base: type, always: tuple[str, ...] = ()) -> str:
+    """The "Fields" section of a config's docstring, from each field's help text: the fields ``cls`` adds to
+    ``base``, plus the ``always`` fields it re-defaults. Keeps the docstring and ``--help`` from drifting apart."""
+    lines = ["", f"    Fields (beyond ``{base.__name__}``):"]
+    inherited = {f.name for f in fields(base)}
+    for f in fields(cls):
+        if f.name in inherited and f.name not in always:
+            continue
+        lines.append(f"        {f.name}: {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+PPOMaxConfig.__doc__ = (PPOMaxConfig.__doc__ or "") + render_field_docs(
+    PPOMaxConfig, TrainingArguments, always=tuple(PRESETS["ppo_max"])
+)

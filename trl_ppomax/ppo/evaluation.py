@@ -1,0 +1,145 @@
+"""Evaluation, sample tables and the model card of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
+phase run on held-out prompts, reported with the same per-response metrics as training (``eval_…``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from tqdm.auto import tqdm
+from trl.trainer.utils import print_prompt_completions_sample
+
+from trl_ppomax.data import rows_of_this_process, split_batch
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo.checks import prepare_eval_prompts
+from trl_ppomax.reporting.hub import create_model_card
+from trl_ppomax.reporting.plotting import log_table
+from trl_ppomax.rewards import decode_texts
+
+
+class EvaluationMixin:
+    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
+
+    The contract with the trainer (besides ``transformers.Trainer``'s own attributes): it calls the trainer's
+    ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.ppo.experience.Rollout` (``sample_and_score`` for
+    sample tables: responses and scores only), ``_shape_scores(rollout)``
+    → (scores, kl), ``_response_metrics(rollout, scores, kl)`` → per-response metrics and ``_reduce_sum``; it reads
+    nothing else of the trainer's and changes nothing but the log and the callbacks' control."""
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        eval_dataset: Dataset | dict[str, Dataset] | str | None = None,
+        ignore_keys=None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
+        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``). The
+        torch random state is restored afterwards, so evaluating does not change what training samples next. A
+        dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
+        checked); a dict of datasets (here or the trainer's) is evaluated one by one, logged as
+        ``eval_<name>_<metric>``; a name (as the Trainer passes it) picks one of the trainer's datasets."""
+        datasets = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(datasets, dict):
+            metrics = {}
+            for name, part in datasets.items():  # the trainer's own datasets by name: they are prepared already
+                part = name if eval_dataset is None else part
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                raise ValueError(f"evaluate({eval_dataset!r}) needs the trainer's eval_dataset to be a dict with it.")
+            dataset = self.eval_dataset[eval_dataset]
+        elif eval_dataset is not None:
+            dataset = prepare_eval_prompts(self, eval_dataset)
+        else:
+            dataset = self.eval_dataset
+        if not isinstance(dataset, Dataset):
+            raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
+        with self._own_random_stream():
+            totals = self._evaluation_sums(dataset)
+        names = list(totals)
+        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
+        count = sums[names.index("count")]
+        metrics = {
+            M.eval_name(n, metric_key_prefix): (v / count).item()
+            for n, v in zip(names, sums, strict=True)
+            if n != "count"
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _evaluation_sums(self, dataset: Dataset) -> dict[str, torch.Tensor]:
+        """This process's weighted sums of every per-response metric over its rows of ``dataset``, and ``count``."""
+        device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+        rows, weights = rows_of_this_process(len(dataset), self.accelerator)
+        bar = tqdm(
+            total=len(rows),
+            desc="Evaluating",
+            unit="prompt",
+            leave=False,
+            disable=self.args.disable_tqdm or not self.accelerator.is_local_main_process or len(rows) <= chunk,
+        )
+        for start in range(0, len(rows), chunk):
+            bar.update(len(rows[start : start + chunk]))
+            rollout = self._rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
+            weight = torch.tensor(weights[start : start + chunk], device=device)
+            for name, values in self._response_metrics(rollout, *self._shape_scores(rollout)).items():
+                totals[name] += (values.float() * weight).sum()
+            totals["count"] += weight.sum()
+        bar.close()
+        return totals
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:
+        """Generate for a few evaluation (or training) prompts, print a table (and log it as ``completions`` to
+        wandb/trackio, as text to TensorBoard, when ``report_to`` names them) and return the rows."""
+        dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
+        with self._own_random_stream():
+            rows = list(range(min(num_prompts, len(dataset))))
+            rollout = self._rollout_rows(dataset, rows, sampling, scores_only=True)
+        tokenizer = self.processing_class
+        queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
+        responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
+        rows = [
+            {"query": q, "response": r, "score": s}
+            for q, r, s in zip(queries, responses, rollout.scores.tolist(), strict=True)
+        ]
+        rows = [row for part in gather_object([rows]) for row in part]
+        if self.accelerator.is_main_process:
+            scores = {"score": [row["score"] for row in rows]}
+            queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
+            print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
+            # to wandb / trackio / TensorBoard (as text), when reported to
+            log_table(self.args, "completions", rows, self.state.global_step, self.callback_handler.callbacks)
+        return rows
+
+    def _own_random_stream(self):
+        """torch's random state forked and restored: sampling here never changes what training samples next, so the
+        trained weights do not depend on how often one evaluates or prints samples."""
+        device = self.accelerator.device
+        return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
+        """README.md in ``output_dir``: the policy's base model, tags, PPO-max settings, final evaluation numbers,
+        tracker URLs and the paper's citation (:func:`trl_ppomax.reporting.hub.create_model_card`)."""
+        if not self.is_world_process_zero():
+            return
+        policy = self.accelerator.unwrap_model(self.model).policy
+        history = self.state.log_history
+        card = create_model_card(
+            policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history
+        )
+        card.save(f"{self.args.output_dir}/README.md")
+
+    def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False):
+        """The rollout of ``rows`` of ``dataset``; with ``scores_only``, responses and scores alone
+        (``sample_and_score``)."""
+        batch = self.data_collator([dataset[i] for i in rows])
+        batch, columns = split_batch(batch, self.accelerator.device)  # columns: for the reward functions
+        run = self.sample_and_score if scores_only else self.rollout
+        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)

@@ -1,0 +1,177 @@
+"""Every metric name trl-ppomax logs, in one place.
+
+The trainer logs them; :class:`~trl_ppomax.CollapseMonitor`, plotting, the toy world and the benchmarks read them
+through these constants, so a rename cannot leave a reader behind (a test checks it). Evaluation adds the ``eval_``
+prefix (:func:`eval_name`). The glossary is the "Metrics" section of docs/reference.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trl_ppomax.ppo.core import Reduce, ends_with_stop, masked_mean
+
+# ---- per response, averaged over the rollout batch (and logged by evaluate() as eval_<name>) -----------------------
+KL = "objective/kl"  # Σ_t KL_t of the response (the configured estimator)
+NON_SCORE_REWARD = "objective/non_score_reward"  # −kl_coef · KL
+RLHF_REWARD = "objective/rlhf_reward"  # normalised score + non-score reward
+SCORES = "objective/scores"  # raw reward (after the missing-stop-token penalty)
+SCORES_NORMALIZED = "objective/scores_normalized"  # after reward normalisation and clipping
+POLICY_PERPLEXITY = "policy/perplexity"  # of the policy on its own response, temperature 1
+REF_PERPLEXITY = "policy/ref_perplexity"  # of the reference on the same response
+RESPONSE_LENGTH = "response/length"  # tokens, stop token included
+STOP_TOKEN_MISSING = "response/stop_token_missing"  # share of responses without the stop token
+
+# ---- rollout batch statistics ----------------------------------------------------------------------------------------
+SCORES_STD = "objective/scores_std"
+SCORES_P05 = "objective/scores_p05"
+SCORES_P95 = "objective/scores_p95"
+REWARD_RUNNING_MEAN = "objective/reward_running_mean"
+REWARD_RUNNING_STD = "objective/reward_running_std"
+VALUES = "critic/values"
+RETURNS = "critic/returns"
+ADVANTAGES_RAW = "critic/advantages_raw"
+SCORES_WINSORIZED = "objective/scores_winsorized"  # share of raw scores clipped by reward_winsorize
+LAM_POLICY = "critic/lam_policy"  # mean GAE λ of the policy's advantages (with lam_alpha: per response)
+SCORES_STD_WITHIN_PROMPT = "objective/scores_std_within_prompt"  # n > 1: mean std of a prompt's sampled scores
+
+# ---- update (means over the PPO epochs' micro-batches) ----------------------------------------------------------------
+POLICY_LOSS = "loss/policy"
+VALUE_LOSS = "loss/value"
+PTX_LOSS = "loss/ptx"
+ENTROPY = "policy/entropy"
+CLIPFRAC = "policy/clipfrac"
+APPROXKL = "policy/approxkl"
+RATIO = "policy/ratio"
+RATIO_VAR = "policy/ratio_var"
+PTX_PERPLEXITY = "policy/ptx_perplexity"
+VF_CLIPFRAC = "critic/vf_clipfrac"
+VALUE_ERROR = "critic/error"
+POLICY_GRAD_NORM = "policy/grad_norm"
+CRITIC_GRAD_NORM = "critic/grad_norm"
+GRAD_NORM = "grad_norm"  # with grad_clip_scope="joint": one norm over policy and critic
+
+# ---- run state ------------------------------------------------------------------------------------------------------
+SKIPPED_ITERATIONS = "skipped/iterations"  # batches not trained on: no finite reward, or a non-finite value/log-prob
+SKIPPED_IN_A_ROW = "skipped/iterations_in_a_row"  # reset by a trained batch; max_skipped_iterations stops the run
+SKIPPED_SAMPLES = "skipped/samples"  # samples masked out of their batch for a non-finite reward
+SKIPPED_UPDATES = "skipped/updates"  # optimizer steps skipped for a non-finite gradient
+EPISODE = "episode"
+EPISODES_PER_SECOND = "eps"
+LEARNING_RATE = "lr"
+CRITIC_LEARNING_RATE = "critic/lr"
+PEAK_GPU_MEMORY = "memory/peak_gpu_gb"
+
+#: The run-state counters (``PPOState.counters``): saved in ``ppo_state.json`` and logged as they stand.
+COUNTERS = (SKIPPED_ITERATIONS, SKIPPED_IN_A_ROW, SKIPPED_SAMPLES, SKIPPED_UPDATES)
+
+# ---- with use_vllm (TRL GRPO's names): vLLM-vs-HF log-prob gap, truncated importance weights, engine seconds
+SAMPLING_LOGP_DIFF_MEAN = "sampling/sampling_logp_difference/mean"
+SAMPLING_LOGP_DIFF_MAX = "sampling/sampling_logp_difference/max"
+IS_RATIO_MIN = "sampling/importance_sampling_ratio/min"
+IS_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
+IS_RATIO_MAX = "sampling/importance_sampling_ratio/max"
+VLLM_SYNC_SECONDS = "vllm/sync_seconds"
+VLLM_GENERATION_SECONDS = "vllm/generation_seconds"
+
+# ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
+COLLAPSE_ANY = "collapse/any"
+
+# ---- not logged by the trainer itself ----------------------------------------------------------------------------------
+# A known gold reward passed as a ``rollout_metrics`` entry under this name (the toy world does) is logged as such (and
+# as eval_<name>) like any rollout metric; plotting draws it on its own panel when present.
+GOLD_REWARD = "gold/reward"
+# Logged by trl_ppomax.judging.WinRateCallback (the paper's Fig. 4): the share of fixed prompts on which the policy's
+# answer beats the SFT model's, by the trainer's reward model or a scoring judge (ties and losses beside it).
+WIN_RATE_VS_SFT = "eval/win_rate_vs_sft"
+TIE_RATE_VS_SFT = "eval/tie_rate_vs_sft"
+LOSE_RATE_VS_SFT = "eval/lose_rate_vs_sft"
+
+#: Logged by the trainer for every rollout batch (and, with the eval_ prefix, by evaluate()).
+PER_RESPONSE = (
+    KL,
+    NON_SCORE_REWARD,
+    RLHF_REWARD,
+    SCORES,
+    SCORES_NORMALIZED,
+    POLICY_PERPLEXITY,
+    REF_PERPLEXITY,
+    RESPONSE_LENGTH,
+    STOP_TOKEN_MISSING,
+)
+
+
+def eval_name(name: str, prefix: str = "eval") -> str:
+    """The name ``evaluate()`` logs ``name`` under: ``eval_objective/kl`` for ``objective/kl``."""
+    return f"{prefix}_{name}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Computing them (injected cross-process reductions: ``reduce`` sums a tensor over processes, ``gather`` concatenates)
+# --------------------------------------------------------------------------------------------------------------------
+def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
+    """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the
+    normalised scores, ``kl`` (B, T) the per-token KL."""
+    non_score = -kl_coef * kl.sum(1)
+    return {
+        KL: kl.sum(1),
+        NON_SCORE_REWARD: non_score,
+        RLHF_REWARD: scores + non_score,
+        SCORES: rollout.scores,
+        SCORES_NORMALIZED: scores,
+        POLICY_PERPLEXITY: rollout.policy_perplexity,
+        REF_PERPLEXITY: rollout.ref_perplexity,
+        RESPONSE_LENGTH: rollout.response_mask.float().sum(1),
+        STOP_TOKEN_MISSING: 1.0 - ends_with_stop(rollout.response_ids, rollout.response_mask, stop_token_id),
+    }
+
+
+def global_mean(per_sequence: torch.Tensor, reduce: Reduce) -> float:
+    """Mean of ``per_sequence`` (B,) over every process."""
+    count = torch.tensor(float(len(per_sequence)), device=per_sequence.device)
+    total = reduce(torch.stack([per_sequence.float().sum(), count]))
+    return (total[0] / total[1]).item()
+
+
+def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, gather: Reduce) -> dict[str, float]:
+    """Statistics of one rollout batch over every process: score spread and tails, running reward moments, mean
+    value, return and raw advantage over real tokens."""
+    mask = rollout.response_mask.float()
+    all_scores = gather(rollout.scores).float()
+    return {
+        SCORES_STD: all_scores.std().item() if len(all_scores) > 1 else 0.0,
+        SCORES_P05: torch.quantile(all_scores, 0.05).item(),
+        SCORES_P95: torch.quantile(all_scores, 0.95).item(),
+        REWARD_RUNNING_MEAN: running_reward.mean,
+        REWARD_RUNNING_STD: running_reward.std,
+        VALUES: masked_mean(rollout.values.float(), mask, reduce=reduce).item(),
+        RETURNS: masked_mean(returns.float(), mask, reduce=reduce).item(),
+        ADVANTAGES_RAW: masked_mean(advantages.float(), mask, reduce=reduce).item(),
+    }
+
+
+def within_prompt_std(scores: torch.Tensor, keep: torch.Tensor, samples_per_prompt: int, reduce: Reduce) -> float:
+    """Mean over prompts, on every process, of the standard deviation of a prompt's sampled raw scores (B,), rows
+    ``i·n … i·n + n − 1`` being prompt ``i``'s (the kept samples; prompts with fewer than two left out). Near 0: the
+    reward does not tell a prompt's answers apart, whatever it says across prompts."""
+    values, kept = scores.float().view(-1, samples_per_prompt), keep.float().view(-1, samples_per_prompt)
+    count = kept.sum(1)
+    mean = (values * kept).sum(1) / count.clamp(min=1)
+    variance = ((values - mean[:, None]) ** 2 * kept).sum(1) / count.clamp(min=1)
+    return global_mean(variance.sqrt()[count >= 2], reduce)
+
+
+def schedule_metrics(state, lr_scheduler, start: tuple[float, int]) -> dict[str, float]:
+    """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
+    import time
+
+    lrs = lr_scheduler.get_last_lr()
+    metrics = {
+        EPISODE: float(state.episode),
+        EPISODES_PER_SECOND: (state.episode - start[1]) / max(time.time() - start[0], 1e-9),
+        LEARNING_RATE: lrs[0],
+        CRITIC_LEARNING_RATE: lrs[-1],
+    }
+    if torch.cuda.is_available():
+        metrics[PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
+    return metrics

@@ -1,0 +1,329 @@
+"""Tiny offline models, tokenizer and datasets: everything is built in code, nothing is downloaded.
+
+Useful for smoke tests, recipes and docs that must run without the Hugging Face Hub. The tokenizer is word-level over
+a fixed vocabulary of :data:`WORDS` (plus :data:`SPECIALS` and the chat role markers), pads on the left and has a
+plain ``role: content </s>`` chat template. The models are randomly initialised 2-layer Llama or GPT-NeoX networks
+with a hidden size of 32.
+
+In Python::
+
+    from trl_ppomax.toyworld.tiny import build_models, save_tiny_models
+
+    tokenizer, policy, reward_model = build_models("llama", seed=0)  # in memory
+    paths = save_tiny_models("tiny")  # on disk: {"sft", "reward", "prompts", "preferences"}
+
+From the shell::
+
+    trl-ppomax tiny tiny/ --arch gpt_neox --seed 1
+
+The saved folders load with ``AutoTokenizer`` / ``AutoModelForCausalLM`` (``sft/``) and
+``AutoModelForSequenceClassification`` (``reward/``); the datasets with ``datasets.load_dataset("json", ...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from trl_ppomax.data.files import atomic_directory
+from trl_ppomax.models import without_zero3_init
+
+__all__ = [
+    "ARCHITECTURES",
+    "CHAT_TEMPLATE",
+    "LLAMA_STYLE_SPECIALS",
+    "SPECIALS",
+    "WORDS",
+    "build_llama_style_tokenizer",
+    "build_models",
+    "build_tokenizer",
+    "model_config",
+    "preference_rows",
+    "prompt_texts",
+    "save_tiny_models",
+]
+
+#: The plain words of the tokenizer's vocabulary (after the specials, before the role markers).
+WORDS = [
+    "hello",
+    "hi",
+    "how",
+    "are",
+    "you",
+    "today",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "good",
+    "bad",
+    "great",
+    "nice",
+    "please",
+    "thanks",
+    "tell",
+    "me",
+    "about",
+    "write",
+    "poem",
+    "story",
+    "short",
+    "long",
+    "happy",
+    "sad",
+    "yes",
+    "no",
+    "what",
+    "why",
+    "is",
+    "it",
+    "very",
+    "much",
+    "more",
+    "less",
+    "and",
+    "or",
+    "but",
+    "so",
+]
+#: Special tokens, ids 0-3: padding, unknown, beginning and end of sequence.
+SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
+#: ``role: content </s>`` per message, then ``assistant:`` when a generation prompt is asked for.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+#: The architectures :func:`build_models` knows.
+ARCHITECTURES = ("llama", "gpt_neox")
+
+_ROLES = ["user:", "assistant:", "system:"]
+_POLITE = ("please", "thanks")
+
+
+def word_level_tokenizer(tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A whitespace-split, word-level tokenizer over ``tokens`` (which hold ``[PAD] [UNK] <s> </s>``), left padding;
+    unknown words map to ``[UNK]``."""
+    backend = Tokenizer(models.WordLevel(vocab={token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="<s>",
+        eos_token="</s>",
+        padding_side="left",
+    )
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`word_level_tokenizer` over ``SPECIALS + WORDS + role markers``, with :data:`CHAT_TEMPLATE`."""
+    tokenizer = word_level_tokenizer([*SPECIALS, *WORDS, *_ROLES])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+#: Special tokens of :func:`build_llama_style_tokenizer`, ids 0-2 as in LLaMA: unknown (also the padding), bos, eos.
+LLAMA_STYLE_SPECIALS = ["<unk>", "<s>", "</s>"]
+_LLAMA_STYLE_EXTRAS = ["Human", "Assistant", "MOSS", "user", "assistant", "system", "I", "am", "fine", "do", "can"]
+# A few common Chinese characters (LLaMA's own vocabulary has a few hundred CJK characters too).
+_LLAMA_STYLE_CJK = "你好我是的了吗呢在有不这个人们他她它什么怎样请谢问题回答今天明天猫狗太阳月亮写诗故事很多少"
+_LLAMA_STYLE_PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~，。？！：；、“”（）"
+
+
+def build_llama_style_tokenizer(lang: str = "en") -> PreTrainedTokenizerFast:
+    """A tiny offline tokenizer shaped like LLaMA's: ``<unk>`` id 0, ``<s>`` id 1, ``</s>`` id 2, bos prepended.
+
+    A case-sensitive WordPiece over about 300 tokens: :data:`WORDS` (lower-case and capitalised), a few extras ("Human",
+    "Assistant", "MOSS", ...), every ASCII letter and digit also as a ``##`` continuation piece (so any ASCII word
+    encodes without ``<unk>``), ASCII and CJK punctuation, and a few common Chinese characters. Pre-tokenisation splits
+    on whitespace, isolates every punctuation mark, digit and CJK character; ``"Human:Hi"`` → ``Human : Hi``.
+    ``tokenizer("hi")`` gives ``[1, id("hi")]`` (bos, no eos), like LLaMA. Decoding joins words with spaces, so it does
+    not round-trip exactly.
+
+    As in the released tokenizer, nothing is set for padding and no chat template: that is the job of
+    :func:`trl_ppomax.moss.prompt.setup_tokenizer` (pad = ``<unk>``, left padding, and for ``lang="zh"`` the
+    ``<|Human|>`` / ``<|MOSS|>`` special tokens). The vocabulary is the same for both languages (the Chinese release
+    also uses the LLaMA tokenizer); ``lang`` is only checked.
+    """
+    if lang not in ("en", "zh"):
+        raise ValueError(f"Unknown language {lang!r}: use 'en' or 'zh'.")
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    digits = [str(d) for d in range(10)]
+    words = [*WORDS, *(w.capitalize() for w in WORDS), *_LLAMA_STYLE_EXTRAS]
+    pieces = [*words, *letters, *(f"##{c}" for c in letters + digits), *digits, *_LLAMA_STYLE_PUNCT, *_LLAMA_STYLE_CJK]
+    vocab: dict[str, int] = {}
+    for token in [*LLAMA_STYLE_SPECIALS, *pieces]:
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix="##"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Punctuation("isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Split(Regex(r"[\u3400-\u9fff]"), "isolated"),
+        ]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def llama_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int = 2, **extra) -> LlamaConfig:
+    """A small Llama config for ``tokenizer``: intermediate size 2 × hidden, 128 positions, special ids from the
+    tokenizer (``extra`` overrides any field)."""
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    return LlamaConfig(**{**fields, **extra})
+
+
+def model_config(arch: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The tiny config for ``arch`` ("llama" or "gpt_neox"): hidden 32, 2 layers, 2 heads, intermediate 64."""
+    if arch == "llama":
+        return llama_config(tokenizer, vocab_size=vocab_size)
+    if arch == "gpt_neox":
+        llama = llama_config(tokenizer, vocab_size=vocab_size).to_dict()
+        common = {
+            k: llama[k]
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+                "pad_token_id",
+                "eos_token_id",
+                "bos_token_id",
+            )
+        }
+        return GPTNeoXConfig(**common, rotary_pct=0.5)
+    raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
+
+
+def build_models(
+    arch: str = "llama", seed: int = 0
+) -> tuple[PreTrainedTokenizerFast, PreTrainedModel, PreTrainedModel]:
+    """``(tokenizer, causal_lm, reward_model)`` with random weights; the reward model has ``num_labels=1``.
+
+    Seeds torch's global generator with ``seed`` right before building the causal LM, then builds the reward
+    model, so the same seed always gives the same weights (and leaves the global generator in the same state).
+    """
+    tokenizer = build_tokenizer()
+    config = model_config(arch, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    with without_zero3_init():  # whole models, even under a ZeRO-3 launch: one process writes them
+        policy = AutoModelForCausalLM.from_config(config)
+        config.num_labels = 1
+        reward = AutoModelForSequenceClassification.from_config(config)
+    return tokenizer, policy, reward
+
+
+def prompt_texts(n: int = 32) -> list[str]:
+    """``n`` prompts of 2-5 random :data:`WORDS`, always the same for a given ``n`` (own generator, seed 1)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        " ".join(
+            WORDS[j]
+            for j in torch.randint(len(WORDS), (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        )
+        for _ in range(n)
+    ]
+
+
+def preference_rows(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` rows of ``{"prompt", "chosen", "rejected"}`` following one clear rule a reward model can learn.
+
+    ``chosen`` contains both "please" and "thanks", ``rejected`` contains neither; otherwise the two share the same
+    body of random words. Both start with a space so they read naturally after the prompt, and use only
+    :data:`WORDS`. Uses its own generator (``random.Random(seed)``), not torch's.
+    """
+    rng = random.Random(seed)
+    plain = [w for w in WORDS if w not in _POLITE]
+    prompts = prompt_texts(n)
+    rows = []
+    for prompt in prompts:
+        body = " ".join(rng.choice(plain) for _ in range(rng.randint(2, 5)))
+        rows.append({"prompt": prompt, "chosen": f" please {body} thanks", "rejected": f" {body}"})
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _write_all(root: Path, arch: str, seed: int) -> None:
+    tokenizer, policy, reward = build_models(arch, seed)
+    policy.save_pretrained(root / "sft")
+    tokenizer.save_pretrained(root / "sft")
+    reward.save_pretrained(root / "reward")
+    tokenizer.save_pretrained(root / "reward")
+    _write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompt_texts(48)])
+    _write_jsonl(root / "preferences.jsonl", preference_rows(64, seed))
+
+
+def save_tiny_models(
+    output_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, overwrite: bool = False
+) -> dict[str, str]:
+    """Write tiny models and datasets into ``output_dir`` and return their paths.
+
+    Writes ``sft/`` (causal LM + tokenizer), ``reward/`` (sequence-classification model with ``num_labels=1`` +
+    tokenizer), ``prompts.jsonl`` (48 rows, column "prompt") and ``preferences.jsonl`` (64 rows, columns
+    "prompt" / "chosen" / "rejected", see :func:`preference_rows`). Everything is first written into a temporary
+    sibling folder that is renamed into place only once complete
+    (:func:`~trl_ppomax.data.files.atomic_directory`), so a crash never leaves a half-written ``output_dir``.
+
+    Returns:
+        ``{"sft": ..., "reward": ..., "prompts": ..., "preferences": ...}`` as strings.
+
+    Raises:
+        ValueError: ``arch`` is unknown, ``output_dir`` is a file, or it is a non-empty folder and ``overwrite``
+            is false.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
+    out = Path(output_dir).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder: pick another output folder.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{out} exists and is not empty: pick another output folder, empty it, or pass overwrite=True "
+            "(--overwrite on the command line) to replace it."
+        )
+    with atomic_directory(out) as tmp:
+        _write_all(Path(tmp), arch, seed)
+    return {
+        "sft": str(out / "sft"),
+        "reward": str(out / "reward"),
+        "prompts": str(out / "prompts.jsonl"),
+        "preferences": str(out / "preferences.jsonl"),
+    }
