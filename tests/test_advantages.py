@@ -51,7 +51,7 @@ def test_a_registered_estimator_is_the_one_the_trainer_uses(tmp_path, monkeypatc
     registry = {**advantages.ESTIMATORS, "negated": advantages.AdvantageEstimator("negated", True, negated_gae)}
     monkeypatch.setattr(advantages, "ESTIMATORS", registry)
     monkeypatch.setattr("trl_ppomax.ppo.config.ESTIMATORS", registry)
-    monkeypatch.setattr("trl_ppomax.ppo.trainer.ESTIMATORS", registry)
+    monkeypatch.setattr("trl_ppomax.ppo.experience.ESTIMATORS", registry)
     runs = {name: make_trainer(tmp_path / name, advantage_estimator=name, whiten_advantages=False)
             for name in ("gae", "negated")}  # fmt: skip
     prompts = runs["gae"].processing_class(["hello how are you", "tell me a story"], return_tensors="pt", padding=True)

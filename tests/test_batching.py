@@ -7,8 +7,10 @@ import torch
 from helpers import changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig
+from trl_ppomax.generation import generate_responses
 from trl_ppomax.ppo import metrics
-from trl_ppomax.ppo.experience import Rollout, generate_responses, merge_rollouts, token_budget_batches
+from trl_ppomax.ppo.batching import forward_groups, token_budget_batches
+from trl_ppomax.ppo.experience import Rollout, merge_rollouts
 
 
 def first_rollout(trainer, n: int = 1) -> Rollout:
@@ -139,7 +141,7 @@ def test_token_budget_rollout_forwards_match_the_row_split(tmp_path):
     trainer = make_trainer(tmp_path, response_length=12)
     rows = first_rollout(trainer)
     trainer.args.max_tokens_per_microbatch = 30  # several packs of a few rows, prompts trimmed of padding
-    assert len(trainer._forward_groups(rows.query_mask, rows.response_mask)[0]) > 2
+    assert len(forward_groups(rows.query_mask, rows.response_mask, trainer.args, trainer.accelerator)[0]) > 2
     packed = first_rollout(trainer)
     assert torch.equal(packed.response_ids, rows.response_ids) and torch.equal(packed.query_ids, rows.query_ids)
     for name in ("logprobs", "ref_logprobs", "values", "scores", "policy_perplexity"):

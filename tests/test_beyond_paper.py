@@ -78,7 +78,7 @@ def test_lam_critic_1_regresses_the_critic_on_monte_carlo_returns(tmp_path, lam_
     rollout = first_rollout(trainer)
     experience, _, _ = trainer.make_experience(rollout)
     mask = rollout.response_mask.bool()
-    scores, _ = trainer._shape_scores(rollout)
+    scores, _ = trainer.experience_maker.shape_scores(rollout)
     monte_carlo = scores[:, None].expand_as(mask)[mask]
     if lam_critic == 1.0:
         torch.testing.assert_close(experience.returns[mask], monte_carlo.to(experience.returns.dtype))
@@ -103,6 +103,6 @@ def test_lam_alpha_gives_each_response_its_own_lambda(tmp_path):
 
 
 def _token_rewards(trainer, rollout):
-    scores, kl = trainer._shape_scores(rollout)
+    scores, kl = trainer.experience_maker.shape_scores(rollout)
     rewards, _ = core.token_rewards(scores, kl, rollout.response_mask, trainer.args.kl_coef)
     return rewards, rollout.values, rollout.response_mask

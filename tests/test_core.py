@@ -1209,7 +1209,7 @@ def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
     descending ones): at most the one token at the boundary differs, where the two summation orders round apart."""
     from transformers import TopPLogitsWarper
 
-    from trl_ppomax.ppo.experience import NucleusFilter
+    from trl_ppomax.generation import NucleusFilter
 
     gen = torch.Generator().manual_seed(3)
     for scale in (0.5, 2.0, 6.0):
@@ -1227,7 +1227,7 @@ def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
 def test_generated_tokens_penalty_equals_transformers_with_the_prompt_exempt():
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from trl_ppomax.ppo.experience import GeneratedTokensPenalty
+    from trl_ppomax.generation import GeneratedTokensPenalty
 
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(4, 50, generator=gen)

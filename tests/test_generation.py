@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import make_trainer
 
-from trl_ppomax.generation import HFGeneration
-from trl_ppomax.ppo.experience import generate_responses
+from trl_ppomax.generation import HFGeneration, generate_responses
 
 
 def prompts(trainer, texts=("hello how are you", "tell me a story")):

@@ -347,7 +347,7 @@ def test_an_openrlhf_server_scores_the_sequence_the_policy_wrote(openrlhf):
     generated, a BOS in the prompt kept; the scores are the ones OpenRLHF's own client would get."""
     import torch
 
-    from trl_ppomax.ppo.experience import sequence_inputs
+    from trl_ppomax.models import sequence_inputs
 
     tokenizer = openrlhf.tokenizer
     prompts = ["tell me a", "<s> hi how are you", "write a"]
@@ -371,7 +371,7 @@ def test_an_openrlhf_server_scores_the_sequence_the_policy_wrote(openrlhf):
 
 def test_a_chat_prompt_is_sent_as_the_template_rendered_it(openrlhf):
     """For a conversation, the query is the chat template's text as the policy read it, plus its response."""
-    from trl_ppomax.ppo.experience import sequence_inputs
+    from trl_ppomax.models import sequence_inputs
 
     tokenizer = openrlhf.tokenizer
     conversation = [{"role": "user", "content": "tell me a"}]
@@ -420,7 +420,7 @@ def test_ppo_max_trains_on_an_openrlhf_server(openrlhf, tmp_path, monkeypatch):
 
 def test_our_protocol_gets_the_decoded_sequence_as_query_from_the_trainer_path(server):
     """Our own protocol's server gets the same ``query`` (and the texts as before) from the trainer's path."""
-    from trl_ppomax.ppo.experience import sequence_inputs
+    from trl_ppomax.models import sequence_inputs
     from trl_ppomax.toyworld.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -14,8 +14,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
-from trl_ppomax.models import score_position, sequence_scores
-from trl_ppomax.ppo.experience import sequence_inputs
+from trl_ppomax.models import score_position, sequence_inputs, sequence_scores
 from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_tokenizer, model_config, preference_rows
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_ppomax.models import sequence_scores
-from trl_ppomax.ppo.experience import sequence_inputs
+from trl_ppomax.models import sequence_inputs, sequence_scores
 from trl_ppomax.rewards import decode_texts
 from trl_ppomax.toyworld.pipeline import METHODS, eval_prompts, ppo_config, ppo_trainer
 from trl_ppomax.toyworld.world import vocabulary

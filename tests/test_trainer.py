@@ -293,7 +293,7 @@ def test_clipping_disabled_reports_no_clipping(tmp_path):
 def test_sampling_settings_reach_generate(tmp_path):
     from transformers import TemperatureLogitsWarper
 
-    from trl_ppomax.ppo.experience import GeneratedTokensPenalty, NucleusFilter
+    from trl_ppomax.generation import GeneratedTokensPenalty, NucleusFilter
 
     trainer = make_trainer(tmp_path)
     kwargs = trainer.generation.generation_kwargs(prompt_width=7)

@@ -31,19 +31,24 @@ SCORE_HEAD_NAMES = ("score", "classifier")
 class PolicyAndCritic(nn.Module):
     """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both.
 
-    ``forward`` returns the response logits (B, T, V), the values (B, T) and, when ``ptx_inputs`` is given, the
+    ``forward`` returns the response logits (B, T, V), the values (B, T; None without a critic) and, when ``ptx_inputs`` is given, the
     policy's logits on that pre-training batch. trl 1.12's names ``policy`` and ``value_model`` both work."""
 
-    def __init__(self, policy: nn.Module, critic: nn.Module) -> None:
+    def __init__(self, policy: nn.Module, critic: nn.Module | None) -> None:
         super().__init__()
         self.policy = policy
-        self.critic = critic
+        self.critic = critic  # None with a critic-free advantage estimator
+
+    @property
+    def trained(self) -> list[nn.Module]:
+        """The policy, and the critic when there is one."""
+        return [self.policy] + ([self.critic] if self.critic is not None else [])
 
     @property
     def _no_split_modules(self) -> list[str]:
         """The policy's and the critic's layer classes: FSDP's transformer auto-wrap shards layer by layer."""
         names = []
-        for model in (self.policy, self.critic):
+        for model in self.trained:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             names += list(getattr(base, "_no_split_modules", None) or [])
         return list(dict.fromkeys(names))
@@ -55,13 +60,13 @@ class PolicyAndCritic(nn.Module):
 
     def forward(self, inputs: dict, response_width: int, ptx_inputs: dict | None = None):
         logits = response_logits(self.policy, inputs, response_width)
-        values = token_values(self.critic, inputs, response_width)
+        values = token_values(self.critic, inputs, response_width) if self.critic is not None else None
         ptx_logits = self.policy(**ptx_inputs, use_cache=False).logits if ptx_inputs is not None else None
         return logits, values, ptx_logits
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
-        for model in (self.policy, self.critic):
+        for model in self.trained:
             if hasattr(type(model), "activation_checkpointing_enable"):  # transformers ≥ 5.x name
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
@@ -74,7 +79,7 @@ class PolicyAndCritic(nn.Module):
         return bool(getattr(self.policy, name, False))
 
     def gradient_checkpointing_disable(self) -> None:
-        for model in (self.policy, self.critic):
+        for model in self.trained:
             name = "activation_checkpointing_disable"
             getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
 
@@ -362,4 +367,18 @@ def model_identity(wrapper) -> dict:
         "policy": getattr(config, "_name_or_path", None) or None,
         "policy_parameters": _parameter_count(wrapper.policy),
         "critic_parameters": _parameter_count(wrapper.critic),
+    }
+
+
+def sequence_inputs(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` (B, L + T) of query ⊕ response, positions counting real
+    tokens only (correct for left padding)."""
+    attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": torch.cat([query_ids, response_ids], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
     }

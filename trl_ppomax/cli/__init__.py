@@ -548,4 +548,3 @@ def main(argv: list[str] | None = None) -> int:
         return run_training(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
-

@@ -673,15 +673,3 @@ def batch_streams(
     ptx = prepare_text_dataset(ptx_dataset, tokenizer, args.dataset_num_proc, args.ptx_assistant_only)
     right_padded = PromptCollator(tokenizer.pad_token_id, padding_side="right")
     return prompts, batches(ptx, args.per_device_train_batch_size, collate=right_padded)
-
-
-def progress(chunks: list, args, desc: str = "Generating") -> list:
-    """``chunks`` with a progress bar on the local main process when there is more than one and ``disable_tqdm`` is
-    off (long rollouts and evaluations)."""
-    from accelerate import PartialState
-
-    if len(chunks) <= 1 or args.disable_tqdm or not PartialState().is_local_main_process:
-        return chunks
-    from tqdm.auto import tqdm
-
-    return tqdm(chunks, desc=desc, leave=False)

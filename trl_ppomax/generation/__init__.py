@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from trl_ppomax.ppo.experience import generate_responses, generation_kwargs
+from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
 
-__all__ = ["HFGeneration"]
+__all__ = ["HFGeneration", "generate_in_chunks", "generate_responses", "generation_kwargs"]
 
 
 class HFGeneration:
-    """Rollouts by the policy's own ``generate`` (:func:`~trl_ppomax.ppo.experience.generation_kwargs`: the repetition
+    """Rollouts by the policy's own ``generate`` (:func:`generation_kwargs`: the repetition
     penalty on generated tokens only, temperature, top-p, ending at ``stop_token_id``). ``policy``: the unwrapped
     policy the trainer trains (gathered in place under ZeRO-3 while the trainer generates)."""
 
@@ -43,3 +44,104 @@ class HFGeneration:
 
     def pop_metrics(self) -> dict[str, float]:
         return {}
+
+
+def generate_in_chunks(engine, query_ids, query_mask, sampling: bool, n: int, args, pad_token_id: int):
+    """``engine.generate`` on chunks of ``local_rollout_forward_batch_size`` responses (a progress bar when there are
+    several), right-padded to the widest: ``(response_ids, response_mask, sampler_logprobs)`` (B·n, T), row ``i·n + j``
+    the ``j``-th sample of prompt ``i``."""
+    size = max(1, args.local_rollout_forward_batch_size // n)
+    chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
+    samples = [engine.generate(ids, mask, sampling, n) for ids, mask in progress(chunks, args)]
+    responses, mask, sampler = zip(*samples, strict=True)
+    sampler = None if sampler[0] is None else pad_right(sampler, 0.0)
+    return pad_right(responses, pad_token_id), pad_right(mask, 0), sampler
+
+
+def progress(chunks: list, args, desc: str = "Generating") -> list:
+    """``chunks`` with a progress bar on the local main process when there is more than one and ``disable_tqdm`` is
+    off (long rollouts and evaluations)."""
+    from accelerate import PartialState
+
+    if len(chunks) <= 1 or args.disable_tqdm or not PartialState().is_local_main_process:
+        return chunks
+    from tqdm.auto import tqdm
+
+    return tqdm(chunks, desc=desc, leave=False)
+
+
+def pad_right(tensors, value: int | float) -> torch.Tensor:
+    """Concatenate (B_i, T_i) tensors along rows, right-padded with ``value`` to the widest."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
+@torch.no_grad()
+def generate_responses(
+    model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, generation_kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample responses with :func:`generation_kwargs`; returns ``(response_ids, response_mask)``, (B, T), with pad
+    after the stop token (``eos_token_id``).
+
+    Generation ends when every sequence has produced the stop token (or at ``max_new_tokens``).
+    """
+    output = model.generate(input_ids=query_ids, attention_mask=query_mask, **generation_kwargs)
+    responses = output[:, query_ids.shape[1] :]
+    mask = response_mask_from_stop(responses, generation_kwargs["eos_token_id"])
+    return responses.masked_fill(~mask, generation_kwargs["pad_token_id"]), mask
+
+
+class GeneratedTokensPenalty(LogitsProcessor):
+    """CTRL's repetition penalty on the tokens generated so far, the prompt's ``prompt_width`` columns exempt (§6.1 and
+    the release): for each id ``y`` already generated, ``s_y ← s_y·θ`` if ``s_y < 0`` else ``s_y/θ``. In place, on the
+    (B, t) generated ids only: no copy of the (B, V) scores (transformers' processor pads and scatters two)."""
+
+    def __init__(self, penalty: float, prompt_width: int) -> None:
+        self.penalty, self.prompt_width = penalty, prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_width :]
+        if generated.shape[1] == 0:
+            return scores
+        seen = scores.gather(1, generated)
+        return scores.scatter_(1, generated, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+
+
+class NucleusFilter(LogitsProcessor):
+    """Top-p filtering as :func:`~trl_ppomax.ppo.core.nucleus_threshold` defines it: scores below the nucleus set to −∞, in
+    place. Sorts only the ``top_k`` most likely tokens of a row unless its nucleus reaches past them (transformers'
+    ``TopPLogitsWarper`` sorts the whole vocabulary at every step)."""
+
+    def __init__(self, top_p: float, top_k: int | None = 256) -> None:
+        self.top_p, self.top_k = top_p, top_k
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = scores.float().softmax(dim=-1)
+        threshold = nucleus_threshold(probs, self.top_p, self.top_k)
+        return scores.masked_fill_(probs < threshold.unsqueeze(-1), float("-inf"))
+
+
+def generation_kwargs(
+    args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True, prompt_width: int = 0
+) -> dict:
+    """``generate()`` arguments of a rollout: at most ``response_length`` new tokens, ending at the stop token;
+    greedy, or sampled (top-k off) through, in this order, the repetition penalty on the tokens **generated so far**
+    (the prompt, ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated
+    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p.
+    """
+    kwargs = {
+        "max_new_tokens": args.response_length,
+        "eos_token_id": stop_token_id,
+        "pad_token_id": pad_token_id,
+        "do_sample": sampling,
+    }
+    if sampling:
+        processors = []
+        if args.repetition_penalty != 1.0:
+            processors.append(GeneratedTokensPenalty(args.repetition_penalty, prompt_width))
+        if args.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(args.temperature))
+        if args.top_p < 1.0:
+            processors.append(NucleusFilter(args.top_p))
+        kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
+    return kwargs

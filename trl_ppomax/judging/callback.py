@@ -85,7 +85,7 @@ class WinRateCallback(TrainerCallback):
         for policy, sft, weight in zip(scores, self.baseline, weights, strict=True):
             verdict = margin_verdict(policy, sft, self.tie_threshold)
             counts[VERDICTS.index(verdict)] += weight
-        counts = self.trainer._reduce_sum(counts.to(self.trainer.accelerator.device)).cpu()
+        counts = self.trainer.reduce_sum(counts.to(self.trainer.accelerator.device)).cpu()
         shares = (counts[:3] / counts[:3].sum().clamp(min=1e-12)).tolist()
         return dict(zip((M.WIN_RATE_VS_SFT, M.TIE_RATE_VS_SFT, M.LOSE_RATE_VS_SFT), shares, strict=True))
 
@@ -99,7 +99,7 @@ class WinRateCallback(TrainerCallback):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + trainer.accelerator.process_index)
             for start in range(0, len(rows), chunk):
-                rollout = trainer._rollout_rows(self.dataset, rows[start : start + chunk], sampling=True)
+                rollout = trainer.rollout_rows(self.dataset, rows[start : start + chunk], sampling=True)
                 out += self.score_rollout(rollout, rows[start : start + chunk])
         return out
 
@@ -112,5 +112,5 @@ class WinRateCallback(TrainerCallback):
         else:
             prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         answers = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
-        finished = ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer._stop_id).bool().tolist()
+        finished = ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer.stop_id).bool().tolist()
         return self.judge.score(prompts, answers, finished)

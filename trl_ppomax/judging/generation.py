@@ -14,8 +14,8 @@ from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 from trl_ppomax.data import PromptCollator, load_any_dataset, model_context, prepare_prompt_dataset, to_prompt_dataset
+from trl_ppomax.generation import generate_responses, generation_kwargs
 from trl_ppomax.judging.base import ALL, JsonlCache, Pair, prompt_key
-from trl_ppomax.ppo.experience import generate_responses, generation_kwargs
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from trl.trainer.utils import print_prompt_completions_sample
 
-from trl_ppomax.data import rows_of_this_process, split_batch
+from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.checks import prepare_eval_prompts
 from trl_ppomax.reporting.hub import create_model_card
@@ -22,11 +22,10 @@ from trl_ppomax.rewards import decode_texts
 class EvaluationMixin:
     """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
-    The contract with the trainer (besides ``transformers.Trainer``'s own attributes): it calls the trainer's
-    ``rollout(query_ids, query_mask, sampling)`` → :class:`~trl_ppomax.ppo.experience.Rollout` (``sample_and_score`` for
-    sample tables: responses and scores only), ``_shape_scores(rollout)``
-    → (scores, kl), ``_response_metrics(rollout, scores, kl)`` → per-response metrics and ``_reduce_sum``; it reads
-    nothing else of the trainer's and changes nothing but the log and the callbacks' control."""
+    The contract with the trainer (besides ``transformers.Trainer``'s own attributes), its public hooks only:
+    ``rollout_rows(dataset, rows, sampling, scores_only)`` → :class:`~trl_ppomax.ppo.experience.Rollout`,
+    ``experience_maker`` (``shape_scores``, ``response_metrics``) and ``reduce_sum``; it changes nothing but the log
+    and the callbacks' control."""
 
     @torch.no_grad()
     def evaluate(
@@ -61,7 +60,7 @@ class EvaluationMixin:
         with self._own_random_stream():
             totals = self._evaluation_sums(dataset)
         names = list(totals)
-        sums = self._reduce_sum(torch.stack([totals[n] for n in names]))
+        sums = self.reduce_sum(torch.stack([totals[n] for n in names]))
         count = sums[names.index("count")]
         metrics = {
             M.eval_name(n, metric_key_prefix): (v / count).item()
@@ -86,9 +85,11 @@ class EvaluationMixin:
         )
         for start in range(0, len(rows), chunk):
             bar.update(len(rows[start : start + chunk]))
-            rollout = self._rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
+            rollout = self.rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
             weight = torch.tensor(weights[start : start + chunk], device=device)
-            for name, values in self._response_metrics(rollout, *self._shape_scores(rollout)).items():
+            for name, values in self.experience_maker.response_metrics(
+                rollout, *self.experience_maker.shape_scores(rollout)
+            ).items():
                 totals[name] += (values.float() * weight).sum()
             totals["count"] += weight.sum()
         bar.close()
@@ -101,7 +102,7 @@ class EvaluationMixin:
         dataset = self.eval_dataset if isinstance(self.eval_dataset, Dataset) else self.train_dataset
         with self._own_random_stream():
             rows = list(range(min(num_prompts, len(dataset))))
-            rollout = self._rollout_rows(dataset, rows, sampling, scores_only=True)
+            rollout = self.rollout_rows(dataset, rows, sampling, scores_only=True)
         tokenizer = self.processing_class
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
@@ -135,11 +136,3 @@ class EvaluationMixin:
             policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history
         )
         card.save(f"{self.args.output_dir}/README.md")
-
-    def _rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False):
-        """The rollout of ``rows`` of ``dataset``; with ``scores_only``, responses and scores alone
-        (``sample_and_score``)."""
-        batch = self.data_collator([dataset[i] for i in rows])
-        batch, columns = split_batch(batch, self.accelerator.device)  # columns: for the reward functions
-        run = self.sample_and_score if scores_only else self.rollout
-        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)

@@ -1,4 +1,5 @@
-"""Rollouts: generation and the tensors one rollout batch produces.
+"""Rollouts and experience: the tensors one rollout batch produces, and phase 2 of an iteration that turns them into
+training targets (:class:`ExperienceMaker`).
 
 Sequences are laid out as ``[query (left-padded, width L) | response (right-padded, width T)]``; how logits, values
 and scores are read from that layout is in :mod:`trl_ppomax.models`.
@@ -11,11 +12,13 @@ import logging
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
-from trl.trainer.utils import selective_log_softmax
 
-from trl_ppomax.ppo.core import Reduce, nucleus_threshold, response_mask_from_stop, sequence_perplexity
+from trl_ppomax import rewards
+from trl_ppomax.generation import pad_right
+from trl_ppomax.ppo import core
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo.advantages import ESTIMATORS
+from trl_ppomax.ppo.core import Reduce
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +49,6 @@ def take_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor 
     return None if tensor is None else tensor[index]
 
 
-def pad_right(tensors: list[torch.Tensor], value: int | float) -> torch.Tensor:
-    """Concatenate (B_i, T_i) tensors along rows, right-padded with ``value`` to the widest."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
-
-
 def merge_rollouts(parts: list[Rollout], groups: list[torch.Tensor], pad_token_id: int) -> Rollout:
     """One rollout of ``sum(len(g))`` rows from ``parts[i]`` holding rows ``groups[i]`` (micro-batches, possibly
     reordered by length), response-width fields right-padded to the widest part."""
@@ -68,62 +65,6 @@ def merge_rollouts(parts: list[Rollout], groups: list[torch.Tensor], pad_token_i
     return Rollout(**{f.name: merge(f.name) for f in fields(Rollout)})
 
 
-def token_budget_batches(
-    query_lengths: torch.Tensor, response_lengths: torch.Tensor, budget: int
-) -> list[torch.Tensor]:
-    """Row indices packed into micro-batches of at most ``budget`` padded tokens, rows × (longest prompt + longest
-    response): rows sorted by total length, longest first, each batch filled greedily; a row over the budget goes
-    alone. Neighbours in length share a batch, so little padding is computed."""
-    queries, responses = query_lengths.tolist(), response_lengths.tolist()
-    order = sorted(range(len(queries)), key=lambda i: -(queries[i] + responses[i]))
-    batches: list[list[int]] = []
-    longest = (0, 0)
-    for i in order:
-        grown = (max(longest[0], queries[i]), max(longest[1], responses[i]))
-        if batches and (len(batches[-1]) + 1) * sum(grown) <= budget:
-            batches[-1].append(i)
-            longest = grown
-        else:
-            batches.append([i])
-            longest = (queries[i], responses[i])
-    return [torch.tensor(batch, dtype=torch.long, device=query_lengths.device) for batch in batches]
-
-
-def trim_query_padding(query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, L) without the columns that are padding in every row."""
-    width = max(int(query_mask.sum(1).max()), 1)
-    return query_ids[:, -width:], query_mask[:, -width:]
-
-
-def sequence_inputs(
-    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` (B, L + T) of query ⊕ response, positions counting real
-    tokens only (correct for left padding)."""
-    attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    return {
-        "input_ids": torch.cat([query_ids, response_ids], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-    }
-
-
-@torch.no_grad()
-def generate_responses(
-    model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, generation_kwargs: dict
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample responses with :func:`generation_kwargs`; returns ``(response_ids, response_mask)``, (B, T), with pad
-    after the stop token (``eos_token_id``).
-
-    Generation ends when every sequence has produced the stop token (or at ``max_new_tokens``).
-    """
-    output = model.generate(input_ids=query_ids, attention_mask=query_mask, **generation_kwargs)
-    responses = output[:, query_ids.shape[1] :]
-    mask = response_mask_from_stop(responses, generation_kwargs["eos_token_id"])
-    return responses.masked_fill(~mask, generation_kwargs["pad_token_id"]), mask
-
-
 @dataclass
 class Experience:
     """Training targets of one rollout batch (per process), computed once before the PPO epochs."""
@@ -133,73 +74,6 @@ class Experience:
     advantages: torch.Tensor  # (B, T) normalised / clipped over the batch (raw when normalised per minibatch)
     returns: torch.Tensor  # (B, T)
     raw_advantages: torch.Tensor  # (B, T) GAE advantages before normalisation
-
-
-class GeneratedTokensPenalty(LogitsProcessor):
-    """CTRL's repetition penalty on the tokens generated so far, the prompt's ``prompt_width`` columns exempt (§6.1 and
-    the release): for each id ``y`` already generated, ``s_y ← s_y·θ`` if ``s_y < 0`` else ``s_y/θ``. In place, on the
-    (B, t) generated ids only: no copy of the (B, V) scores (transformers' processor pads and scatters two)."""
-
-    def __init__(self, penalty: float, prompt_width: int) -> None:
-        self.penalty, self.prompt_width = penalty, prompt_width
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_width :]
-        if generated.shape[1] == 0:
-            return scores
-        seen = scores.gather(1, generated)
-        return scores.scatter_(1, generated, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
-
-
-class NucleusFilter(LogitsProcessor):
-    """Top-p filtering as :func:`~trl_ppomax.ppo.core.nucleus_threshold` defines it: scores below the nucleus set to −∞, in
-    place. Sorts only the ``top_k`` most likely tokens of a row unless its nucleus reaches past them (transformers'
-    ``TopPLogitsWarper`` sorts the whole vocabulary at every step)."""
-
-    def __init__(self, top_p: float, top_k: int | None = 256) -> None:
-        self.top_p, self.top_k = top_p, top_k
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.float().softmax(dim=-1)
-        threshold = nucleus_threshold(probs, self.top_p, self.top_k)
-        return scores.masked_fill_(probs < threshold.unsqueeze(-1), float("-inf"))
-
-
-def generation_kwargs(
-    args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True, prompt_width: int = 0
-) -> dict:
-    """``generate()`` arguments of a rollout: at most ``response_length`` new tokens, ending at the stop token;
-    greedy, or sampled (top-k off) through, in this order, the repetition penalty on the tokens **generated so far**
-    (the prompt, ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated
-    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p.
-    """
-    kwargs = {
-        "max_new_tokens": args.response_length,
-        "eos_token_id": stop_token_id,
-        "pad_token_id": pad_token_id,
-        "do_sample": sampling,
-    }
-    if sampling:
-        processors = []
-        if args.repetition_penalty != 1.0:
-            processors.append(GeneratedTokensPenalty(args.repetition_penalty, prompt_width))
-        if args.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(args.temperature))
-        if args.top_p < 1.0:
-            processors.append(NucleusFilter(args.top_p))
-        kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
-    return kwargs
-
-
-def logprobs_and_perplexity(
-    logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked log-probs (B, T) of ``responses`` at ``temperature`` (:func:`core.logprobs_from_logits`) and the
-    perplexity (B,) at temperature 1, with trl's fused (GPU) or row-wise ``selective_log_softmax``; one pass when
-    ``temperature`` is 1."""
-    logprobs = selective_log_softmax(logits, responses, temperature=temperature)
-    at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
-    return logprobs * mask, sequence_perplexity(at_one, mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -247,3 +121,119 @@ def kept_gather(keep: torch.Tensor, gather: Reduce) -> Reduce:
         return both[both[:, 1] > 0, 0]
 
     return gather_kept
+
+
+def process_sum(accelerator) -> Reduce:
+    """Sum of a tensor over every process (the tensor itself on one)."""
+    if accelerator.num_processes == 1:
+        return lambda tensor: tensor
+    return lambda tensor: accelerator.reduce(tensor, reduction="sum")
+
+
+class ExperienceMaker:
+    """Phase 2, rewards and advantages (§5.3): the scores normalised and clipped with the running moments
+    (``ppo_state.running_reward``), the token-level KL penalty, the ``advantage_estimator``'s advantages and returns
+    (:mod:`~trl_ppomax.ppo.advantages`), whitened over the batch, and the rollout's metrics. ``rollout_metrics``: the
+    user's per-response measurements; ``stop_id``: the token the length metrics look for."""
+
+    def __init__(self, args, ppo_state, accelerator, tokenizer, reward_sources, rollout_metrics, stop_id) -> None:
+        self.args, self.ppo_state, self.gather = args, ppo_state, accelerator.gather
+        self.reduce = process_sum(accelerator)
+        self.reward_sources, self.tokenizer = reward_sources, tokenizer
+        self.rollout_metrics, self.stop_id = rollout_metrics, stop_id
+
+    def make(self, rollout: Rollout, step: int) -> tuple[Experience | None, dict[str, float], str | None]:
+        """The experience of ``rollout`` at iteration ``step + 1``: samples with a non-finite score are masked out
+        (:func:`drop_non_finite`). Returns ``(experience, metrics, None)``, or ``(None, {}, why)`` on every process
+        when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
+        rollout, keep, dropped, problem = drop_non_finite(rollout, self.reduce)
+        self.ppo_state.counters[M.SKIPPED_SAMPLES] += dropped
+        if problem:
+            return None, {}, problem
+        moments = self.ppo_state.running_reward
+        before = moments.state_dict()  # restored if the batch is skipped below
+        if not self._moments_frozen(step):
+            moments.update(self.winsorized(rollout.scores, keep)[keep], reduce=self.reduce)
+        scores, kl = self.shape_scores(rollout)
+        estimate = self._estimate(rollout, scores, kl)
+        normalised = estimate.advantages
+        if self.args.advantage_whitening_scope == "batch":  # else per minibatch, in the update
+            normalised = self.whitened(estimate.advantages, rollout.response_mask)
+        if not self._all_finite(normalised, estimate.returns):
+            moments.load_state_dict(before)
+            return None, {}, "non-finite advantages or returns"
+        old = rollout.ref_logprobs if self.args.importance_sampling == "reference" else rollout.logprobs
+        experience = Experience(rollout, old, normalised, estimate.returns, raw_advantages=estimate.advantages)
+        return experience, self._metrics(rollout, keep, scores, kl, estimate), None
+
+    def shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
+        ``reward_winsorize``), and the per-token KL (B, T)."""
+        args, moments = self.args, self.ppo_state.running_reward
+        raw = self.winsorized(rollout.scores)
+        scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
+        return scores, kl
+
+    def winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The raw scores (B,), with ``reward_winsorize`` k clipped to μ ± k·σ of the moments; while those are empty,
+        to the kept batch's median ± k·1.4826·MAD over every process when ``keep`` is given (the batch that seeds
+        them), else left as they are."""
+        moments, k = self.ppo_state.running_reward, self.args.reward_winsorize
+        if k is None:
+            return scores
+        if moments.count > 1:
+            return core.winsorize(scores, moments.mean, moments.std, k)
+        if keep is None:
+            return scores
+        center, scale = core.robust_location_scale(kept_gather(keep, self.gather)(scores))
+        return core.winsorize(scores, center, scale, k)
+
+    def whitened(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Advantages whitened (``whiten_advantages``) and clipped (``advantage_clip``) over every process's rows."""
+        return core.normalize_advantages(
+            advantages, mask, self.args.whiten_advantages, self.args.advantage_clip, self.reduce
+        )
+
+    def response_metrics(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-response monitoring values (B,): the user's ``rollout_metrics`` and :data:`metrics.PER_RESPONSE`."""
+        return {
+            **rewards.text_metrics(self.rollout_metrics, self.tokenizer, rollout),
+            **self.reward_sources.metrics(rollout.source_scores),
+            **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self.stop_id),
+        }
+
+    def _moments_frozen(self, step: int) -> bool:
+        """With ``reward_norm_freeze``: the moments stop learning after the first ``max(critic_warmup_steps, 1)``
+        iterations, whose samples come from the starting policy."""
+        return bool(self.args.reward_norm_freeze) and step >= max(self.args.critic_warmup_steps, 1)
+
+    def _estimate(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor):
+        """Token rewards (the score on the last token, −β·KL on every token; whitened with ``whiten_rewards``) and
+        the ``advantage_estimator``'s estimate from them."""
+        args, mask = self.args, rollout.response_mask
+        token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
+        if args.whiten_rewards:
+            token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=self.reduce)
+        return ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
+
+    def _metrics(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
+        """The kept samples' per-response metrics averaged over every process, and the batch's."""
+        per_response = self.response_metrics(rollout.select(keep), scores[keep], kl[keep])
+        metrics = {name: M.global_mean(value, self.reduce) for name, value in per_response.items()}
+        moments, gather = self.ppo_state.running_reward, kept_gather(keep, self.gather)
+        metrics.update(M.batch_metrics(rollout, estimate.advantages, estimate.returns, moments, self.reduce, gather))
+        if isinstance(estimate.lam_policy, torch.Tensor):
+            metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], self.reduce)
+        if self.args.num_samples_per_prompt > 1:
+            n = self.args.num_samples_per_prompt
+            metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, self.reduce)
+        if self.args.reward_winsorize is not None:
+            clipped = self.winsorized(rollout.scores) != rollout.scores
+            metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], self.reduce)
+        return metrics
+
+    def _all_finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether every tensor is finite on every process (one reduction)."""
+        bad = sum((~torch.isfinite(t)).sum() for t in tensors).float()
+        return self.reduce(bad.reshape(1)).item() == 0

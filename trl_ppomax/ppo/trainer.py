@@ -9,7 +9,6 @@ minibatches × gradient accumulation) → log. The maths lives in :mod:`trl_ppom
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -22,32 +21,18 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
-from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
-from trl_ppomax import data, rewards
-from trl_ppomax import models as modeling
-from trl_ppomax.generation import HFGeneration
+from trl_ppomax import data, models, rewards
+from trl_ppomax.generation import HFGeneration, generate_in_chunks
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.models import PolicyAndCritic
-from trl_ppomax.ppo import checks, core, optim
+from trl_ppomax.ppo import batching, checks, optim, update
 from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.advantages import ESTIMATORS
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin
-from trl_ppomax.ppo.experience import (
-    Experience,
-    Rollout,
-    drop_non_finite,
-    kept_gather,
-    logprobs_and_perplexity,
-    merge_rollouts,
-    pad_right,
-    sequence_inputs,
-    take_rows,
-    token_budget_batches,
-    trim_query_padding,
-)
+from trl_ppomax.ppo.experience import Experience, ExperienceMaker, Rollout, process_sum
+from trl_ppomax.ppo.scoring import Scorer
 from trl_ppomax.ppo.state import PPOState
 from trl_ppomax.reporting.hub import TAGS
 from trl_ppomax.reporting.plotting import DynamicsFigureCallback
@@ -98,20 +83,20 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         reward_processing_classes: list | None = None,
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
-        models = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
+        passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Checks that fail before anything expensive, naming the argument and the fix; paths are loaded (checks.py)
         processing_class, model, ref_model, reward_model, value_model = checks.check_inputs(
-            args, processing_class, models, train_dataset, eval_dataset, ptx_dataset, peft_config
+            args, processing_class, passed, train_dataset, eval_dataset, ptx_dataset, peft_config
         )
         self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         # missing_eos_penalty punishes the absence of the stop token, or of eos when none is configured
-        self._stop_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
+        self.stop_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
         self.reward_sources = rewards.RewardSources(reward_model, reward_processing_classes, args.reward_weights)
         reward_model = self.reward_model = self.reward_sources.critic_source(value_model)
-        policy, self.ref_model, critic = modeling.build_models(
+        policy, self.ref_model, critic = models.build_models(
             args, model, ref_model, reward_model, value_model, peft_config
         )
-        self.is_peft_model = modeling.is_peft(policy)
+        self.is_peft_model = models.is_peft(policy)
         # The models the user passed, by argument name: a reference or critic copied for None is not theirs to blame
         built = dict(policy=policy, ref_model=self.ref_model if ref_model is not None else None)
         built.update(
@@ -122,7 +107,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         )
         args.set_run_length(len(train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
         self.ptx_dataset = ptx_dataset
-        self.rollout_metrics = dict(rollout_metrics or {})
 
         super().__init__(
             model=PolicyAndCritic(policy, critic),
@@ -134,6 +118,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        self.reduce_sum = process_sum(self.accelerator)  # a tensor summed over every process
         # The training-dynamics figure to the trackers; the live callback list says where TensorBoard writes
         self.add_callback(DynamicsFigureCallback(self.callback_handler.callbacks))
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
@@ -141,17 +126,31 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
-        # The rollout's first half, generation (generation.py): the policy's generate, or vLLM (vllm_engine.py)
+        # The rollout's first half, generation: the policy's generate, or vLLM (generation/)
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         if args.use_vllm:
             self.generation = VLLMEngine(args, self.accelerator, policy, processing_class, self.stop_token_id)
         else:
             self.generation = HFGeneration(policy, args, self.stop_token_id, processing_class.pad_token_id)
+        # Its second half, scoring, then the experience phase (scoring.py, experience.py)
+        scoring = (args, self.accelerator, processing_class, self.reward_sources)
+        self.scorer = Scorer(*scoring, self.ref_model, self.generation, self.stop_id)
+        metrics = dict(rollout_metrics or {})
+        self.experience_maker = ExperienceMaker(args, self.ppo_state, *scoring[1:], metrics, self.stop_id)
 
     @property
     def vllm(self) -> VLLMEngine | None:
         """The vLLM engine when ``use_vllm=True`` (the generation engine then), else None."""
         return self.generation if isinstance(self.generation, VLLMEngine) else None
+
+    @property
+    def rollout_metrics(self) -> dict[str, rewards.RewardFunction]:
+        """The extra per-response measurements logged each rollout and evaluation (settable)."""
+        return self.experience_maker.rollout_metrics
+
+    @rollout_metrics.setter
+    def rollout_metrics(self, value: dict[str, rewards.RewardFunction]) -> None:
+        self.experience_maker.rollout_metrics = dict(value)
 
     @property
     def total_episodes(self) -> int:
@@ -179,8 +178,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         if isinstance(self.ref_model, nn.Module):
-            self.ref_model = modeling.prepare_frozen(self.ref_model, self.accelerator)
-        self.reward_sources.prepare(lambda module: modeling.prepare_frozen(module, self.accelerator))
+            self.ref_model = models.prepare_frozen(self.ref_model, self.accelerator)
+        self.reward_sources.prepare(lambda module: models.prepare_frozen(module, self.accelerator))
         self.prompt_batches, self.ptx_batches = data.batch_streams(
             self.train_dataset,
             self.ptx_dataset,
@@ -309,214 +308,58 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Phase 1: rollout
+    # Phase 1: rollout = generate → score
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
     ) -> Rollout:
-        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded prompt,
-        in chunks of ``local_rollout_forward_batch_size`` responses, then run the no-grad forwards in micro-batches
-        (:meth:`_forward_groups`): the policy's and reference's log-probs, with only the policy gathered under ZeRO-3
-        (the critic stays sharded), then the critic's values and the rewards (given the dataset's other ``columns``
-        of these prompts, lists). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
-        n, pad_id = samples_per_prompt, self.processing_class.pad_token_id
-        size = max(1, self.args.local_rollout_forward_batch_size // n)
-        chunks = [(query_ids[i : i + size], query_mask[i : i + size]) for i in range(0, len(query_ids), size)]
-        query_ids, query_mask = query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0)
-        columns = data.repeat_rows(columns, n)
+        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded prompt
+        with the generation engine, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`: policy and reference
+        log-probs with only the policy gathered under ZeRO-3, then the critic's values and the rewards, given the
+        dataset's other ``columns`` of these prompts). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
+        n, args = samples_per_prompt, self.args
         self.model.eval()
-        with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
-            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                samples = [self.generation.generate(i, m, sampling, n) for i, m in data.progress(chunks, self.args)]
-                responses, mask, sampler = zip(*samples, strict=True)
-                responses, mask = pad_right(responses, pad_id), pad_right(mask, 0)
-                sampler = None if sampler[0] is None else pad_right(sampler, 0.0)
-                groups, count = self._forward_groups(query_mask, mask)
-                padded = groups + [groups[0][:1]] * (count - len(groups))  # as many forwards as other processes
-                generated = [
-                    self._logprobs(wrapper, query_ids[g], query_mask[g], responses[g], mask[g], take_rows(sampler, g))
-                    for g in padded
-                ]
+        with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
+            with models.policy_for_generation(self.model_wrapped, self.accelerator, args) as wrapper:
+                pad_id = self.processing_class.pad_token_id
+                generated = generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
+                queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
+                parts, real = self.scorer.log_probs(wrapper, *queries, *generated)
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
-            parts = [
-                self._score(critic, fields, data.rows_of(columns, g.tolist()))
-                for g, fields in zip(padded, generated, strict=True)
-            ]
+            rollout = self.scorer.values_and_rewards(critic, parts, real, data.repeat_rows(columns, n))
         self.model.train()
-        return merge_rollouts(parts[: len(groups)], groups, pad_id)
+        return rollout
 
     @torch.no_grad()
     def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
         """Responses to left-padded prompts and their scores (after the missing-stop-token penalty), for sample tables:
-        a :class:`Rollout` without the log-prob and value forwards of :meth:`rollout` (those fields are empty)."""
+        a :class:`Rollout` without the log-prob and value forwards of :meth:`rollout` (those fields are None)."""
         self.model.eval()
-        with modeling.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
-            with modeling.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
+        with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
+            with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
                 responses, mask, _ = self.generation.generate(query_ids, query_mask, sampling, 1)
-            inputs = sequence_inputs(query_ids, query_mask, responses, mask)
-            scores, _ = self.reward_sources.score(self.processing_class, inputs, query_mask, mask, columns)
+            rollout = self.scorer.sample_scores(query_ids, query_mask, responses, mask, columns)
         self.model.train()
-        scores = rewards.apply_missing_eos_penalty(
-            scores, responses, mask, self._stop_id, self.args.missing_eos_penalty
-        )
-        unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
-        return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
+        return rollout
 
-    def _forward_groups(self, query_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[torch.Tensor], int]:
-        """Row indices of the no-grad forward micro-batches, and how many forwards every process runs: packed under
-        ``max_tokens_per_microbatch`` (:meth:`_token_budget_groups`), else consecutive
-        ``local_rollout_forward_batch_size`` rows."""
-        if self.args.max_tokens_per_microbatch is not None:
-            return self._token_budget_groups(query_mask, response_mask)
-        rows = torch.arange(len(query_mask), device=query_mask.device)
-        groups = list(rows.split(self.args.local_rollout_forward_batch_size))
-        return groups, len(groups)
-
-    def _logprobs(self, wrapper: PolicyAndCritic, query_ids, query_mask, responses, mask, sampler_logprobs) -> dict:
-        """The policy's and reference's log-probs and perplexities of one micro-batch: Rollout fields (the prompts as
-        given, the responses trimmed to the longest)."""
-        width = max(int(mask.sum(1).max()), 1)
-        responses, mask = responses[:, :width], mask[:, :width]
-        inputs = sequence_inputs(*self._forward_queries(query_ids, query_mask), responses, mask)
-        temperature = self.args.effective_logprob_temperature
-        policy_logits = modeling.response_logits(wrapper.policy, inputs, width)
-        logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
-        weights = (  # vLLM sampled: the gap to the HF forward, corrected when configured
-            None
-            if sampler_logprobs is None
-            else self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
-        )
-        with modeling.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
-            ref_logits = modeling.response_logits(reference, inputs, width)
-            ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
-        return dict(
-            query_ids=query_ids,
-            query_mask=query_mask,
-            response_ids=responses,
-            response_mask=mask,
-            logprobs=logprobs,
-            ref_logprobs=ref_logprobs,
-            policy_perplexity=policy_perplexity,
-            ref_perplexity=ref_perplexity,
-            sampling_weights=weights,
-        )
-
-    def _forward_queries(self, query_ids, query_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch's prompts as its forwards see them: under a token budget, without their all-padding columns."""
-        if self.args.max_tokens_per_microbatch is None:
-            return query_ids, query_mask
-        return trim_query_padding(query_ids, query_mask)
-
-    def _score(self, critic: nn.Module, fields: dict, columns: dict) -> Rollout:
-        """A generated chunk with the critic's values and its rewards (minus the missing-stop-token penalty)."""
-        responses, mask = fields["response_ids"], fields["response_mask"]
-        query_ids, query_mask = self._forward_queries(fields["query_ids"], fields["query_mask"])
-        inputs = sequence_inputs(query_ids, query_mask, responses, mask)
-        tokenizer, penalty = self.processing_class, self.args.missing_eos_penalty
-        scores, source_scores = self.reward_sources.score(tokenizer, inputs, query_mask, mask, columns)
-        return Rollout(
-            **fields,
-            source_scores=source_scores,
-            values=modeling.token_values(critic, inputs, mask.shape[1]) * mask,
-            scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self._stop_id, penalty),
-        )
+    def rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False) -> Rollout:
+        """The rollout of ``rows`` of a prepared prompt ``dataset`` (evaluation, win-rate callbacks); with
+        ``scores_only``, responses and scores alone (:meth:`sample_and_score`)."""
+        batch = self.data_collator([dataset[i] for i in rows])
+        batch, columns = data.split_batch(batch, self.accelerator.device)  # columns: for the reward functions
+        run = self.sample_and_score if scores_only else self.rollout
+        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 2: rewards and advantages
     # ------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float], str | None]:
-        """Shape rewards (normalise + clip, token KL) and estimate advantages and returns (§5.3; ``advantage_estimator``,
-        :mod:`~trl_ppomax.ppo.advantages`); samples with a non-finite score are masked out
-        (:func:`rollout.drop_non_finite`). Returns ``(experience, metrics, None)``, or ``(None, {}, why)`` on every
-        process when none is left or a number is non-finite: such a batch leaves the moments unchanged."""
-        rollout, keep, dropped, problem = drop_non_finite(rollout, self._reduce_sum)
-        args, mask, reduce, moments = self.args, rollout.response_mask, self._reduce_sum, self.ppo_state.running_reward
-        self.ppo_state.counters[M.SKIPPED_SAMPLES] += dropped
-        if problem:
-            return None, {}, problem
-        before = moments.state_dict()  # restored if the batch is skipped below
-        if not self._reward_moments_frozen():
-            moments.update(self._winsorized(rollout.scores, keep)[keep], reduce=reduce)
-        scores, kl = self._shape_scores(rollout)
-        token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
-        if args.whiten_rewards:
-            token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=reduce)
-        estimate = ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
-        advantages, returns = estimate.advantages, estimate.returns
-        normalised = advantages
-        if args.advantage_whitening_scope == "batch":  # else per minibatch, in ppo_update
-            normalised = core.normalize_advantages(
-                advantages, mask, args.whiten_advantages, args.advantage_clip, reduce
-            )
-        if not self._all_finite(normalised, returns):
-            moments.load_state_dict(before)
-            return None, {}, "non-finite advantages or returns"
-        old = rollout.ref_logprobs if args.importance_sampling == "reference" else rollout.logprobs
-        experience = Experience(rollout, old, advantages=normalised, returns=returns, raw_advantages=advantages)
-        metrics = self._rollout_metrics(rollout, keep, scores, kl, advantages, returns)
-        if isinstance(estimate.lam_policy, torch.Tensor):
-            metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], reduce)
-        if args.num_samples_per_prompt > 1:
-            n = args.num_samples_per_prompt
-            metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, reduce)
-        if args.reward_winsorize is not None:
-            clipped = self._winsorized(rollout.scores) != rollout.scores
-            metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], reduce)
-        return experience, metrics, None
-
-    def _reward_moments_frozen(self) -> bool:
-        """With ``reward_norm_freeze``: the moments stop learning after the first ``max(critic_warmup_steps, 1)``
-        iterations, whose samples come from the starting policy."""
-        seeding = max(self.args.critic_warmup_steps, 1)
-        return bool(self.args.reward_norm_freeze) and self.state.global_step >= seeding
-
-    def _winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """The raw scores (B,), with ``reward_winsorize`` k clipped to μ ± k·σ of the moments; while those are empty,
-        to the kept batch's median ± k·1.4826·MAD over every process when ``keep`` is given (the batch that seeds
-        them), else left as they are."""
-        moments, k = self.ppo_state.running_reward, self.args.reward_winsorize
-        if k is None:
-            return scores
-        if moments.count > 1:
-            return core.winsorize(scores, moments.mean, moments.std, k)
-        if keep is None:
-            return scores
-        center, scale = core.robust_location_scale(kept_gather(keep, self.accelerator.gather)(scores))
-        return core.winsorize(scores, center, scale, k)
-
-    def _shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
-        ``reward_winsorize``), and the per-token KL (B, T)."""
-        args, moments = self.args, self.ppo_state.running_reward
-        raw = self._winsorized(rollout.scores)
-        scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
-        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
-        return scores, kl
-
-    def _response_metrics(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-response monitoring values (B,): the user's ``rollout_metrics`` and :data:`metrics.PER_RESPONSE`."""
-        return {
-            **rewards.text_metrics(self.rollout_metrics, self.processing_class, rollout),
-            **self.reward_sources.metrics(rollout.source_scores),
-            **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self._stop_id),
-        }
-
-    def _rollout_metrics(self, rollout, keep, scores, kl, advantages, returns) -> dict[str, float]:
-        per_response = self._response_metrics(rollout.select(keep), scores[keep], kl[keep])  # the kept samples only
-        metrics = {name: M.global_mean(value, self._reduce_sum) for name, value in per_response.items()}
-        gather = kept_gather(keep, self.accelerator.gather)
-        batch = M.batch_metrics(rollout, advantages, returns, self.ppo_state.running_reward, self._reduce_sum, gather)
-        return {**metrics, **batch}
-
-    def _all_finite(self, *tensors: torch.Tensor) -> bool:
-        """Whether every tensor is finite on every process (one reduction)."""
-        bad = sum((~torch.isfinite(t)).sum() for t in tensors).float()
-        return self._reduce_sum(bad.reshape(1)).item() == 0
-
-    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
+        """Shape rewards (normalise + clip, token KL) and estimate advantages and returns (§5.3;
+        ``advantage_estimator``) with :class:`~trl_ppomax.ppo.experience.ExperienceMaker`. Returns ``(experience,
+        metrics, None)``, or ``(None, {}, why)`` on every process when the batch must be skipped."""
+        return self.experience_maker.make(rollout, self.state.global_step)
 
     # ------------------------------------------------------------------------------------------------------------
     # Phase 3: PPO update
@@ -524,67 +367,50 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def ppo_update(self, experience: Experience, critic_only: bool = False) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over its
         micro-batches (:meth:`accumulate_gradients`). ``critic_only`` trains the critic alone (§5.3.3)."""
-        args = self.args
-        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=experience.advantages.device)
-            for minibatch in order.split(args.local_mini_batch_size):
-                step_experience = self._minibatch_advantages(experience, minibatch)
-                # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
-                log_entropy = epoch == 0 or args.entropy_coef > 0
-                for micro_stats in self.accumulate_gradients(step_experience, minibatch, critic_only, log_entropy):
-                    for name, value in micro_stats.items():
-                        stats[name].append(value)
-                for name, value in self._optimizer_step(critic_only).items():
+        args, stats = self.args, defaultdict(list)
+        for epoch, minibatch in update.minibatches(args, experience.advantages.device):
+            step_experience = experience
+            if args.advantage_whitening_scope == "minibatch":
+                step_experience = update.whitened_per_minibatch(experience, minibatch, self.experience_maker.whitened)
+            # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
+            log_entropy = epoch == 0 or args.entropy_coef > 0
+            micro_stats = self.accumulate_gradients(step_experience, minibatch, critic_only, log_entropy)
+            for step_stats in [*micro_stats, self._optimizer_step(critic_only)]:
+                for name, value in step_stats.items():
                     stats[name].append(value)
-        means = torch.stack([torch.stack(values).float().nanmean() for values in stats.values()])
-        means = self.accelerator.reduce(means, reduction="mean") if self.accelerator.num_processes > 1 else means
-        return dict(zip(stats.keys(), means.tolist(), strict=True))
+        return update.mean_stats(stats, self.accelerator)
 
     def accumulate_gradients(
         self, experience: Experience, minibatch: torch.Tensor, critic_only: bool, log_entropy: bool = True
     ) -> list[dict[str, torch.Tensor]]:
-        """Forward and backward of one minibatch's micro-batches (``accelerator.accumulate``; gradients synchronised at
-        the last): ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_microbatch`` with the
-        row split's per-token loss weights (:meth:`_packed_micro_batches`), which leaves the gradients unchanged.
+        """Forward and backward of one minibatch's micro-batches
+        (:func:`~trl_ppomax.ppo.batching.update_micro_batches`: ``per_device_train_batch_size`` rows, or packed under
+        ``max_tokens_per_microbatch`` with the row split's loss weights, which leaves the gradients unchanged).
         Returns each micro-batch's stats."""
-        if self.args.max_tokens_per_microbatch is None:
-            micro_batches = [(micro, None) for micro in minibatch.split(self.args.per_device_train_batch_size)]
-        else:
-            micro_batches = self._packed_micro_batches(experience, minibatch)
-        accelerator, stats = self.accelerator, []
-        accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0  # sync after the last
-        for index, loss_weights in micro_batches:
-            with accelerator.accumulate(self.model_wrapped):
-                loss, micro_stats = self.micro_batch_loss(experience, index, critic_only, loss_weights, log_entropy)
-                accelerator.backward(loss)  # divides by gradient_accumulation_steps
-            stats.append(micro_stats)
-        accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
-        return stats
+        engine_divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else None
+        micro_batches = batching.update_micro_batches(
+            experience.rollout, minibatch, self.args, self.accelerator, engine_divisor
+        )
 
-    def _packed_micro_batches(self, experience: Experience, minibatch: torch.Tensor) -> list:
-        """``(rows, loss weights)`` of the minibatch packed by length under ``max_tokens_per_microbatch``
-        (:func:`~trl_ppomax.ppo.experience.token_budget_batches`), the weights :func:`core.row_split_loss_weights` times the
-        divisor ``backward`` applies. Every process gets as many micro-batches as the one with most (ZeRO reduces at
-        every micro-step): the others repeat a row with zero weight."""
-        rollout = experience.rollout
-        mask = rollout.response_mask[minibatch]
-        groups, count = self._token_budget_groups(rollout.query_mask[minibatch], mask)
-        weights = core.row_split_loss_weights(mask, self.args.per_device_train_batch_size).float()
-        engine_divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else count
-        micro_batches = [(minibatch[g], weights[g] * engine_divisor) for g in groups]
-        idle = (minibatch[:1], torch.zeros_like(weights[:1]))
-        return micro_batches + [idle] * (count - len(groups))
+        def loss_of(rows, loss_weights):
+            return self.micro_batch_loss(experience, rows, critic_only, loss_weights, log_entropy)
 
-    def _token_budget_groups(self, query_mask, response_mask) -> tuple[list[torch.Tensor], int]:
-        """The rows packed under ``max_tokens_per_microbatch`` (:func:`~trl_ppomax.ppo.experience.token_budget_batches`), and
-        the most packs any process has: every process must run as many forwards (ZeRO-3 gathers parameters in each)
-        and backwards (ZeRO reduces gradients at every micro-step)."""
-        budget = self.args.max_tokens_per_microbatch
-        groups = token_budget_batches(query_mask.sum(1), response_mask.sum(1), budget)
-        if self.accelerator.num_processes == 1:
-            return groups, len(groups)
-        return groups, int(self.accelerator.gather(torch.tensor([len(groups)], device=query_mask.device)).max())
+        steps = self.args.gradient_accumulation_steps
+        return update.accumulate(micro_batches, loss_of, self.model_wrapped, self.accelerator, steps)
+
+    def micro_batch_loss(
+        self,
+        experience: Experience,
+        index: torch.Tensor,
+        critic_only: bool,
+        loss_weights: torch.Tensor | None = None,
+        log_entropy: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO-max loss of micro-batch ``index`` (:func:`~trl_ppomax.ppo.update.micro_batch_loss`), with the next
+        pre-training batch when ``ptx_coef > 0``."""
+        ptx = self._next_ptx_batch() if self.ptx_batches is not None else None
+        model, args = self.model_wrapped, self.args
+        return update.micro_batch_loss(model, experience, index, critic_only, args, ptx, loss_weights, log_entropy)
 
     def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
         """:func:`optim.optimizer_step`; a step skipped for a non-finite gradient is counted and logged."""
@@ -595,87 +421,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self.ppo_state.counters[M.SKIPPED_UPDATES] += 1
             logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
         return stats or {}
-
-    def _minibatch_advantages(self, experience: Experience, minibatch: torch.Tensor) -> Experience:
-        """With ``advantage_whitening_scope="minibatch"`` (§5.3.1): the minibatch's rows of the advantages whitened
-        (and clipped) over the minibatch of every process; else ``experience`` as it is."""
-        args = self.args
-        if args.advantage_whitening_scope != "minibatch":
-            return experience
-        mask, raw = experience.rollout.response_mask[minibatch], experience.raw_advantages[minibatch]
-        advantages = experience.advantages.clone()
-        advantages[minibatch] = core.normalize_advantages(
-            raw, mask, args.whiten_advantages, args.advantage_clip, self._reduce_sum
-        )
-        return dataclasses.replace(experience, advantages=advantages)
-
-    def micro_batch_loss(
-        self,
-        experience: Experience,
-        index: torch.Tensor,
-        critic_only: bool,
-        loss_weights: torch.Tensor | None = None,
-        log_entropy: bool = True,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO-max loss of one micro-batch: clipped policy loss + vf_coef·clipped value loss (+ entropy, + ptx); token
-        means, or sums with ``loss_weights`` (B, T). The entropy (a pass over the vocabulary) is computed when it
-        trains or ``log_entropy``."""
-        args = self.args
-        rollout = experience.rollout.select(index)
-        width = max(int(rollout.response_mask.sum(1).max()), 1)  # trim padding to this micro-batch's longest
-        mask = rollout.response_mask[:, :width]
-        responses = rollout.response_ids[:, :width]
-        loss_weights = None if loss_weights is None else loss_weights[:, :width]
-        inputs = sequence_inputs(*self._forward_queries(rollout.query_ids, rollout.query_mask), responses, mask)
-        ptx_inputs = self._next_ptx_batch() if self.ptx_batches is not None else None
-        ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
-        logits, values, ptx_logits = self.model_wrapped(inputs, width, ptx_inputs=ptx_inputs)
-        temperature, trains_entropy = args.effective_logprob_temperature, args.entropy_coef > 0
-        if trains_entropy or log_entropy:  # log π and H in one pass over the vocabulary
-            logprobs, entropy = selective_log_softmax_and_entropy(
-                logits, responses, entropy_requires_grad=trains_entropy, temperature=temperature
-            )
-        else:
-            logprobs, entropy = selective_log_softmax(logits, responses, temperature=temperature), None
-        pg_loss, pg_stats = core.clipped_policy_loss(
-            logprobs,
-            experience.old_logprobs[index, :width],
-            experience.advantages[index, :width],
-            mask,
-            args.cliprange,
-            None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width],
-            loss_weights,
-        )
-        vf_loss, vf_stats = core.clipped_value_loss(
-            values,
-            rollout.values[:, :width],
-            experience.returns[index, :width],
-            mask,
-            args.cliprange_value,
-            loss_weights,
-        )
-        policy_loss = pg_loss
-        stats = {
-            M.POLICY_LOSS: pg_loss.detach(),
-            M.VALUE_LOSS: vf_loss.detach(),
-            M.CLIPFRAC: pg_stats["clipfrac"],
-            M.APPROXKL: pg_stats["approxkl"],
-            M.RATIO: pg_stats["ratio"],
-            M.RATIO_VAR: pg_stats["ratio_var"],
-            M.VF_CLIPFRAC: vf_stats["clipfrac"],
-            M.VALUE_ERROR: vf_stats["error"],
-        }
-        if entropy is not None:
-            entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target, loss_weights)
-            policy_loss = policy_loss + args.entropy_coef * entropy_term
-            stats[M.ENTROPY] = entropy_stats["entropy"]
-        if ptx_logits is not None:
-            ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
-            policy_loss = policy_loss + args.ptx_coef * ptx_loss
-            stats.update({M.PTX_LOSS: ptx_loss.detach(), M.PTX_PERPLEXITY: ptx_stats["perplexity"]})
-        # Critic warm-up keeps the policy in the graph (DDP needs every parameter used) with zero weight.
-        loss = (0.0 if critic_only else 1.0) * policy_loss + args.vf_coef * vf_loss
-        return loss, stats
 
     def _next_ptx_batch(self) -> dict[str, torch.Tensor]:
         batch = self.ptx_batches[self.ppo_state.ptx_batches_used]

@@ -274,7 +274,7 @@ def score_responses(
     columns: dict[str, list] | None = None,
     reward_tokenizer=None,
 ) -> torch.Tensor:
-    """Scores (B,) of query ⊕ response ``inputs`` (see :func:`~trl_ppomax.ppo.experience.sequence_inputs`) by a reward model,
+    """Scores (B,) of query ⊕ response ``inputs`` (see :func:`~trl_ppomax.models.sequence_inputs`) by a reward model,
     or by a reward function (:func:`call_reward_function`, given the dataset's other ``columns``). A reward model with
     its own ``reward_tokenizer`` scores the texts re-encoded with it (:func:`score_with_own_tokenizer`)."""
     query_width = query_mask.shape[1]

@@ -1,0 +1,110 @@
+"""Phase 1, second half: **score** what the generation engine wrote (a rollout is generate → score).
+
+The no-grad forwards of a rollout batch, in micro-batches (:func:`~trl_ppomax.ppo.batching.forward_groups`): the
+policy's and the reference's log-probs (the policy gathered under ZeRO-3, the critic left sharded), then the critic's
+values and the reward sources' scores, minus the missing-stop-token penalty. The same for every engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from trl.trainer.utils import selective_log_softmax
+
+from trl_ppomax import data, models, rewards
+from trl_ppomax.ppo.batching import forward_groups, forward_queries
+from trl_ppomax.ppo.core import sequence_perplexity
+from trl_ppomax.ppo.experience import Rollout, merge_rollouts, take_rows
+
+
+class Scorer:
+    """Scores rollouts for one trainer: ``args`` (a :class:`~trl_ppomax.PPOMaxConfig`), the ``accelerator``, the
+    policy's ``tokenizer``, the :class:`~trl_ppomax.rewards.RewardSources`, the prepared ``ref_model`` (None: the PEFT
+    policy with its adapter off), the ``generation`` engine (its ``importance_weights`` when it has its own sampler)
+    and the token the missing-stop-token penalty looks for (``stop_id``)."""
+
+    def __init__(self, args, accelerator, tokenizer, reward_sources, ref_model, generation, stop_id: int) -> None:
+        self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
+        self.reward_sources, self.ref_model = reward_sources, ref_model
+        self.generation, self.stop_id = generation, stop_id
+
+    def log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs) -> tuple[list, int]:
+        """The policy's and reference's log-probs of every forward micro-batch: ``(parts, real)``, a ``(rows, fields)``
+        pair per forward (:class:`Rollout` fields) and how many are real: every process runs as many forwards as
+        the busiest (ZeRO-3 gathers parameters in each), the others repeating a row."""
+        groups, count = forward_groups(query_mask, mask, self.args, self.accelerator)
+        padded = groups + [groups[0][:1]] * (count - len(groups))
+        rows = (query_ids, query_mask, responses, mask)
+        parts = [(g, self._log_probs(wrapper, *(t[g] for t in rows), take_rows(sampler_logprobs, g))) for g in padded]
+        return parts, len(groups)
+
+    def values_and_rewards(self, critic: nn.Module | None, parts: list, real: int, columns) -> Rollout:
+        """The critic's values (zeros without a critic) and the rewards of every forward of :meth:`log_probs`, merged
+        into one :class:`Rollout` in the original row order (the repeated rows dropped)."""
+        scored = [self._values_and_rewards(critic, fields, data.rows_of(columns, g.tolist())) for g, fields in parts]
+        groups = [g for g, _ in parts[:real]]
+        return merge_rollouts(scored[:real], groups, self.tokenizer.pad_token_id)
+
+    def _log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs) -> dict:
+        width = max(int(mask.sum(1).max()), 1)  # the responses trimmed to this micro-batch's longest
+        responses, mask = responses[:, :width], mask[:, :width]
+        inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, self.args), responses, mask)
+        temperature = self.args.effective_logprob_temperature
+        policy_logits = models.response_logits(wrapper.policy, inputs, width)
+        logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
+        weights = (  # an engine with its own sampler (vLLM): the gap to the policy's forward, corrected if configured
+            None
+            if sampler_logprobs is None
+            else self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
+        )
+        with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
+            ref_logits = models.response_logits(reference, inputs, width)
+            ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
+        return dict(
+            query_ids=query_ids,
+            query_mask=query_mask,
+            response_ids=responses,
+            response_mask=mask,
+            logprobs=logprobs,
+            ref_logprobs=ref_logprobs,
+            policy_perplexity=policy_perplexity,
+            ref_perplexity=ref_perplexity,
+            sampling_weights=weights,
+        )
+
+    def _values_and_rewards(self, critic: nn.Module | None, fields: dict, columns: dict) -> Rollout:
+        responses, mask = fields["response_ids"], fields["response_mask"]
+        query_ids, query_mask = forward_queries(fields["query_ids"], fields["query_mask"], self.args)
+        inputs = models.sequence_inputs(query_ids, query_mask, responses, mask)
+        scores, source_scores = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
+        if critic is None:  # a critic-free estimator
+            values = torch.zeros_like(fields["logprobs"])
+        else:
+            values = models.token_values(critic, inputs, mask.shape[1]) * mask
+        penalty = self.args.missing_eos_penalty
+        return Rollout(
+            **fields,
+            source_scores=source_scores,
+            values=values,
+            scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty),
+        )
+
+    def sample_scores(self, query_ids, query_mask, responses, mask, columns) -> Rollout:
+        """Responses and their scores alone (after the missing-stop-token penalty), for sample tables: a
+        :class:`Rollout` without the log-prob and value forwards (those fields are None)."""
+        inputs = models.sequence_inputs(query_ids, query_mask, responses, mask)
+        scores, _ = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
+        penalty = self.args.missing_eos_penalty
+        scores = rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty)
+        unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
+        return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
+
+
+def logprobs_and_perplexity(
+    logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked log-probs (B, T) of ``responses`` at ``temperature`` and the perplexity (B,) at temperature 1, with trl's
+    fused (GPU) or row-wise ``selective_log_softmax``; one pass when ``temperature`` is 1."""
+    logprobs = selective_log_softmax(logits, responses, temperature=temperature)
+    at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
+    return logprobs * mask, sequence_perplexity(at_one, mask)
