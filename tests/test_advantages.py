@@ -1,16 +1,19 @@
 """The advantage-estimator seam (``trl_ppomax.ppo.advantages``): GAE as the registry's first entry, the name checked by
-the config, and a registered estimator used by the trainer without any other change."""
+the config, a registered estimator used by the trainer without any other change, and one that needs no critic
+trained, saved and resumed without one."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
-from helpers import make_trainer
+from helpers import StopAt, changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig
 from trl_ppomax.ppo import advantages, core
+from trl_ppomax.toyworld.tiny import build_models
 
 
 def tokens(seed: int = 0):
@@ -50,8 +53,6 @@ def test_a_registered_estimator_is_the_one_the_trainer_uses(tmp_path, monkeypatc
 
     registry = {**advantages.ESTIMATORS, "negated": advantages.AdvantageEstimator("negated", True, negated_gae)}
     monkeypatch.setattr(advantages, "ESTIMATORS", registry)
-    monkeypatch.setattr("trl_ppomax.ppo.config.ESTIMATORS", registry)
-    monkeypatch.setattr("trl_ppomax.ppo.experience.ESTIMATORS", registry)
     runs = {name: make_trainer(tmp_path / name, advantage_estimator=name, whiten_advantages=False)
             for name in ("gae", "negated")}  # fmt: skip
     prompts = runs["gae"].processing_class(["hello how are you", "tell me a story"], return_tensors="pt", padding=True)
@@ -60,3 +61,47 @@ def test_a_registered_estimator_is_the_one_the_trainer_uses(tmp_path, monkeypatc
     negated, _, _ = runs["negated"].make_experience(rollout)
     torch.testing.assert_close(negated.advantages, -plain.advantages)
     torch.testing.assert_close(negated.returns, plain.returns)
+
+
+def reinforce_returns(token_rewards, values, mask, args):
+    """A critic-free estimator of the test's own: the advantage is the reward-to-go, Σ_{l≥t} r_l."""
+    to_go = token_rewards.flip(1).cumsum(1).flip(1) * mask
+    return advantages.AdvantageEstimate(to_go, to_go)
+
+
+@pytest.fixture
+def critic_free(monkeypatch):
+    estimator = advantages.AdvantageEstimator("reward_to_go", needs_critic=False, estimate=reinforce_returns)
+    monkeypatch.setattr(advantages, "ESTIMATORS", {**advantages.ESTIMATORS, "reward_to_go": estimator})
+    return "reward_to_go"
+
+
+def test_an_estimator_that_needs_no_critic_trains_without_one(tmp_path, critic_free):
+    settings = dict(advantage_estimator=critic_free, save_strategy="steps", save_steps=1)
+    trainer = make_trainer(tmp_path, callbacks=[StopAt(1)], **settings)
+    assert trainer.model.critic is None and trainer.model.value_model is None
+    assert {group["model"] for group in trainer.optimizer.param_groups} == {"policy"}
+    before = snapshot(trainer.model.policy)
+    trainer.train()
+    assert changed(before, trainer.model.policy) > 0
+    logged = trainer.state.log_history[-1]
+    assert math.isfinite(logged["loss/policy"]) and "loss/value" not in logged
+    assert "policy/grad_norm" in logged and "critic/grad_norm" not in logged
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "critic").exists()
+    resumed = make_trainer(tmp_path, **settings)  # the stopped run continued from its checkpoint
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2 and resumed.model.critic is None
+
+
+def test_a_value_model_beside_a_critic_free_estimator_is_refused(tmp_path, critic_free):
+    with pytest.raises(ValueError, match="needs no critic and builds none: pass value_model=None"):
+        make_trainer(tmp_path, value_model=build_models()[2], advantage_estimator=critic_free)
+
+
+def test_a_reward_function_needs_no_value_model_without_a_critic(tmp_path, critic_free):
+    trainer = make_trainer(
+        tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(prompts), advantage_estimator=critic_free
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.reward_model is None

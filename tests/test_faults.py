@@ -33,7 +33,7 @@ from trl_ppomax.data.files import LOCK_NAME, DiskFullError, OutputDirInUse, file
 from trl_ppomax.moss.recovery import TensorFolder, recover
 from trl_ppomax.ppo import core
 from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.checks import CheckpointError, required_checkpoint_files
+from trl_ppomax.ppo.checkpoint_files import CheckpointError, required_checkpoint_files
 from trl_ppomax.ppo.experience import Rollout, drop_non_finite, kept_gather
 from trl_ppomax.ppo.state import PPOState
 from trl_ppomax.reporting import hub

@@ -9,7 +9,7 @@ from helpers import TINY, changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.cli.plan import plan as run_plan
-from trl_ppomax.ppo import checks, core
+from trl_ppomax.ppo import core, setup
 from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 
@@ -481,8 +481,8 @@ def test_model_arguments_that_do_not_fit_together_are_refused():
     _, policy, reward = build_models()
     lora = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
     models = dict(model=policy, ref_model=None, reward_model=reward, value_model=None)
-    checks.check_model_arguments(models, lora)  # a plain policy with a LoRA config: fine
+    setup.check_model_arguments(models, lora)  # a plain policy with a LoRA config: fine
     with pytest.raises(ValueError, match="reference is the model with its adapter disabled"):
-        checks.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
+        setup.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
     with pytest.raises(ValueError, match="already a PEFT model"):
-        checks.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)
+        setup.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)

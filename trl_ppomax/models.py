@@ -215,12 +215,13 @@ def check_single_label(model) -> None:
 
 
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
-    """``(policy, reference, critic)`` from the trainer's arguments (checked by
-    :func:`~trl_ppomax.ppo.checks.check_model_arguments`), with dropout off everywhere (PPO's ratio must start at 1)."""
+    """``(policy, reference, critic)`` from the trainer's arguments (no critic when ``reward_model``, the model it is
+    initialised from, is None: a critic-free advantage estimator) (checked by
+    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), with dropout off everywhere (PPO's ratio must start at 1)."""
     policy, reference = policy_and_reference(model, ref_model, peft_config)
     if is_peft(policy) and args.model_adapter_name:
         policy.set_adapter(args.model_adapter_name)
-    critic = critic_from(value_model, reward_model)
+    critic = critic_from(value_model, reward_model) if reward_model is not None else None
     for module in (policy, critic, reference, reward_model):
         if isinstance(module, nn.Module):
             disable_dropout_in_model(module)
@@ -366,7 +367,7 @@ def model_identity(wrapper) -> dict:
     return {
         "policy": getattr(config, "_name_or_path", None) or None,
         "policy_parameters": _parameter_count(wrapper.policy),
-        "critic_parameters": _parameter_count(wrapper.critic),
+        "critic_parameters": _parameter_count(wrapper.critic) if wrapper.critic is not None else 0,
     }
 
 

@@ -23,13 +23,16 @@ def plan(trainer) -> str:
     args, accelerator = trainer.args, trainer.accelerator
     wrapper = accelerator.unwrap_model(trainer.model_wrapped)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    critic = (
+        _describe(wrapper.critic) if wrapper.critic is not None else f"none ({args.advantage_estimator} needs none)"
+    )
     backend = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP" if trainer.is_fsdp_enabled else "DDP/single"
     return "\n".join(
         [
             "PPO-max plan",
             f"  policy    : {_describe(wrapper.policy)}",
             f"  reference : {_describe(trainer.ref_model)}",
-            f"  critic    : {_describe(wrapper.critic)}",
+            f"  critic    : {critic}",
             f"  reward    : {_describe(trainer.reward_model)}",
             f"  devices   : {accelerator.num_processes} × {accelerator.device.type} ({backend}), {precision}",
             f"  rollout   : {args.batch_size} responses per iteration ({args.local_batch_size} per process, "

@@ -16,8 +16,8 @@ from trl_ppomax.data.files import read_json, write_json
 from trl_ppomax.judging.base import VERDICTS, margin_verdict
 from trl_ppomax.judging.scored import ScoreJudge
 from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.checks import prepare_eval_prompts
 from trl_ppomax.ppo.core import ends_with_stop
+from trl_ppomax.ppo.setup import prepare_eval_prompts
 from trl_ppomax.rewards import decode_texts
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ the engine's sharded checkpoint (``global_step*/``, with DeepSpeed's ``zero_to_f
 the tokenizer, and no plain weights; a resume under DeepSpeed reads the engine checkpoint, and
 :func:`consolidate_engine_checkpoint` turns such a folder into plain transformers folders afterwards.
 
-Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.ppo.checks`): a trainer trains
+Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.ppo.setup`): a trainer trains
 once; one run at a time holds ``output_dir`` (a lock file, released at the end of ``train()``); a fresh run does not
 reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless
 ``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``). A full disk is
@@ -52,7 +52,7 @@ from trl_ppomax.data.files import (
     write_json,
 )
 from trl_ppomax.models import is_peft, load_weights, model_identity, sub_state_dict
-from trl_ppomax.ppo import checks, optim
+from trl_ppomax.ppo import checkpoint_files, optim
 from trl_ppomax.reporting.hub import without_secrets
 
 logger = logging.getLogger(__name__)
@@ -254,9 +254,9 @@ class CheckpointMixin:
         return {**settings, **self._model_identity}
 
     def _checked_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
-        """:func:`checks.checked_checkpoint` for this run's settings and engine."""
+        """:func:`checkpoint_files.checked_checkpoint` for this run's settings and engine."""
         engine = "deepspeed" if self.is_deepspeed_enabled else "fsdp" if self.is_fsdp_enabled else None
-        return checks.checked_checkpoint(resume_from_checkpoint, self.args, self._run_settings(), engine)
+        return checkpoint_files.checked_checkpoint(resume_from_checkpoint, self.args, self._run_settings(), engine)
 
     # -- saving -----------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -316,7 +316,7 @@ class CheckpointMixin:
             if self.args.should_save:
                 wrapper = self.accelerator.unwrap_model(self.model_wrapped)
                 _save_config(wrapper.policy, folder)
-                if with_critic:
+                if with_critic and wrapper.critic is not None:
                     _save_config(wrapper.critic, os.path.join(folder, CRITIC_DIR))
                 self._save_tokenizer_and_args(folder)
             return
@@ -331,7 +331,7 @@ class CheckpointMixin:
             return
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
         wrapper.policy.save_pretrained(folder, state_dict=sub_state_dict(state, "policy."))
-        if with_critic:
+        if with_critic and wrapper.critic is not None:
             wrapper.critic.save_pretrained(
                 os.path.join(folder, CRITIC_DIR), state_dict=sub_state_dict(state, "critic.")
             )
@@ -463,10 +463,10 @@ class CheckpointMixin:
         path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
         weights_only = self.args.resume_weights_only
         saved = read_json(os.path.join(path, PPO_STATE_NAME))
-        with checks.reading(path, "the weights", loading=True):
+        with checkpoint_files.reading(path, "the weights", loading=True):
             self._load_weights_from(path)
         if not weights_only:
-            with checks.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
+            with checkpoint_files.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
                 self._load_optimizer_and_scheduler(path)
             if self._learning_rates_changed(saved.get("run") or {}):  # resume_allow_changes: the new rates apply
                 optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)
@@ -474,7 +474,7 @@ class CheckpointMixin:
         self.state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE_NAME))
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps"):
             setattr(self.state, name, getattr(planned, name))
-        with checks.reading(path, PPO_STATE_NAME):
+        with checkpoint_files.reading(path, PPO_STATE_NAME):
             self.state.episode = saved["episode"]
             self.ppo_state.load_state_dict(saved)
         if weights_only:
@@ -486,7 +486,7 @@ class CheckpointMixin:
                 self.state.global_step,
             )
         else:
-            with checks.reading(path, "rng_state*.pth", loading=True):
+            with checkpoint_files.reading(path, "rng_state*.pth", loading=True):
                 self._load_rng_state(path)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 
@@ -509,7 +509,8 @@ class CheckpointMixin:
             return
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
         load_weights(wrapper.policy, path)
-        load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))
+        if wrapper.critic is not None:
+            load_weights(wrapper.critic, os.path.join(path, CRITIC_DIR))
 
     def _load_best_model(self) -> None:
         """Load the best checkpoint's weights (``load_best_model_at_end``), once a run has finished, and say which:

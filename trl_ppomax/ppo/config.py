@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 from transformers import TrainingArguments
 
-from trl_ppomax.ppo.advantages import ESTIMATORS
+from trl_ppomax.ppo import advantages
 from trl_ppomax.ppo.core import KLEstimator, RewardNorm
 
 logger = logging.getLogger(__name__)
@@ -602,9 +602,9 @@ class PPOMaxConfig(TrainingArguments):
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
-        if self.advantage_estimator not in ESTIMATORS:
+        if self.advantage_estimator not in advantages.ESTIMATORS:
             raise ValueError(
-                f"advantage_estimator must be one of {tuple(ESTIMATORS)}, got {self.advantage_estimator!r}; register "
+                f"advantage_estimator must be one of {tuple(advantages.ESTIMATORS)}, got {self.advantage_estimator!r}; register "
                 "another in trl_ppomax.ppo.advantages.ESTIMATORS."
             )
         for name, allowed in (
@@ -679,6 +679,11 @@ class PPOMaxConfig(TrainingArguments):
     @property
     def effective_critic_learning_rate(self) -> float:
         return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the ``advantage_estimator`` needs a critic (else none is built, trained or saved)."""
+        return advantages.ESTIMATORS[self.advantage_estimator].needs_critic
 
     @property
     def effective_logprob_temperature(self) -> float:

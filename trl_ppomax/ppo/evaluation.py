@@ -13,7 +13,7 @@ from trl.trainer.utils import print_prompt_completions_sample
 
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.checks import prepare_eval_prompts
+from trl_ppomax.ppo.setup import prepare_eval_prompts
 from trl_ppomax.reporting.hub import create_model_card
 from trl_ppomax.reporting.plotting import log_table
 from trl_ppomax.rewards import decode_texts

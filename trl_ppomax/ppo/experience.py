@@ -15,9 +15,8 @@ import torch
 
 from trl_ppomax import rewards
 from trl_ppomax.generation import pad_right
-from trl_ppomax.ppo import core
+from trl_ppomax.ppo import advantages, core
 from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.advantages import ESTIMATORS
 from trl_ppomax.ppo.core import Reduce
 
 logger = logging.getLogger(__name__)
@@ -215,7 +214,7 @@ class ExperienceMaker:
         token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
         if args.whiten_rewards:
             token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=self.reduce)
-        return ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
+        return advantages.ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
 
     def _metrics(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
         """The kept samples' per-response metrics averaged over every process, and the batch's."""

@@ -45,9 +45,9 @@ def clip_gradients(
     if critic_only:
         for parameter in wrapper.policy.parameters():
             parameter.grad = None  # the optimizer skips parameters without gradients
-    modules = {POLICY_GRAD_NORM: [wrapper.policy], CRITIC_GRAD_NORM: [wrapper.critic]}
+    modules = {POLICY_GRAD_NORM: [wrapper.policy], CRITIC_GRAD_NORM: wrapper.trained[1:]}
     if scope == "joint":
-        modules = {GRAD_NORM: [wrapper.policy, wrapper.critic]}
+        modules = {GRAD_NORM: wrapper.trained}
     norms = {}
     for name, parts in modules.items():
         params = [p for part in parts for p in part.parameters() if p.grad is not None]

@@ -26,7 +26,7 @@ from trl_ppomax import data, models, rewards
 from trl_ppomax.generation import HFGeneration, generate_in_chunks
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.models import PolicyAndCritic
-from trl_ppomax.ppo import batching, checks, optim, update
+from trl_ppomax.ppo import batching, optim, setup, update
 from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
@@ -84,36 +84,23 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
         passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
-        # Checks that fail before anything expensive, naming the argument and the fix; paths are loaded (checks.py)
-        processing_class, model, ref_model, reward_model, value_model = checks.check_inputs(
-            args, processing_class, passed, train_dataset, eval_dataset, ptx_dataset, peft_config
+        # Arguments checked before anything expensive (each refusal names the fix), models built, prompts prepared
+        datasets = (train_dataset, eval_dataset, ptx_dataset)
+        built = setup.set_up(
+            args, processing_class, passed, datasets, peft_config, reward_processing_classes, rollout_metrics
         )
-        self.stop_token_id = processing_class.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-        # missing_eos_penalty punishes the absence of the stop token, or of eos when none is configured
-        self.stop_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
-        self.reward_sources = rewards.RewardSources(reward_model, reward_processing_classes, args.reward_weights)
-        reward_model = self.reward_model = self.reward_sources.critic_source(value_model)
-        policy, self.ref_model, critic = models.build_models(
-            args, model, ref_model, reward_model, value_model, peft_config
-        )
-        self.is_peft_model = models.is_peft(policy)
-        # The models the user passed, by argument name: a reference or critic copied for None is not theirs to blame
-        built = dict(policy=policy, ref_model=self.ref_model if ref_model is not None else None)
-        built.update(
-            self.reward_sources.shared_vocabulary_models(), value_model=critic if value_model is not None else None
-        )
-        train_dataset, eval_dataset = checks.prepare_and_check(
-            args, processing_class, built, self.stop_token_id, train_dataset, eval_dataset, rollout_metrics
-        )
-        args.set_run_length(len(train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
+        processing_class, self.ref_model, self.reward_sources = built.tokenizer, built.ref_model, built.reward_sources
+        self.reward_model, self.stop_token_id, self.stop_id = built.critic_source, built.stop_token_id, built.stop_id
+        self.is_peft_model = models.is_peft(built.policy)
+        args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
         self.ptx_dataset = ptx_dataset
 
         super().__init__(
-            model=PolicyAndCritic(policy, critic),
+            model=PolicyAndCritic(built.policy, built.critic),
             args=args,
             data_collator=data_collator or data.PromptCollator(processing_class.pad_token_id),
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
+            train_dataset=built.train_dataset,
+            eval_dataset=built.eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -174,7 +161,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if enabled:
             self.model.gradient_checkpointing_enable(kwargs)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        checks.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
+        setup.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
         if isinstance(self.ref_model, nn.Module):
