@@ -870,7 +870,7 @@ def test_an_engine_only_checkpoint_is_complete_under_deepspeed(tmp_path, weights
     """Issue 31, item 4: no consolidated weights, the engine checkpoint holds them (read even by a weights-only
     resume): required, and its files checked for damage."""
     path = engine_only_checkpoint(tmp_path / "checkpoint-2")
-    args = SimpleNamespace(resume_weights_only=weights_only, world_size=2)
+    args = SimpleNamespace(resume_weights_only=weights_only, world_size=2, uses_critic=True)
     files = required_checkpoint_files(str(path), args, "deepspeed")
     engine = sorted(str(f) for f in (path / "global_step4").iterdir())
     assert set(engine) <= set(files) and str(path / "latest") in files
@@ -896,14 +896,18 @@ def test_an_incomplete_engine_only_checkpoint_is_refused(tmp_path, missing, name
     target = path / missing
     shutil.rmtree(target) if target.is_dir() else target.unlink()
     with pytest.raises(CheckpointError) as caught:
-        required_checkpoint_files(str(path), SimpleNamespace(resume_weights_only=False, world_size=2), "deepspeed")
+        required_checkpoint_files(
+            str(path), SimpleNamespace(resume_weights_only=False, world_size=2, uses_critic=True), "deepspeed"
+        )
     assert "incomplete" in str(caught.value) and named in str(caught.value)
 
 
 def test_an_engine_only_checkpoint_resumed_without_deepspeed_says_how(tmp_path):
     path = engine_only_checkpoint(tmp_path / "checkpoint-2")
     with pytest.raises(CheckpointError) as caught:
-        required_checkpoint_files(str(path), SimpleNamespace(resume_weights_only=True, world_size=2), None)
+        required_checkpoint_files(
+            str(path), SimpleNamespace(resume_weights_only=True, world_size=2, uses_critic=True), None
+        )
     message = str(caught.value)
     assert "only a sharded DeepSpeed engine checkpoint" in message and "consolidate_engine_checkpoint" in message
 
