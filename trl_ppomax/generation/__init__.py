@@ -17,7 +17,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogits
 
 from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
 
-__all__ = ["HFGeneration", "generate_in_chunks", "generate_responses", "generation_kwargs"]
+__all__ = ["HFGeneration", "generate_in_chunks", "generate_responses", "generation_engine", "generation_kwargs"]
 
 
 class HFGeneration:
@@ -44,6 +44,16 @@ class HFGeneration:
 
     def pop_metrics(self) -> dict[str, float]:
         return {}
+
+
+def generation_engine(args, accelerator, policy: nn.Module, tokenizer, stop_token_id: int | None):
+    """The run's engine: :class:`~trl_ppomax.generation.vllm.VLLMEngine` with ``use_vllm``, else
+    :class:`HFGeneration` on the (unwrapped) ``policy``."""
+    if args.use_vllm:
+        from trl_ppomax.generation.vllm import VLLMEngine
+
+        return VLLMEngine(args, accelerator, policy, tokenizer, stop_token_id)
+    return HFGeneration(policy, args, stop_token_id, tokenizer.pad_token_id)
 
 
 def generate_in_chunks(engine, query_ids, query_mask, sampling: bool, n: int, args, pad_token_id: int):

@@ -13,7 +13,7 @@ the engine's sharded checkpoint (``global_step*/``, with DeepSpeed's ``zero_to_f
 the tokenizer, and no plain weights; a resume under DeepSpeed reads the engine checkpoint, and
 :func:`consolidate_engine_checkpoint` turns such a folder into plain transformers folders afterwards.
 
-Before the first rollout (:meth:`CheckpointMixin._start_run`, refusals in :mod:`~trl_ppomax.ppo.setup`): a trainer trains
+Before the first rollout (:meth:`CheckpointMixin.claim_run`, refusals in :mod:`~trl_ppomax.ppo.checkpoint_files`): a trainer trains
 once; one run at a time holds ``output_dir`` (a lock file, released at the end of ``train()``); a fresh run does not
 reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless
 ``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``). A full disk is
@@ -53,7 +53,7 @@ from trl_ppomax.data.files import (
 )
 from trl_ppomax.models import is_peft, load_weights, model_identity, sub_state_dict
 from trl_ppomax.ppo import checkpoint_files, optim
-from trl_ppomax.reporting.hub import without_secrets
+from trl_ppomax.reporting.hub import TAGS, create_model_card, without_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -147,21 +147,23 @@ class CheckpointMixin:
         "effective_critic_learning_rate",
     )
 
-    def __init__(self, *args, **kwargs) -> None:
-        training_args, model = kwargs.get("args"), kwargs.get("model")
-        if training_args is not None and training_args.should_save:
-            probe_writable(training_args.output_dir)
-        self._model_identity = model_identity(model) if hasattr(model, "policy") else {}
+    def __init__(self, *, args, model, **trainer_kwargs) -> None:
+        """``args`` and ``model`` (the policy and critic) as ``transformers.Trainer`` takes them, with its other
+        keyword arguments: the output folder is probed for writing and the models' identity kept before the Trainer
+        is built."""
+        if args.should_save:
+            probe_writable(args.output_dir)
+        self._model_identity = model_identity(model)
         self._run_started = False
         self._resume_path: str | None = None
         self._lock_owner = object()  # this trainer's token for the output_dir lock
-        super().__init__(*args, **kwargs)
+        super().__init__(args=args, model=model, **trainer_kwargs)
         if self.args.push_to_hub:
             self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
         self.add_callback(_UnlockOutputDir(self))
 
     # -- before the first rollout -----------------------------------------------------------------------------------
-    def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
+    def claim_run(self, resume_from_checkpoint: str | bool | None) -> None:
         """``train()``'s checks before its first rollout (see the module docstring); each refusal names the fix."""
         if self._run_started:
             raise RuntimeError(
@@ -259,6 +261,16 @@ class CheckpointMixin:
         return checkpoint_files.checked_checkpoint(resume_from_checkpoint, self.args, self._run_settings(), engine)
 
     # -- saving -----------------------------------------------------------------------------------------------------
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
+        """README.md in ``output_dir``: the policy's base model, tags, PPO-max settings, final evaluation numbers,
+        tracker URLs and the paper's citation (:func:`trl_ppomax.reporting.hub.create_model_card`)."""
+        if not self.is_world_process_zero():
+            return
+        policy = self.accelerator.unwrap_model(self.model).policy
+        history = self.state.log_history
+        card = create_model_card(policy, self.args, self.hub_model_id, model_name, dataset_name, tags, TAGS, history)
+        card.save(f"{self.args.output_dir}/README.md")
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
         from every shard under DeepSpeed ZeRO-3 or FSDP. Written atomically (:func:`atomic_directory` with ``merge``):
@@ -457,8 +469,8 @@ class CheckpointMixin:
             )
 
     # -- resuming ---------------------------------------------------------------------------------------------------
-    def _resume(self, resume_from_checkpoint: str | bool) -> None:
-        """Restore the whole run state from the checkpoint :meth:`_start_run` checked (or, called alone, from
+    def restore_checkpoint(self, resume_from_checkpoint: str | bool) -> None:
+        """Restore the whole run state from the checkpoint :meth:`claim_run` checked (or, called alone, from
         ``resume_from_checkpoint`` after checking it); with ``resume_weights_only`` not optimizer, scheduler, RNG."""
         path = self._resume_path or self._checked_checkpoint(resume_from_checkpoint)
         weights_only = self.args.resume_weights_only

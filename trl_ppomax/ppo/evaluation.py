@@ -1,4 +1,4 @@
-"""Evaluation, sample tables and the model card of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
+"""Evaluation and sample tables of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): the rollout
 phase run on held-out prompts, reported with the same per-response metrics as training (``eval_…``)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from trl.trainer.utils import print_prompt_completions_sample
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.setup import prepare_eval_prompts
-from trl_ppomax.reporting.hub import create_model_card
 from trl_ppomax.reporting.plotting import log_table
 from trl_ppomax.rewards import decode_texts
 
@@ -124,15 +123,3 @@ class EvaluationMixin:
         trained weights do not depend on how often one evaluates or prints samples."""
         device = self.accelerator.device
         return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
-        """README.md in ``output_dir``: the policy's base model, tags, PPO-max settings, final evaluation numbers,
-        tracker URLs and the paper's citation (:func:`trl_ppomax.reporting.hub.create_model_card`)."""
-        if not self.is_world_process_zero():
-            return
-        policy = self.accelerator.unwrap_model(self.model).policy
-        history = self.state.log_history
-        card = create_model_card(
-            policy, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history
-        )
-        card.save(f"{self.args.output_dir}/README.md")

@@ -163,7 +163,7 @@ class ExperienceMaker:
             return None, {}, "non-finite advantages or returns"
         old = rollout.ref_logprobs if self.args.importance_sampling == "reference" else rollout.logprobs
         experience = Experience(rollout, old, normalised, estimate.returns, raw_advantages=estimate.advantages)
-        return experience, self._metrics(rollout, keep, scores, kl, estimate), None
+        return experience, self._logged(rollout, keep, scores, kl, estimate), None
 
     def shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
@@ -216,7 +216,7 @@ class ExperienceMaker:
             token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=self.reduce)
         return advantages.ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
 
-    def _metrics(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
+    def _logged(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
         """The kept samples' per-response metrics averaged over every process, and the batch's."""
         per_response = self.response_metrics(rollout.select(keep), scores[keep], kl[keep])
         metrics = {name: M.global_mean(value, self.reduce) for name, value in per_response.items()}

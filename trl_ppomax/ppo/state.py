@@ -4,6 +4,7 @@ handed to checkpointing (``ppo_state.json``), with ``state_dict()`` / ``load_sta
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from trl_ppomax.ppo import metrics as M
@@ -65,3 +66,16 @@ class PPOState:
             "(None, NaN or inf scores), the learning rate and mixed precision (non-finite log-probs or values), then resume from "
             "the last checkpoint; or raise max_skipped_iterations."
         )
+
+
+def start_trainer_state(state, args, episodes_per_epoch: int) -> None:
+    """A fresh ``TrainerState`` for a run of ``args.num_total_batches`` iterations (a resume then loads the saved one):
+    counters at 0, and ``logging_steps``/``eval_steps``/``save_steps`` given as a fraction (< 1) of the run made
+    whole, as the Trainer does."""
+    state.max_steps = args.num_total_batches
+    state.num_train_epochs = args.total_episodes / episodes_per_epoch
+    state.global_step, state.episode, state.epoch = 0, 0, 0.0
+    for attribute in ("logging_steps", "eval_steps", "save_steps"):
+        value = getattr(args, attribute)
+        value = math.ceil(args.num_total_batches * value) if value and value < 1 else value
+        setattr(state, attribute, value)

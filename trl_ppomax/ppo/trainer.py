@@ -1,16 +1,12 @@
-"""PPOMaxTrainer: PPO-max on the current TRL stack, with trl 1.12's ``PPOTrainer`` constructor.
+"""PPOMaxTrainer: PPO-max on the current TRL stack, with trl 1.12's ``PPOTrainer`` constructor; it only orchestrates.
 
-One PPO iteration, phase by phase (the paper's §3.2 and §5): rollout (generate → policy/reference/critic forwards →
-score) → experience (reward normalisation and clipping, token KL, GAE, advantage whitening) → update (epochs ×
-minibatches × gradient accumulation) → log. The maths lives in :mod:`trl_ppomax.ppo.core`, models in
-:mod:`~trl_ppomax.models`, rewards in :mod:`~trl_ppomax.rewards`, saving and resuming in
-:mod:`~trl_ppomax.ppo.checkpoint`; this module only orchestrates.
-"""
+One iteration (§3.2, §5), each phase in its module: generate (:mod:`~trl_ppomax.generation`) → score
+(:mod:`~trl_ppomax.ppo.scoring`) → shape rewards and estimate advantages (:mod:`~trl_ppomax.ppo.experience`) →
+update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.ppo.core`."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,7 +19,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from trl_ppomax import data, models, rewards
-from trl_ppomax.generation import HFGeneration, generate_in_chunks
+from trl_ppomax.generation import generate_in_chunks, generation_engine
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import batching, optim, setup, update
@@ -33,7 +29,7 @@ from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin
 from trl_ppomax.ppo.experience import Experience, ExperienceMaker, Rollout, process_sum
 from trl_ppomax.ppo.scoring import Scorer
-from trl_ppomax.ppo.state import PPOState
+from trl_ppomax.ppo.state import PPOState, start_trainer_state
 from trl_ppomax.reporting.hub import TAGS
 from trl_ppomax.reporting.plotting import DynamicsFigureCallback
 
@@ -115,10 +111,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self._prepare_models()
         # The rollout's first half, generation: the policy's generate, or vLLM (generation/)
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
-        if args.use_vllm:
-            self.generation = VLLMEngine(args, self.accelerator, policy, processing_class, self.stop_token_id)
-        else:
-            self.generation = HFGeneration(policy, args, self.stop_token_id, processing_class.pad_token_id)
+        self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
         # Its second half, scoring, then the experience phase (scoring.py, experience.py)
         scoring = (args, self.accelerator, processing_class, self.reward_sources)
         self.scorer = Scorer(*scoring, self.ref_model, self.generation, self.stop_id)
@@ -151,9 +144,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def _episodes_per_epoch(self) -> int:
         return len(self.train_dataset) * self.args.num_samples_per_prompt
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Set-up
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Set-up ----------------------------------------------------------------------------------------------------------
     def _prepare_models(self) -> None:
         num_updates = self.num_total_batches * self.args.num_ppo_epochs * self.args.num_mini_batches
         self.create_optimizer_and_scheduler(num_training_steps=num_updates)
@@ -167,13 +158,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if isinstance(self.ref_model, nn.Module):
             self.ref_model = models.prepare_frozen(self.ref_model, self.accelerator)
         self.reward_sources.prepare(lambda module: models.prepare_frozen(module, self.accelerator))
+        datasets = (self.train_dataset, self.ptx_dataset, self.processing_class)
         self.prompt_batches, self.ptx_batches = data.batch_streams(
-            self.train_dataset,
-            self.ptx_dataset,
-            self.processing_class,
-            self.args,
-            self.accelerator,
-            self.data_collator,
+            *datasets, self.args, self.accelerator, self.data_collator
         )
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -194,18 +181,17 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.lr_scheduler = optim.schedule_with_critic_warmup(scheduler, self.args, num_training_steps)
         return self.lr_scheduler
 
-    # ------------------------------------------------------------------------------------------------------------
-    # The loop
-    # ------------------------------------------------------------------------------------------------------------
+    # -- The loop --------------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> None:
         """Run ``num_total_batches`` PPO-max iterations; ``resume_from_checkpoint`` (a path, or True for the newest
         checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped."""
         args = self.args
-        self._start_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks (checkpoint.py)
+        self.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks (checkpoint.py)
         set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
-        self._begin_state()
+        start_trainer_state(self.state, args, self._episodes_per_epoch)
+        self.sample_every = max(1, self.num_total_batches // max(1, args.num_sample_generations))
         if resume_from_checkpoint:
-            self._resume(resume_from_checkpoint)
+            self.restore_checkpoint(resume_from_checkpoint)
         pending: dict[str, list[float]] = defaultdict(list)
         start = (time.time(), self.state.episode)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -227,39 +213,35 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self._load_best_model()
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
-        """One PPO-max iteration on rollout batch ``iteration``. Samples with a non-finite reward are dropped; a batch
-        with none left, or a non-finite value or log-prob, is skipped (:meth:`PPOState.count_iteration`)."""
+        """One PPO-max iteration on rollout batch ``iteration`` (§3.2): rollout (generate → score), experience (shape
+        rewards, advantages), update; returns the metrics to log. A batch that cannot train (no finite reward left, a
+        non-finite value, log-prob or advantage, every optimizer step skipped) is skipped and counted
+        (:meth:`PPOState.count_iteration`)."""
+        args = self.args
         batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
-        n = self.args.num_samples_per_prompt
+        n = args.num_samples_per_prompt
         rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
         experience, metrics, problem = self.make_experience(rollout)
-        args = self.args
         if experience is not None:
-            skipped = self.ppo_state.counters[M.SKIPPED_UPDATES]
-            metrics.update(self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps))
-            steps = args.num_ppo_epochs * args.num_mini_batches
-            if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:  # nothing was trained
-                problem = f"non-finite gradients: all {steps} optimizer steps skipped"
-            elif iteration > args.critic_warmup_steps:
-                self.generation.on_policy_updated()  # e.g. vLLM gets the new weights before the next rollout
+            update_metrics, problem = self._update_and_sync(experience, iteration)
+            metrics.update(update_metrics)
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
-        metrics.update(self.generation.pop_metrics())
-        if iteration == self.args.critic_warmup_steps and self.is_deepspeed_enabled:
-            optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
-        metrics.update({name: float(value) for name, value in self.ppo_state.counters.items()})
-        return metrics
+        counters = {name: float(value) for name, value in self.ppo_state.counters.items()}
+        return {**metrics, **self.generation.pop_metrics(), **counters}
 
-    def _begin_state(self) -> None:
-        self.state.max_steps = self.num_total_batches
-        self.state.num_train_epochs = self.total_episodes / self._episodes_per_epoch
-        self.state.global_step = 0
-        self.state.episode = 0
-        self.state.epoch = 0.0
-        for attribute in ("logging_steps", "eval_steps", "save_steps"):
-            value = getattr(self.args, attribute)
-            value = math.ceil(self.num_total_batches * value) if value and value < 1 else value
-            setattr(self.state, attribute, value)
-        self.sample_every = max(1, self.num_total_batches // max(1, self.args.num_sample_generations))
+    def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
+        """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new
+        policy; returns the update's metrics and why nothing trained (every optimizer step skipped), else None."""
+        args, skipped = self.args, self.ppo_state.counters[M.SKIPPED_UPDATES]
+        metrics = self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps)
+        steps, problem = args.num_ppo_epochs * args.num_mini_batches, None
+        if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:
+            problem = f"non-finite gradients: all {steps} optimizer steps skipped"
+        elif iteration > args.critic_warmup_steps:
+            self.generation.on_policy_updated()  # e.g. vLLM gets the new weights before the next rollout
+        if iteration == args.critic_warmup_steps and self.is_deepspeed_enabled:
+            optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
+        return metrics, problem
 
     def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: tuple[float, int]) -> None:
         """Log the mean of each metric since the last log (with the current counters and learning rates), then
@@ -294,9 +276,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Phase 1: rollout = generate → score
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Phase 1: rollout = generate → score -----------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
@@ -338,9 +318,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         run = self.sample_and_score if scores_only else self.rollout
         return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Phase 2: rewards and advantages
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Phase 2: rewards and advantages ---------------------------------------------------------------------------------
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float], str | None]:
         """Shape rewards (normalise + clip, token KL) and estimate advantages and returns (§5.3;
@@ -348,9 +326,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         metrics, None)``, or ``(None, {}, why)`` on every process when the batch must be skipped."""
         return self.experience_maker.make(rollout, self.state.global_step)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Phase 3: PPO update
-    # ------------------------------------------------------------------------------------------------------------
+    # -- Phase 3: PPO update ---------------------------------------------------------------------------------------------
     def ppo_update(self, experience: Experience, critic_only: bool = False) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over its
         micro-batches (:meth:`accumulate_gradients`). ``critic_only`` trains the critic alone (§5.3.3)."""

@@ -1,0 +1,82 @@
+"""The house rules of the package's layout (issue 32), checked on the code itself: a shallow root, a trainer that only
+orchestrates, and no module using another module's private names."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import transformers
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trl_ppomax"
+TRAINER = PACKAGE / "ppo" / "trainer.py"
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def defined_and_used(tree: ast.AST) -> tuple[set[str], list[tuple[int, str]]]:
+    """The private names a module defines (functions, classes, assigned names and attributes) and those it uses (an
+    attribute read or written, a name imported)."""
+    defined, used = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        if isinstance(node, ast.Attribute):
+            used.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ImportFrom):
+            used += [(node.lineno, alias.name) for alias in node.names]
+    return {name for name in defined if private(name)}, [(line, name) for line, name in used if private(name)]
+
+
+def cross_module_private_uses(package: Path) -> list[str]:
+    """``module:line: name`` for every private name a module uses that another module of ``package`` defines and it
+    does not. Names of transformers' ``Trainer`` and ``PretrainedConfig`` (which our trainers override or read) are
+    theirs, not ours."""
+    theirs = set(dir(transformers.Trainer)) | set(vars(transformers.PretrainedConfig()))
+    modules = {path: defined_and_used(ast.parse(path.read_text())) for path in sorted(package.rglob("*.py"))}
+    owners = defaultdict(set)
+    for path, (defined, _) in modules.items():
+        for name in defined:
+            owners[name].add(path)
+    return [
+        f"{path.relative_to(package.parent)}:{line}: {name}"
+        for path, (defined, used) in modules.items()
+        for line, name in used
+        if owners.get(name) and name not in defined and name not in theirs
+    ]
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert cross_module_private_uses(PACKAGE) == []
+
+
+def test_the_check_finds_a_private_name_used_across_modules(tmp_path):
+    (tmp_path / "a.py").write_text("def _helper():\n    return 1\n")
+    (tmp_path / "b.py").write_text(
+        "from a import _helper\n\nclass B:\n    def run(self, other):\n        return other._state\n"
+    )
+    (tmp_path / "c.py").write_text("class C:\n    def __init__(self):\n        self._state = 0\n")
+    assert cross_module_private_uses(tmp_path) == [
+        f"{tmp_path.name}/b.py:1: _helper",
+        f"{tmp_path.name}/b.py:5: _state",
+    ]
+
+
+def test_the_package_root_is_shallow():
+    entries = [p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    assert len(entries) <= 12, sorted(entries)
+
+
+def test_the_trainer_only_orchestrates():
+    lines = TRAINER.read_text().splitlines()
+    assert len(lines) <= 400
+    functions = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef)]
+    long = {f.name: f.end_lineno - f.lineno + 1 for f in functions if f.end_lineno - f.lineno + 1 > 60}
+    assert long == {}
