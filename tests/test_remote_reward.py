@@ -19,6 +19,7 @@ import pytest
 from helpers import changed, make_trainer, snapshot
 
 from trl_ppomax import RemoteRewardModel, rewards
+from trl_ppomax.rewards import functions
 from trl_ppomax.rewards.remote import RemoteRewardError
 from trl_ppomax.toyworld.tiny import build_models
 
@@ -192,7 +193,7 @@ def test_settings_are_checked_and_a_url_is_a_reward_function():
         RemoteRewardModel("http://host/x", batch_size=0)
     loaded = rewards.load_reward_function("https://rm.example.com:8443/score")  # the CLI's --reward_funcs URL
     assert isinstance(loaded, RemoteRewardModel) and loaded.url == "https://rm.example.com:8443/score"
-    assert not rewards.is_positional_pair(loaded)  # called with keywords, as TRL's GRPO calls reward_funcs
+    assert not functions.is_positional_pair(loaded)  # called with keywords, as TRL's GRPO calls reward_funcs
 
 
 SETTINGS = dict(

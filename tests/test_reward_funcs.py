@@ -11,6 +11,7 @@ from helpers import TINY, changed, make_trainer, snapshot
 from transformers import AutoModelForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
+from trl_ppomax.rewards import functions
 from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts
 
 SMALL = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
@@ -140,7 +141,7 @@ def test_old_positional_form_still_works(tmp_path):
     # a (prompts, completions) function is called by keyword, which is the same
     scores = rewards.call_reward_function(lambda prompts, completions: [1.0] * 2, ["a", "b"], ["c", "d"], "cpu")
     assert scores.tolist() == [1.0, 1.0]
-    assert rewards.is_positional_pair(gold) and not rewards.is_positional_pair(lambda completions, **kw: [])
+    assert functions.is_positional_pair(gold) and not functions.is_positional_pair(lambda completions, **kw: [])
 
 
 def test_recipe_reward_funcs_dotted_paths():
