@@ -8,6 +8,9 @@ models, tokenizers and prompts come from the package itself, :mod:`trl_ppomax.to
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -15,7 +18,18 @@ from transformers import TrainerCallback
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
-__all__ = ["SMOKE", "TINY", "TINY_RUN", "StopAt", "changed", "engine_name", "make_trainer", "snapshot", "tiny_trainer"]
+__all__ = [
+    "SMOKE",
+    "TINY",
+    "TINY_RUN",
+    "StopAt",
+    "changed",
+    "engine_name",
+    "make_trainer",
+    "run_distributed",
+    "snapshot",
+    "tiny_trainer",
+]
 
 #: A fast PPO-max run on the tiny models: two iterations of 16 episodes (4 prompts × 2 accumulation steps × 2).
 TINY = dict(
@@ -142,3 +156,46 @@ class StopAt(TrainerCallback):
         if state.global_step == self.step:
             control.should_training_stop = True
         return control
+
+
+def run_distributed(*fns: Callable[[Callable], object]) -> list[object]:
+    """Run ``fns[rank](reduce)`` in one thread per rank; ``reduce`` sums the tensor over all ranks (an all-reduce).
+
+    Every rank sums the contributions in rank order, so all ranks receive bit-identical totals, as with NCCL.
+    """
+    world = len(fns)
+    barrier = threading.Barrier(world, timeout=10)
+    slots: list[torch.Tensor | None] = [None] * world
+    calls = [0] * world
+
+    def make_reduce(rank: int) -> Callable:
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            calls[rank] += 1
+            slots[rank] = t.clone()
+            barrier.wait()
+            total = torch.stack(slots).sum(0)
+            barrier.wait()  # nobody overwrites a slot before every rank has read all of them
+            return total
+
+        return reduce
+
+    results: list[object] = [None] * world
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fns[rank](make_reduce(rank))
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if real_errors or errors:
+        raise (real_errors or errors)[0]
+    assert len(set(calls)) == 1, f"ranks made different numbers of reduce calls: {calls}"
+    return results

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 import random
-import threading
-from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_distributed
 
 from trl_ppomax.ppo import core
 from trl_ppomax.ppo.core import (
@@ -51,52 +50,6 @@ def assert_close(actual, expected, atol: float = 1e-9, rtol: float = 1e-7) -> No
     actual = torch.as_tensor(actual, dtype=F64)
     expected = torch.as_tensor(expected, dtype=F64)
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Simulated multi-process all-reduce
-# --------------------------------------------------------------------------------------------------------------------
-def run_distributed(*fns: Callable[[core.Reduce], object]) -> list[object]:
-    """Run ``fns[rank](reduce)`` in one thread per rank; ``reduce`` sums the tensor over all ranks (an all-reduce).
-
-    Every rank sums the contributions in rank order, so all ranks receive bit-identical totals, as with NCCL.
-    """
-    world = len(fns)
-    barrier = threading.Barrier(world, timeout=10)
-    slots: list[torch.Tensor | None] = [None] * world
-    calls = [0] * world
-
-    def make_reduce(rank: int) -> core.Reduce:
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            calls[rank] += 1
-            slots[rank] = t.clone()
-            barrier.wait()
-            total = torch.stack(slots).sum(0)
-            barrier.wait()  # nobody overwrites a slot before every rank has read all of them
-            return total
-
-        return reduce
-
-    results: list[object] = [None] * world
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fns[rank](make_reduce(rank))
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-    if real_errors or errors:
-        raise (real_errors or errors)[0]
-    assert len(set(calls)) == 1, f"ranks made different numbers of reduce calls: {calls}"
-    return results
 
 
 def test_run_distributed_helper_sums_over_ranks():
