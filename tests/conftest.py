@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from trl_ppomax.toyworld import WorldSettings, prepare_world
-from trl_ppomax.toyworld.tiny import save_tiny_models
+from trl_ppomax.toyworld.tiny import ARCHITECTURES, save_tiny_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -20,7 +20,7 @@ def tiny_dir(tmp_path_factory):
     """Saved tiny models per architecture, as :func:`trl_ppomax.toyworld.tiny.save_tiny_models` writes them
     ({arch: {"sft": path, "reward": path, ...}}), plus "data": a folder whose train.jsonl holds 48 prompts."""
     root = tmp_path_factory.mktemp("tiny")
-    paths = {arch: save_tiny_models(root / arch, arch=arch) for arch in ("llama", "gpt_neox")}
+    paths = {arch: save_tiny_models(root / arch, arch=arch) for arch in ARCHITECTURES}
     data = root / "prompts"
     data.mkdir()
     shutil.copyfile(paths["llama"]["prompts"], data / "train.jsonl")
@@ -35,7 +35,7 @@ def user_folders(tmp_path_factory):
     from user_setups import write_user_folders
 
     root = tmp_path_factory.mktemp("user")
-    return {arch: write_user_folders(root / arch, arch) for arch in ("llama", "gpt_neox")}
+    return {arch: write_user_folders(root / arch, arch) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="session")

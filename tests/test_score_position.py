@@ -15,7 +15,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
 from trl_ppomax.models import score_position, sequence_inputs, sequence_scores
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_tokenizer, model_config, preference_rows
+from trl_ppomax.toyworld.tiny import (
+    ARCHITECTURES,
+    build_llama_style_tokenizer,
+    build_tokenizer,
+    model_config,
+    preference_rows,
+)
 
 
 def tokenizer_for(padding: str):
@@ -65,7 +71,7 @@ def test_score_position_rule():
     assert score_position(config, ids).tolist() == [5, 5, 5]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("padding", ["dedicated", "eos"])
 def test_ppo_scorer_reads_where_the_model_reads(padding, arch):
     tokenizer = tokenizer_for(padding)

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trl_ppomax.toyworld.tiny import ARCHITECTURES
+
 SCRIPT = Path(__file__).parent / "scripts" / "ppo_trl112_style.py"
 
 
@@ -71,7 +73,7 @@ def test_script_differs_from_trl112_only_in_the_trainer_import():
 
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "peft"])
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_trl112_script_runs_unchanged(user_folders, tmp_path, monkeypatch, capsys, arch, use_peft):
     """On the folders trl.SFTTrainer and trl.RewardTrainer wrote, whose tokenizer has one token fewer than the
     script's once it adds [PAD] (ids all the same, the embedding with room for it)."""

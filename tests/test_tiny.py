@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ppomax.cli import main
 from trl_ppomax.toyworld import tiny
-from trl_ppomax.toyworld.tiny import WORDS, build_models, build_tokenizer, save_tiny_models
+from trl_ppomax.toyworld.tiny import ARCHITECTURES, WORDS, build_models, build_tokenizer, save_tiny_models
 
 
 def assert_same_weights(a, b):
@@ -36,7 +36,7 @@ def test_build_tokenizer():
     assert tokenizer("hello zebra")["input_ids"] == [4, 1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_build_models_same_seed_same_weights(arch):
     _, policy_a, reward_a = build_models(arch, seed=3)
     _, policy_b, reward_b = build_models(arch, seed=3)
@@ -55,7 +55,7 @@ def test_unknown_arch():
         save_tiny_models("unused", arch="gpt2")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_save_tiny_models_loadable(tmp_path, arch):
     out = tmp_path / "tiny"
     paths = save_tiny_models(out, arch=arch, seed=0)

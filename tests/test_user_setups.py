@@ -19,9 +19,9 @@ from user_setups import pythia_style_tokenizer, write_plain_folders
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.cli import ppo, reward
 from trl_ppomax.ppo.setup import tokenizer_mismatch
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
+from trl_ppomax.toyworld.tiny import ARCHITECTURES, build_llama_style_tokenizer
 
-ARCHS = ["llama", "gpt_neox"]
+ARCHS = ARCHITECTURES
 
 
 def trl_example_tokenizer(folder):
