@@ -6,6 +6,8 @@ This module imports nothing heavy: the command line uses it to find the shipped 
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 COMMANDS_DIR = Path(__file__).resolve().parent
@@ -236,3 +238,44 @@ def model_kwargs(model_args) -> dict:
         dtype=model_args.dtype,
         quantization_config=get_quantization_config(model_args),
     )
+
+
+# -- What every command's parser and error shares ----------------------------------------------------------------------
+def fail(command: str, error) -> int:
+    """Print ``trl-ppomax COMMAND: error: ERROR`` on one line of stderr; returns the exit status, 2."""
+    print(f"trl-ppomax {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number ≥ 1 (``--iterations 0`` is refused when parsed, naming the flag)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default (unless its help already says it), and keeps the descriptions' line breaks."""
+
+    def _get_help_string(self, action):
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose help (and its sub-commands' help) shows the defaults, and which takes flags only as
+    spelt (no prefix matching, which made ``--judge`` ambiguous and would take ``--judge-m`` for ``--judge-model``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def add_command(commands, name: str, run, note: str = "") -> argparse.ArgumentParser:
+    """The sub-command ``name``, run by ``run``, whose docstring (plus ``note``) is its help and description."""
+    parser = commands.add_parser(name, help=run.__doc__, description=run.__doc__ + note)
+    parser.set_defaults(run=run)
+    return parser
