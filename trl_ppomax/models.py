@@ -169,9 +169,7 @@ def sequence_scores(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.
     return head(picked).squeeze(-1).float()
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Building the trained and frozen models from the trainer's arguments
-# --------------------------------------------------------------------------------------------------------------------
+# -- Building the trained and frozen models from the trainer's arguments -----------------------------------------------
 def is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
@@ -306,9 +304,7 @@ def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
             root.reshard()
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Weights from a saved folder, and what identifies a run's models
-# --------------------------------------------------------------------------------------------------------------------
+# -- Weights from a saved folder, and what identifies a run's models ---------------------------------------------------
 def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """Entries of ``state`` under ``prefix`` (e.g. ``"policy."``), with the prefix removed."""
     return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}

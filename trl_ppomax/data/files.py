@@ -251,9 +251,7 @@ def refuse_file_in_the_way(folder: str | os.PathLike) -> None:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# One run per output_dir: an exclusive lock file, held by the main process while train() runs
-# ----------------------------------------------------------------------------------------------------------------
+# -- One run per output_dir: an exclusive lock file, held by the main process while train() runs -----------------------
 #: The lock file in ``output_dir`` (hidden, so pushes skip it); it holds the PID and host of the run holding it.
 LOCK_NAME = ".trl-ppomax.lock"
 #: The locks this process holds: resolved ``output_dir`` → (open lock file, owner token).

@@ -75,9 +75,7 @@ class IntegrityError(ValueError):
     """The recovered weights do not add up to the published sum."""
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Reading checkpoints tensor by tensor
-# --------------------------------------------------------------------------------------------------------------------
+# -- Reading checkpoints tensor by tensor ------------------------------------------------------------------------------
 def load_bin_shard(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a ``.bin`` checkpoint file, memory-mapped (an old non-zip ``torch.save`` file is read whole).
     A truncated or corrupt file (an interrupted download) raises ``ValueError`` naming it, instead of torch's
@@ -250,9 +248,7 @@ def converted_name(name: str, model_type: ModelType) -> str | None:
     return None if model_type == "reward" and name.startswith("lm_head.") else name  # score replaces the unembedding
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Writing shards as they fill
-# --------------------------------------------------------------------------------------------------------------------
+# -- Writing shards as they fill ---------------------------------------------------------------------------------------
 def shard_size_bytes(size: int | str) -> int:
     """``max_shard_size`` in bytes: an int, or a whole number and a unit as transformers reads them ("2GB", "500MB",
     "1GiB"; a lower-case "b" means bits)."""
@@ -313,9 +309,7 @@ class ShardWriter:
             (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Recovery
-# --------------------------------------------------------------------------------------------------------------------
+# -- Recovery ----------------------------------------------------------------------------------------------------------
 def expected_sum_for(model_type: ModelType, lang: str, expected_sum: float | None, check: bool) -> float | None:
     """The sum to check against: the caller's, else the published one; None when the check is skipped."""
     if not check:

@@ -111,9 +111,7 @@ class _UnlockOutputDir(TrainerCallback):
         self.trainer._unlock_output_dir()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The trainer side
-# ----------------------------------------------------------------------------------------------------------------
+# -- The trainer side --------------------------------------------------------------------------------------------------
 class CheckpointMixin:
     """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
 
@@ -548,9 +546,7 @@ class CheckpointMixin:
             )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Engine-only saves (ZeRO-3 without gathering): configs beside the engine checkpoint, and consolidating it
-# ----------------------------------------------------------------------------------------------------------------
+# -- Engine-only saves (ZeRO-3 without gathering): configs beside the engine checkpoint, and consolidating it ----------
 def _save_config(model, folder: str) -> None:
     """What ``save_pretrained`` writes besides the weights: the config (with ``architectures``, as it sets them) and
     the generation config, or a PEFT model's adapter config."""

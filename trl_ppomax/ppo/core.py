@@ -23,9 +23,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Masked statistics
-# --------------------------------------------------------------------------------------------------------------------
+# -- Masked statistics -------------------------------------------------------------------------------------------------
 def masked_sum_and_count(
     x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +101,7 @@ def masked_whiten(
     return whitened * mask
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Running moments (reward normalisation, §5.3.1)
-# --------------------------------------------------------------------------------------------------------------------
+# -- Running moments (reward normalisation, §5.3.1) --------------------------------------------------------------------
 class RunningMoments:
     """Running mean and unbiased std of every value ever passed to :meth:`update` (float64 state).
 
@@ -157,9 +153,7 @@ class RunningMoments:
         return f"RunningMoments(count={self.count:g}, mean={self.mean:.6g}, std={self.std:.6g})"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Log-probabilities, entropy, sequence lengths
-# --------------------------------------------------------------------------------------------------------------------
+# -- Log-probabilities, entropy, sequence lengths ----------------------------------------------------------------------
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32.
 
@@ -206,9 +200,7 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (lengths - 1).clamp(min=0)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Reward shaping (§5.3.1, §5.3.2)
-# --------------------------------------------------------------------------------------------------------------------
+# -- Reward shaping (§5.3.1, §5.3.2) -----------------------------------------------------------------------------------
 def normalize_scores(
     scores: torch.Tensor, mean: float, std: float, mode: RewardNorm, clip: float | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
@@ -293,9 +285,7 @@ def token_rewards(
     return non_score + score_at_last * mask, non_score
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Advantages (§3.2.2, §5.3.1)
-# --------------------------------------------------------------------------------------------------------------------
+# -- Advantages (§3.2.2, §5.3.1) ---------------------------------------------------------------------------------------
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,9 +75,7 @@ class Experience:
     raw_advantages: torch.Tensor  # (B, T) GAE advantages before normalisation
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Non-finite samples: the experience phase's guard
-# --------------------------------------------------------------------------------------------------------------------
+# -- Non-finite samples: the experience phase's guard ------------------------------------------------------------------
 def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Tensor, int, str | None]:
     """Mask out the samples whose score is NaN (a reward function's None) or ±inf: their response mask is zeroed and their score, log-probs and
     values set to 0, so that they add nothing to the running reward moments, advantages, losses or metrics.

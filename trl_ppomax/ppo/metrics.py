@@ -106,9 +106,7 @@ def eval_name(name: str, prefix: str = "eval") -> str:
     return f"{prefix}_{name}"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Computing them (injected cross-process reductions: ``reduce`` sums a tensor over processes, ``gather`` concatenates)
-# --------------------------------------------------------------------------------------------------------------------
+# -- Computing them (injected cross-process reductions: ``reduce`` sums a tensor over processes, ``gather`` concatenates) ----
 def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
     """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the
     normalised scores, ``kl`` (B, T) the per-token KL."""

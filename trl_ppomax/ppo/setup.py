@@ -186,9 +186,7 @@ def _check_stop_token(args, tokenizer) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Once the models are built
-# --------------------------------------------------------------------------------------------------------------------
+# -- Once the models are built -----------------------------------------------------------------------------------------
 def prepare_and_check(
     args, tokenizer, built: dict[str, nn.Module | None], stop_token_id, train_dataset, eval_dataset, rollout_metrics
 ) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]:

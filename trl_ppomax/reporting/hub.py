@@ -156,9 +156,7 @@ def create_model_card(
     )
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Model cards for model folders (``trl-ppomax push``). The MOSS-RLHF card is built on these in trl_ppomax.moss.card.
-# --------------------------------------------------------------------------------------------------------------------
+# -- Model cards for model folders (``trl-ppomax push``). The MOSS-RLHF card is built on these in trl_ppomax.moss.card. ----
 
 #: What a card calls each model type; the keys are the model types a card knows.
 MODEL_KINDS = {
@@ -291,16 +289,8 @@ def check_model_type(model_type: str | None) -> str | None:
     return model_type
 
 
-def _usage_section(model_type: str | None, repo_id: str, peft: bool) -> str:
-    load = 'from_pretrained(REPO, dtype=torch.bfloat16, device_map="auto")'
-    note = (
-        "This repository holds a PEFT adapter: `transformers` loads it on top of its base model when `peft` is "
-        "installed.\n\n"
-        if peft
-        else ""
-    )
-    if model_type == "reward":
-        return f"""## Usage
+#: The usage section of a reward model's card (``str.format`` fields: note, repo_id, load).
+REWARD_USAGE = """## Usage
 
 {note}Score a conversation (higher is better); the score is read at the last token, so pad batches on the left:
 
@@ -337,13 +327,9 @@ trainer = PPOMaxTrainer(
 trainer.train()
 ```
 """
-    trainer_note = (
-        "\nUse it as the `model` of `PPOMaxTrainer` (trl-ppomax) to train a PPO-max policy; the reference model "
-        "defaults to a frozen copy of it.\n"
-        if model_type == "sft"
-        else ""
-    )
-    return f"""## Usage
+
+#: The usage section of a causal LM's card (fields: note, repo_id, load, trainer_note).
+CAUSAL_LM_USAGE = """## Usage
 
 {note}```python
 import torch
@@ -362,6 +348,25 @@ output = model.generate(**inputs, max_new_tokens=256, do_sample=True, top_p=0.9,
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 ```
 {trainer_note}"""
+
+
+def _usage_section(model_type: str | None, repo_id: str, peft: bool) -> str:
+    load = 'from_pretrained(REPO, dtype=torch.bfloat16, device_map="auto")'
+    note = (
+        "This repository holds a PEFT adapter: `transformers` loads it on top of its base model when `peft` is "
+        "installed.\n\n"
+        if peft
+        else ""
+    )
+    if model_type == "reward":
+        return REWARD_USAGE.format(note=note, repo_id=repo_id, load=load)
+    trainer_note = (
+        "\nUse it as the `model` of `PPOMaxTrainer` (trl-ppomax) to train a PPO-max policy; the reference model "
+        "defaults to a frozen copy of it.\n"
+        if model_type == "sft"
+        else ""
+    )
+    return CAUSAL_LM_USAGE.format(note=note, repo_id=repo_id, load=load, trainer_note=trainer_note)
 
 
 def trained_intro(model_type: str | None, base_model: str | None) -> str:

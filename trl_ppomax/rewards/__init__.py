@@ -53,9 +53,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Reward sources
-# --------------------------------------------------------------------------------------------------------------------
+# -- Reward sources ----------------------------------------------------------------------------------------------------
 def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Decode the masked tokens of each row, without special tokens."""
     return [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
