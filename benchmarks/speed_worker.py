@@ -70,9 +70,9 @@ TOKENS = {"padded": 0, "real": 0}
 
 def count_tokens() -> None:
     """Count the padded and real tokens of every forward's inputs (``sequence_inputs``: rollout forwards and update)."""
-    import trl_ppomax.ppo.trainer as trainer
+    import trl_ppomax.models as models
 
-    original = trainer.sequence_inputs
+    original = models.sequence_inputs
 
     def counted(*args, **kwargs):
         inputs = original(*args, **kwargs)
@@ -80,7 +80,7 @@ def count_tokens() -> None:
         TOKENS["real"] += int(inputs["attention_mask"].sum())
         return inputs
 
-    trainer.sequence_inputs = counted
+    models.sequence_inputs = counted
 
 
 def varied_prompts(dataset, tokenizer, seed: int = 0):
