@@ -68,7 +68,7 @@ def test_the_wheel_ships_the_configs_and_is_the_one_imported(installed, tmp_path
     assert Path(out[0]).is_relative_to(installed.parent), f"imported {out[0]}, not the wheel's trl_ppomax"
     assert {"tiny_cpu", "reward_tiny_cpu", "moss_7b_en"} <= set(out[1].split())
     package = Path(out[0]).parent
-    assert {p.name for p in (package / "accelerate_configs").glob("*.yaml")} == {
+    assert {p.name for p in (package / "cli" / "accelerate_configs").glob("*.yaml")} == {
         p.name for p in (ROOT / "recipes" / "accelerate").glob("*.yaml")
     }
 
