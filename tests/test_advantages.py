@@ -105,3 +105,14 @@ def test_a_reward_function_needs_no_value_model_without_a_critic(tmp_path, criti
     )
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.reward_model is None
+
+
+def test_a_critic_free_estimator_skips_the_presets_critic_warmup(tmp_path, critic_free, caplog):
+    assert PPOMaxConfig(output_dir=str(tmp_path), report_to="none").critic_warmup_steps == 4  # ppo_max pre-trains
+    free = PPOMaxConfig(output_dir=str(tmp_path), report_to="none", advantage_estimator=critic_free)
+    assert free.critic_warmup_steps == 0
+    with caplog.at_level("WARNING", logger="trl_ppomax.ppo.config"):
+        told = PPOMaxConfig(
+            output_dir=str(tmp_path), report_to="none", advantage_estimator=critic_free, critic_warmup_steps=3
+        )
+    assert told.critic_warmup_steps == 0 and "critic_warmup_steps=3 does not apply" in caplog.text

@@ -565,6 +565,7 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        self._skip_critic_warmup_without_critic()
         self._resolve_preset()
         check_int_fields(self)  # what the user passed, before TrainingArguments sets fields of its own
         self._validate()
@@ -587,6 +588,21 @@ class PPOMaxConfig(TrainingArguments):
         self._derive_sizes()
 
     # -- helpers ----------------------------------------------------------------------------------------------------
+    def _skip_critic_warmup_without_critic(self) -> None:
+        """An estimator that needs no critic has no critic to pre-train: the preset's ``critic_warmup_steps`` does not
+        apply (0), and one set explicitly is said and set to 0 (it would only waste iterations)."""
+        estimator = advantages.ESTIMATORS.get(self.advantage_estimator)
+        if estimator is None or estimator.needs_critic:
+            return
+        if self.critic_warmup_steps:
+            logger.warning(
+                "critic_warmup_steps=%s does not apply: advantage_estimator=%r needs no critic and builds none, so "
+                "there is no critic to pre-train; training the policy from the first iteration.",
+                self.critic_warmup_steps,
+                self.advantage_estimator,
+            )
+        self.critic_warmup_steps = 0
+
     def _resolve_preset(self) -> None:
         if self.preset not in get_args(Preset):
             raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
