@@ -85,7 +85,7 @@ def test_an_estimator_that_needs_no_critic_trains_without_one(tmp_path, critic_f
     trainer.train()
     assert changed(before, trainer.model.policy) > 0
     logged = trainer.state.log_history[-1]
-    assert math.isfinite(logged["loss/policy"]) and "loss/value" not in logged
+    assert math.isfinite(logged["loss/policy"]) and "loss/value" not in logged and "critic/values" not in logged
     assert "policy/grad_norm" in logged and "critic/grad_norm" not in logged
     checkpoint = tmp_path / "out" / "checkpoint-1"
     assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "critic").exists()

@@ -220,6 +220,8 @@ class ExperienceMaker:
         metrics = {name: M.global_mean(value, self.reduce) for name, value in per_response.items()}
         moments, gather = self.ppo_state.running_reward, kept_gather(keep, self.gather)
         metrics.update(M.batch_metrics(rollout, estimate.advantages, estimate.returns, moments, self.reduce, gather))
+        if not self.args.uses_critic:  # no critic, no values: the zeros stand in for none
+            metrics.pop(M.VALUES)
         if isinstance(estimate.lam_policy, torch.Tensor):
             metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], self.reduce)
         if self.args.num_samples_per_prompt > 1:
