@@ -17,7 +17,7 @@ from helpers import TINY, make_trainer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardTrainer
 from trl_ppomax.cli import main
-from trl_ppomax.data import looks_local
+from trl_ppomax.data.sources import looks_local
 from trl_ppomax.moss.recovery import TensorFolder, recover
 from trl_ppomax.toyworld.tiny import (
     build_models,

@@ -37,8 +37,9 @@ from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.cli.arguments import model_kwargs, parse_script_args, setup_distributed
 from trl_ppomax.cli.plan import plan
-from trl_ppomax.data import check_local_paths, load_any_dataset, release_files, to_prompt_dataset
+from trl_ppomax.data.sources import check_local_paths, load_any_dataset, to_prompt_dataset
 from trl_ppomax.moss import setup_tokenizer
+from trl_ppomax.moss.data import release_files
 from trl_ppomax.ppo.config import PPOMaxConfig, check_int_fields
 from trl_ppomax.ppo.monitor import CollapseMonitor
 from trl_ppomax.ppo.trainer import PPOMaxTrainer

@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.cli.arguments import model_kwargs, parse_script_args, setup_distributed
-from trl_ppomax.data import check_local_paths, load_data_file
 from trl_ppomax.data.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
+from trl_ppomax.data.sources import check_local_paths, load_data_file
 from trl_ppomax.ppo.config import check_int_fields
 from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
 from trl_ppomax.reward_modeling.trainer import PPOMaxRewardTrainer

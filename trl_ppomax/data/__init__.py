@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import reprlib
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Literal
 
 import torch
 from datasets import Dataset
@@ -186,7 +183,7 @@ def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_pro
     return dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
 
 
-def _is_blank(content) -> bool:
+def is_blank(content) -> bool:
     return content is None or (isinstance(content, str) and not content.strip())
 
 
@@ -214,7 +211,7 @@ def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Data
         prompt = example["prompt"]
         if not isinstance(prompt, list):
             return True
-        return any(m.get("role") == "user" for m in prompt) and not any(_is_blank(m.get("content")) for m in prompt)
+        return any(m.get("role") == "user" for m in prompt) and not any(is_blank(m.get("content")) for m in prompt)
 
     kept = dataset.filter(complete, num_proc=num_proc, desc="Dropping empty turns")
     dropped = len(dataset) - len(kept)
@@ -274,7 +271,7 @@ def _refuse_wrong_prompt_types(dataset: Dataset, name: str) -> None:
 
 def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
     """Refuse None, blank text, no ids or no messages (a conversation with an empty turn is dropped instead)."""
-    empty = [i for i, prompt in enumerate(prompts) if _is_blank(prompt) or len(prompt) == 0]
+    empty = [i for i, prompt in enumerate(prompts) if is_blank(prompt) or len(prompt) == 0]
     if not empty:
         return
     what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
@@ -431,205 +428,6 @@ def check_prompt_budget(context: int, max_prompt_length: int | None, response_le
             f"{max_prompt_length + response_length} tokens exceed {where}. Lower max_prompt_length to {left} or less "
             f"(or leave it unset to use the {left} tokens response_length leaves){shorter_responses}."
         )
-
-
-# Prompt sources for the recipes
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
-
-
-def looks_local(name: str, data: bool = False) -> bool:
-    """Whether ``name`` is meant as a local path, not a Hub id: it starts with ``.``, ``/`` or ``~``, has more parts
-    than a Hub id's ``org/name``, its first folder exists here, or (a dataset) it ends with a data-file extension."""
-    parts = name.replace(os.sep, "/").split("/")
-    return (
-        name.startswith((".", "/", "~"))
-        or len(parts) > 2
-        or (len(parts) == 2 and os.path.isdir(parts[0]))
-        or (data and name.lower().endswith(DATA_EXTENSIONS))
-    )
-
-
-def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] = ()) -> None:
-    """Fail at once, naming the setting, when a model or dataset setting (``…dataset_name``, or named in
-    ``datasets``) is a local path that does not exist (a typo), instead of trying the Hub and failing there after
-    retries."""
-    for setting, name in settings.items():
-        local = name and looks_local(name, data=setting.endswith("dataset_name") or setting in datasets)
-        if local and not os.path.exists(os.path.expanduser(name)):
-            raise FileNotFoundError(
-                f"{setting} not found: {name} (no such local file or folder; a Hub repository is named 'org/name')."
-            )
-
-
-def load_any_dataset(
-    name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
-) -> Dataset:
-    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt).
-
-    The MOSS-RLHF release's data files (:func:`release_files`: a file, or a folder's ``*train.json`` /
-    ``*valid.json``) are read as the release reads them (:func:`read_release_files`): as prompts (``kind="prompts"``)
-    or as dialogues for the ptx loss (``kind="ptx"``)."""
-    from datasets import load_dataset
-
-    files = release_files(name, split)
-    if files:
-        return read_release_files(files, kind)
-    if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
-        return load_data_file(name, split)
-    return load_dataset(name, name=config, split=split)
-
-
-def load_data_file(path: str, split: str = "train") -> Dataset:
-    """The rows of a local data file (:data:`FILE_BUILDERS`) as the split ``split``. An empty file, or one its
-    builder cannot read (a broken JSON line, a damaged Parquet file), fails here with a ``ValueError`` naming the
-    file (and the first bad line of a JSON file), not deep in ``datasets`` without it."""
-    from datasets import load_dataset
-
-    builder = FILE_BUILDERS[os.path.splitext(path)[1]]
-    try:
-        dataset = load_dataset(builder, data_files={split: path}, split=split)
-    except Exception as err:  # StopIteration, ArrowInvalid, DatasetGenerationError, …: none names the file
-        where = _first_bad_json_line(path) if builder == "json" else ""
-        raise ValueError(
-            f"{path} could not be read as a {builder} data file{where}: {type(err).__name__}: {err}"
-        ) from err
-    if len(dataset) == 0:
-        raise ValueError(f"{path} holds no rows: give a data file with one row per example.")
-    return dataset
-
-
-def _first_bad_json_line(path: str) -> str:
-    """`` (line N is not JSON)`` for the first non-blank line of a JSON-lines file that does not parse; `` (the
-    file is empty)``; or nothing (a whole-file JSON document, or every line parses)."""
-    with open(path, encoding="utf-8-sig", errors="replace") as file:
-        text = file.read()
-    if not text.strip():
-        return " (the file is empty)"
-    try:
-        json.loads(text)
-        return ""
-    except json.JSONDecodeError:
-        pass
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            if line.strip():
-                json.loads(line)
-        except json.JSONDecodeError as err:
-            return f" (line {number} is not JSON: {err.msg})"
-    return ""
-
-
-#: Split names read from the files of a release folder whose names end with another word (``*valid.json``).
-RELEASE_SPLIT_FILES = {"validation": "valid"}
-
-
-def release_files(name: str, split: str = "train") -> list[str]:
-    """The MOSS-RLHF release's data files (JSON lists of samples, each a list of turns) that ``name`` holds for
-    ``split``: ``name`` itself when it is one; in a folder, every such file named ``*{split}.json`` (``validation``
-    reads ``*valid.json``), sorted, as the release's ``ppo_datahelper.py``. Empty when ``name`` is neither."""
-    if os.path.isfile(name):
-        return [name] if name.endswith(".json") and _looks_like_release_list(name) else []
-    if not os.path.isdir(name):
-        return []
-    suffix = f"{RELEASE_SPLIT_FILES.get(split, split)}.json"
-    files = sorted(os.path.join(name, f) for f in os.listdir(name) if f.endswith(suffix))
-    files = [f for f in files if os.path.isfile(f)]
-    return files if files and all(_looks_like_release_list(f) for f in files) else []
-
-
-def _looks_like_release_list(path: str) -> bool:
-    """Whether a JSON file opens as a list of lists (``[[``, or ``[]``): the release's samples, each a list of turns,
-    rather than the list of records (``[{``) that the ``json`` dataset builder reads."""
-    with open(path, encoding="utf-8-sig") as file:
-        head = "".join(file.read(4096).split())
-    return head.startswith(("[[", "[]"))
-
-
-def _read_release_list(path: str) -> list[list[str | None]] | None:
-    """The samples of a release data file, or None when ``path`` holds something else."""
-    with open(path, encoding="utf-8-sig") as file:
-        try:
-            data = json.load(file)
-        except json.JSONDecodeError:
-            return None
-    turns = isinstance(data, list) and all(isinstance(s, list) for s in data)
-    return data if turns and all(t is None or isinstance(t, str) for s in data for t in s) else None
-
-
-def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "prompts") -> Dataset:
-    """The samples of the release's data files (JSON lists of samples, each a list of turns), in file order.
-
-    - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's** (:func:`roles_from_the_end`, the
-      release's ``i + (len + 1) % 2``); a sample with no turn or an empty one (None, empty or blank) is dropped, as
-      the release's ``all(sample)`` does.
-    - ``kind="ptx"``: a ``messages`` column, the human's turn first (:func:`roles_from_the_start`); a sample with
-      fewer than two turns or an empty one is dropped, as the release does.
-
-    Dropped samples are counted in a warning per file; raises when none is left."""
-    samples, shortest = [], 2 if kind == "ptx" else 1
-    for path in paths:
-        data = _read_release_list(path)
-        if data is None:
-            raise ValueError(f"{path} is not a MOSS-RLHF data file: a JSON list of samples, each a list of turns.")
-        kept = [s for s in data if len(s) >= shortest and not any(_is_blank(t) for t in s)]
-        if len(kept) < len(data):
-            few = "fewer than two" if kind == "ptx" else "no"
-            message = (
-                f"{path}: dropped {len(data) - len(kept)} of {len(data)} samples with {few} turns or an empty one"
-            )
-            logger.warning("%s, as the MOSS-RLHF release does.", message)
-        samples.extend(kept)
-    if not samples:
-        raise ValueError(
-            f"No sample is left in {', '.join(paths)}: every sample has an empty turn, or the files are empty."
-        )
-    if kind == "ptx":
-        return Dataset.from_dict({"messages": [roles_from_the_start(s) for s in samples]})
-    return Dataset.from_dict({"prompt": [roles_from_the_end(s) for s in samples]})
-
-
-def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
-    """Messages for a list of turns whose last one is the user's: ``[..., assistant, user]``."""
-    return [
-        {"role": "user" if (len(turns) - 1 - i) % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
-    ]
-
-
-def roles_from_the_start(turns: list[str]) -> list[dict[str, str]]:
-    """Messages for a list of turns whose first one is the user's: ``[user, assistant, user, ...]``."""
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-
-
-def to_prompt_dataset(dataset: Dataset) -> Dataset:
-    """Keep (or make) the ``prompt`` column from the common formats: prompt-only and preference datasets with
-    ``prompt``; conversational ``messages`` (everything up to the last user turn); raw HH-RLHF (``chosen``/``rejected``
-    dialogues); tokenized ``input_ids`` is kept as is. The other columns stay: reward functions receive them (e.g. a
-    ``solution`` column)."""
-    from trl_ppomax.data.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
-
-    columns = dataset.column_names
-    if "input_ids" in columns:
-        return dataset.remove_columns([c for c in ("prompt",) if c in columns])
-    if "prompt" in columns:
-        return dataset
-    if is_hh_rlhf(dataset):
-        return convert_hh_rlhf(dataset).select_columns(["prompt"])
-    if "messages" in columns:
-        return dataset.map(
-            lambda e: {"prompt": _up_to_last_user_turn(e["messages"])}, remove_columns=["messages"], desc="Prompts"
-        )
-    raise ValueError(
-        f"Cannot find prompts in a dataset with columns {columns}: expected 'prompt', 'messages', 'input_ids', or "
-        "Anthropic HH-RLHF 'chosen'/'rejected' dialogues."
-    )
-
-
-def _up_to_last_user_turn(messages: list[dict]) -> list[dict]:
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
-        raise ValueError("A conversation in 'messages' has no user turn to use as a prompt.")
-    return messages[: last_user + 1]
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:

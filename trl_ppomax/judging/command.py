@@ -110,7 +110,7 @@ def check_settings(args: argparse.Namespace) -> None:
 
 def check_paths(args: argparse.Namespace) -> None:
     """A local model folder or data file that does not exist fails here, before anything loads or the Hub is tried."""
-    from trl_ppomax.data import check_local_paths
+    from trl_ppomax.data.sources import check_local_paths
 
     sources = [split_category(item)[2] for item in args.prompts or []]
     data = {f"--prompts {s}": s.partition("#")[0] for s in sources}
@@ -233,7 +233,7 @@ def _run_mcq(args: argparse.Namespace) -> int:
 
 def _load_questions(source: str, split: str):
     """A split of ``source``: a Hub id (``ID#CONFIG`` for a subject or config), a folder or a data file."""
-    from trl_ppomax.data import load_any_dataset
+    from trl_ppomax.data.sources import load_any_dataset
 
     name, _, config = source.partition("#")
     if config:

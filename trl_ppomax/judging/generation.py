@@ -13,7 +13,8 @@ from accelerate.utils import release_memory
 from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
-from trl_ppomax.data import PromptCollator, load_any_dataset, model_context, prepare_prompt_dataset, to_prompt_dataset
+from trl_ppomax.data import PromptCollator, model_context, prepare_prompt_dataset
+from trl_ppomax.data.sources import load_any_dataset, to_prompt_dataset
 from trl_ppomax.generation import generate_responses, generation_kwargs
 from trl_ppomax.judging.base import ALL, JsonlCache, Pair, prompt_key
 

@@ -476,9 +476,9 @@ def recovery_command(raw, diff, output, model_type, lang, dtype=None) -> str:
 
 def resolve_source(path_or_repo: str, setting: str = "source") -> str:
     """A local folder as is; otherwise a Hub repo id, downloaded (weights, config, tokenizer) with huggingface_hub. A
-    ``FileNotFoundError`` naming ``setting`` for a local path (:func:`~trl_ppomax.data.looks_local`) that is no
+    ``FileNotFoundError`` naming ``setting`` for a local path (:func:`~trl_ppomax.data.sources.looks_local`) that is no
     folder, instead of a Hub error about a malformed repo id."""
-    from trl_ppomax.data import looks_local
+    from trl_ppomax.data.sources import looks_local
 
     if os.path.isdir(path_or_repo):
         return path_or_repo

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ppomax import data, rewards
 from trl_ppomax import models as modeling
+from trl_ppomax.data.sources import looks_local
 from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.config import PPOMaxConfig
 
@@ -139,11 +140,11 @@ def load_model(name: str, value):
 
 def check_model_path(name: str, value) -> None:
     """A ``FileNotFoundError`` naming the argument when ``value`` is meant as a local path (a ``Path``, or a string
-    :func:`data.looks_local` says is one) that does not exist: a typo, not a Hub id to look up."""
+    :func:`~trl_ppomax.data.sources.looks_local` says is one) that does not exist: a typo, not a Hub id to look up."""
     if not _is_path(value):
         return
     text = os.fspath(value)
-    local = isinstance(value, os.PathLike) or data.looks_local(text)
+    local = isinstance(value, os.PathLike) or looks_local(text)
     path = os.path.expanduser(text)
     if local and not os.path.exists(path):
         raise FileNotFoundError(
