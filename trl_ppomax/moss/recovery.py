@@ -324,6 +324,27 @@ def expected_sum_for(model_type: ModelType, lang: str, expected_sum: float | Non
     return EXPECTED_SUMS[(model_type, lang)]
 
 
+def _check_choices(**given: tuple) -> None:
+    """A ``ValueError`` for the first ``name=(value, allowed)`` whose value is not allowed."""
+    for name, (value, allowed) in given.items():
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+
+
+def _say_skipped_buffers(skipped: dict[str, list[str]]) -> None:
+    """Log the non-persistent buffers of each checkpoint (``{"diff"|"raw": names}``) that are not written."""
+    for where, names in skipped.items():
+        if names:
+            logger.info(
+                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
+                "transformers model, not written.",
+                len(names),
+                where,
+                ", ".join(NON_PERSISTENT_BUFFERS),
+                names[0],
+            )
+
+
 def recover(
     raw: str | os.PathLike,
     diff: str | os.PathLike,
@@ -350,10 +371,7 @@ def recover(
     """
     from transformers import AutoConfig
 
-    choices = {"model_type": (model_type, MODEL_TYPES), "lang": (lang, LANGS), "dtype": (dtype, sorted(DTYPES))}
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+    _check_choices(model_type=(model_type, MODEL_TYPES), lang=(lang, LANGS), dtype=(dtype, sorted(DTYPES)))
     target = expected_sum_for(model_type, lang, expected_sum, check)
     # Whether the target counts the non-persistent buffers: the published sums do; a given one may (None: either).
     counts_buffers = PUBLISHED_SUMS_COUNT_BUFFERS if target is not None and expected_sum is None else None
@@ -362,16 +380,7 @@ def recover(
         raise FileExistsError(f"{output} exists and is not empty; choose another output folder or remove it.")
     max_bytes = shard_size_bytes(max_shard_size)
     diff_folder, raw_folder = TensorFolder(diff), TensorFolder(raw)
-    for where, names in check_keys(diff_folder, raw_folder).items():
-        if names:
-            logger.info(
-                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
-                "transformers model, not written.",
-                len(names),
-                where,
-                ", ".join(NON_PERSISTENT_BUFFERS),
-                names[0],
-            )
+    _say_skipped_buffers(check_keys(diff_folder, raw_folder))
     check_model_type(diff_folder, model_type)
     config = AutoConfig.from_pretrained(diff if (Path(diff) / "config.json").is_file() else raw)
     buffers, source = buffers_sum(diff_folder, raw_folder, config) if target is not None else (None, None)
@@ -391,18 +400,9 @@ def recover(
         if target is not None:
             counted = check_sum(total, buffers, source, target, counts_buffers, f"{lang} {model_type}")
         _write_config_and_tokenizer(config, Path(diff), Path(raw), temporary, model_type, lang, dtype)
-        info = {
-            "model_type": model_type,
-            "lang": lang,
-            "source_diff": str(diff),
-            "source_raw": str(raw),
-            "expected_sum": target,
-            "recovered_sum": total,
-            "buffers_sum": buffers,
-            "sum_counts_buffers": counted,
-            "dtype": dtype,
-            "recovery_command": recovery_command(raw, diff, output, model_type, lang, dtype),
-        }
+        info = dict(model_type=model_type, lang=lang, source_diff=str(diff), source_raw=str(raw), expected_sum=target)
+        info.update(recovered_sum=total, buffers_sum=buffers, sum_counts_buffers=counted, dtype=dtype)
+        info["recovery_command"] = recovery_command(raw, diff, output, model_type, lang, dtype)
         (temporary / CONVERSION_INFO).write_text(json.dumps(info, indent=2))
     return output
 

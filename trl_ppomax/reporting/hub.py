@@ -577,12 +577,8 @@ def push_folder(
     root = _check_folder(folder)
     files, excluded = upload_plan(root, include_internals)
     if excluded:
-        logger.warning(
-            "Not uploading checkpoint files from %s: %s (pass include_internals=True / --include-checkpoint-files "
-            "to upload them).",
-            root,
-            ", ".join(excluded),
-        )
+        hint = "pass include_internals=True / --include-checkpoint-files to upload them"
+        logger.warning("Not uploading checkpoint files from %s: %s (%s).", root, ", ".join(excluded), hint)
     card = card if card is not None else model_card(root, repo_id)
     card = card if isinstance(card, ModelCard) else ModelCard(str(card))
     paths = [*files, "README.md"]
@@ -592,13 +588,10 @@ def push_folder(
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision and revision != "main":
         api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+    message = commit_message or f"Upload {root.name} with trl-ppomax"
     with staging_folder(root, files, redact_token(str(card))) as staged:
         info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=staged,
-            commit_message=commit_message or f"Upload {root.name} with trl-ppomax",
-            repo_type="model",
-            revision=revision,
+            repo_id=repo_id, folder_path=staged, commit_message=message, repo_type="model", revision=revision
         )
     return PushResult(
         paths,
