@@ -127,7 +127,10 @@ def run_ppo_recipe(cwd: Path, *launcher: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize(
+    "processes",
+    [1, pytest.param(2, marks=pytest.mark.slow)],  # 2: ten seconds more; .ci/run runs it
+)
 def test_ppo_recipe_runs_the_tiny_config(tmp_path, processes):
     launcher = ["--num_processes", "1"] if processes == 1 else ["--multi_gpu", "--num_processes", "2"]
     stdout = run_ppo_recipe(tmp_path, *launcher)

@@ -29,6 +29,7 @@ def stability():
     return module
 
 
+@pytest.mark.slow  # fifteen seconds of benchmark runs (.ci/run runs it)
 def test_stress_writes_the_documented_json_and_figures_and_resumes(
     stability, world, world_cache, tmp_path, monkeypatch
 ):

@@ -110,6 +110,7 @@ def test_recipe_without_arguments_runs_the_toy_world(world, cache_root, tmp_path
     assert (tmp_path / "output" / "toyworld" / "training_dynamics.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # ten seconds of benchmark runs (.ci/run runs it)
 def test_stability_benchmark_writes_the_documented_json(world, world_cache, tmp_path):
     import importlib.util
     import json
