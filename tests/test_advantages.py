@@ -80,6 +80,7 @@ def test_an_estimator_that_needs_no_critic_trains_without_one(tmp_path, critic_f
     settings = dict(advantage_estimator=critic_free, save_strategy="steps", save_steps=1)
     trainer = make_trainer(tmp_path, callbacks=[StopAt(1)], **settings)
     assert trainer.model.critic is None and trainer.model.value_model is None
+    assert trainer.reward_model is trainer.reward_sources.sources[0]  # trl 1.12's name: the reward model still
     assert {group["model"] for group in trainer.optimizer.param_groups} == {"policy"}
     before = snapshot(trainer.model.policy)
     trainer.train()
@@ -104,7 +105,7 @@ def test_a_reward_function_needs_no_value_model_without_a_critic(tmp_path, criti
         tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(prompts), advantage_estimator=critic_free
     )
     trainer.train()
-    assert trainer.state.global_step == 2 and trainer.reward_model is None
+    assert trainer.state.global_step == 2 and trainer.reward_model is trainer.reward_sources.sources[0]
 
 
 def test_a_critic_free_estimator_skips_the_presets_critic_warmup(tmp_path, critic_free, caplog):

@@ -433,16 +433,16 @@ def check_engine(fsdp_enabled: bool, distributed_type) -> None:
 
 @dataclass
 class Setup:
-    """What :func:`set_up` hands the trainer: the tokenizer, the built models, the reward sources (``critic_source``:
-    the reward model the critic was initialised from, trl 1.12's ``trainer.reward_model``), the prepared prompt
-    datasets, the stop token id (None: none) and the token the missing-stop-token penalty looks for."""
+    """What :func:`set_up` hands the trainer: the tokenizer, the built models, the reward sources (``reward_model``:
+    trl 1.12's ``trainer.reward_model``, the one the critic was initialised from, else the first source), the prepared
+    prompt datasets, the stop token id (None: none) and the token the missing-stop-token penalty looks for."""
 
     tokenizer: object
     policy: nn.Module
     ref_model: nn.Module | None
     critic: nn.Module | None
     reward_sources: rewards.RewardSources
-    critic_source: object
+    reward_model: object
     train_dataset: Dataset
     eval_dataset: Dataset | dict[str, Dataset] | None
     stop_token_id: int | None
@@ -474,15 +474,7 @@ def set_up(args, tokenizer, passed: dict, datasets: tuple, peft_config, reward_p
         args, tokenizer, built, stop_token_id, train_dataset, eval_dataset, rollout_metrics
     )
     stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+    first = critic_source if critic_source is not None else sources.sources[0]
     return Setup(
-        tokenizer,
-        policy,
-        reference,
-        critic,
-        sources,
-        critic_source,
-        train_dataset,
-        eval_dataset,
-        stop_token_id,
-        stop_id,
+        tokenizer, policy, reference, critic, sources, first, train_dataset, eval_dataset, stop_token_id, stop_id
     )

@@ -86,7 +86,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
             args, processing_class, passed, datasets, peft_config, reward_processing_classes, rollout_metrics
         )
         processing_class, self.ref_model, self.reward_sources = built.tokenizer, built.ref_model, built.reward_sources
-        self.reward_model, self.stop_token_id, self.stop_id = built.critic_source, built.stop_token_id, built.stop_id
+        self.reward_model, self.stop_token_id, self.stop_id = built.reward_model, built.stop_token_id, built.stop_id
         self.is_peft_model = models.is_peft(built.policy)
         args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
         self.ptx_dataset = ptx_dataset
