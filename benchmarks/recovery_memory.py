@@ -65,7 +65,8 @@ def write_sharded(tensors: dict[str, torch.Tensor], folder: Path, shards: int, f
 def write_config_and_tokenizer(folder: Path, layers: int, hidden: int, intermediate: int, vocab: int) -> None:
     from transformers import LlamaConfig
 
-    from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/user_setups.py
+    from user_setups import build_llama_style_tokenizer
 
     LlamaConfig(
         vocab_size=vocab,

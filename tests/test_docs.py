@@ -27,10 +27,10 @@ import yaml
 from sybil import Document
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
-from user_setups import write_plain_folders
+from user_setups import build_llama_style_tokenizer, write_plain_folders
 
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, llama_config
+from trl_ppomax.toyworld.tiny import llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -7,13 +7,13 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import make_trainer
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig
 from trl_ppomax.data import prepare_text_dataset
 from trl_ppomax.models import response_logits, sequence_inputs
 from trl_ppomax.moss import setup_tokenizer
 from trl_ppomax.ppo import core, metrics
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
 
 def first_rollout(trainer):

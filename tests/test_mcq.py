@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 from transformers import LlamaForCausalLM
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax.judging.mcq import (
     MMLU_INSTRUCTION,
@@ -17,7 +18,7 @@ from trl_ppomax.judging.mcq import (
     score_multiple_choice,
     select_shots,
 )
-from trl_ppomax.toyworld.tiny import SPECIALS, WORDS, build_llama_style_tokenizer, llama_config, word_level_tokenizer
+from trl_ppomax.toyworld.tiny import SPECIALS, WORDS, llama_config, word_level_tokenizer
 
 LETTER_TOKENS = ["A", "B", "C", "D", "A.", "B.", "C.", "D.", "Answer:"]
 

@@ -4,6 +4,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax.moss.prompt import (
     SPEAKER_TAGS,
@@ -13,7 +14,7 @@ from trl_ppomax.moss.prompt import (
     setup_tokenizer,
     truncate_dialogue,
 )
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_tokenizer
+from trl_ppomax.toyworld.tiny import build_tokenizer
 
 
 def user(text):

@@ -19,6 +19,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
 )
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.moss.recovery import (
@@ -30,7 +31,7 @@ from trl_ppomax.moss.recovery import (
     inv_freq,
     recover,
 )
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, llama_config
+from trl_ppomax.toyworld.tiny import llama_config
 
 
 def tiny_config(tokenizer) -> LlamaConfig:

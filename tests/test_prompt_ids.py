@@ -14,12 +14,12 @@ import re
 import pytest
 from datasets import Dataset
 from transformers import LlamaTokenizer, LlamaTokenizerFast
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax.data import prepare_prompt_dataset, tokenize_prompt
 from trl_ppomax.data.sources import load_any_dataset
 from trl_ppomax.moss.data import release_files
 from trl_ppomax.moss.prompt import SPEAKER_TAGS, format_dialogue, setup_tokenizer
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer
 
 
 def user(text):

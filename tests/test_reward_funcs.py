@@ -9,10 +9,11 @@ import torch
 from datasets import Dataset
 from helpers import TINY, changed, make_trainer, snapshot
 from transformers import AutoModelForSequenceClassification
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
 from trl_ppomax.rewards import functions
-from trl_ppomax.toyworld.tiny import build_llama_style_tokenizer, build_models, llama_config, prompt_texts
+from trl_ppomax.toyworld.tiny import build_models, llama_config, prompt_texts
 
 SMALL = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
 

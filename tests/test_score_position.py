@@ -12,12 +12,12 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
 from trl_ppomax.models import score_position, sequence_inputs, sequence_scores
 from trl_ppomax.toyworld.tiny import (
     ARCHITECTURES,
-    build_llama_style_tokenizer,
     build_tokenizer,
     model_config,
     preference_rows,

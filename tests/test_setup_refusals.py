@@ -14,12 +14,12 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset
 from helpers import TINY, make_trainer, snapshot
 from transformers import AutoModelForSequenceClassification
+from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, data, rewards
 from trl_ppomax.data import tokenize_prompt
 from trl_ppomax.rewards import call_reward_function
 from trl_ppomax.toyworld.tiny import (
-    build_llama_style_tokenizer,
     build_models,
     llama_config,
     prompt_texts,

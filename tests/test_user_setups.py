@@ -14,12 +14,12 @@ import torch
 from datasets import Dataset, load_dataset
 from helpers import SMOKE, changed, snapshot
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from user_setups import pythia_style_tokenizer, write_plain_folders
+from user_setups import build_llama_style_tokenizer, pythia_style_tokenizer, write_plain_folders
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.cli import ppo, reward
 from trl_ppomax.ppo.setup import tokenizer_mismatch
-from trl_ppomax.toyworld.tiny import ARCHITECTURES, build_llama_style_tokenizer
+from trl_ppomax.toyworld.tiny import ARCHITECTURES
 
 ARCHS = ARCHITECTURES
 

@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -45,10 +45,8 @@ from trl_ppomax.models import without_zero3_init
 __all__ = [
     "ARCHITECTURES",
     "CHAT_TEMPLATE",
-    "LLAMA_STYLE_SPECIALS",
     "SPECIALS",
     "WORDS",
-    "build_llama_style_tokenizer",
     "build_models",
     "build_tokenizer",
     "model_config",
@@ -136,54 +134,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = word_level_tokenizer([*SPECIALS, *WORDS, *_ROLES])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-#: Special tokens of :func:`build_llama_style_tokenizer`, ids 0-2 as in LLaMA: unknown (also the padding), bos, eos.
-LLAMA_STYLE_SPECIALS = ["<unk>", "<s>", "</s>"]
-_LLAMA_STYLE_EXTRAS = ["Human", "Assistant", "MOSS", "user", "assistant", "system", "I", "am", "fine", "do", "can"]
-# A few common Chinese characters (LLaMA's own vocabulary has a few hundred CJK characters too).
-_LLAMA_STYLE_CJK = "你好我是的了吗呢在有不这个人们他她它什么怎样请谢问题回答今天明天猫狗太阳月亮写诗故事很多少"
-_LLAMA_STYLE_PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~，。？！：；、“”（）"
-
-
-def build_llama_style_tokenizer(lang: str = "en") -> PreTrainedTokenizerFast:
-    """A tiny offline tokenizer shaped like LLaMA's: ``<unk>`` id 0, ``<s>`` id 1, ``</s>`` id 2, bos prepended.
-
-    A case-sensitive WordPiece over about 300 tokens: :data:`WORDS` (lower-case and capitalised), a few extras ("Human",
-    "Assistant", "MOSS", ...), every ASCII letter and digit also as a ``##`` continuation piece (so any ASCII word
-    encodes without ``<unk>``), ASCII and CJK punctuation, and a few common Chinese characters. Pre-tokenisation splits
-    on whitespace, isolates every punctuation mark, digit and CJK character; ``"Human:Hi"`` → ``Human : Hi``.
-    ``tokenizer("hi")`` gives ``[1, id("hi")]`` (bos, no eos), like LLaMA. Decoding joins words with spaces, so it does
-    not round-trip exactly.
-
-    As in the released tokenizer, nothing is set for padding and no chat template: that is the job of
-    :func:`trl_ppomax.moss.prompt.setup_tokenizer` (pad = ``<unk>``, left padding, and for ``lang="zh"`` the
-    ``<|Human|>`` / ``<|MOSS|>`` special tokens). The vocabulary is the same for both languages (the Chinese release
-    also uses the LLaMA tokenizer); ``lang`` is only checked.
-    """
-    if lang not in ("en", "zh"):
-        raise ValueError(f"Unknown language {lang!r}: use 'en' or 'zh'.")
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    digits = [str(d) for d in range(10)]
-    words = [*WORDS, *(w.capitalize() for w in WORDS), *_LLAMA_STYLE_EXTRAS]
-    pieces = [*words, *letters, *(f"##{c}" for c in letters + digits), *digits, *_LLAMA_STYLE_PUNCT, *_LLAMA_STYLE_CJK]
-    vocab: dict[str, int] = {}
-    for token in [*LLAMA_STYLE_SPECIALS, *pieces]:
-        vocab.setdefault(token, len(vocab))
-    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", continuing_subword_prefix="##"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Punctuation("isolated"),
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.Split(Regex(r"[\u3400-\u9fff]"), "isolated"),
-        ]
-    )
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def llama_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int = 2, **extra) -> LlamaConfig:
