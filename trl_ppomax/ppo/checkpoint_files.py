@@ -121,7 +121,7 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
         engine_files, engine_missing = engine_checkpoint_files(path, args.world_size)
         files += engine_files
         missing += engine_missing
-    for folder in (path, os.path.join(path, CRITIC_DIR))[: 2 if args.uses_critic else 1]:
+    for folder in [path] + ([os.path.join(path, CRITIC_DIR)] if args.uses_critic else []):
         try:
             files += [os.fspath(f) for f in weight_files(folder)]
         except FileNotFoundError as err:

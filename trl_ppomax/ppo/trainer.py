@@ -113,10 +113,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
         # Its second half, scoring, then the experience phase (scoring.py, experience.py)
-        scoring = (args, self.accelerator, processing_class, self.reward_sources)
-        self.scorer = Scorer(*scoring, self.ref_model, self.generation, self.stop_id)
-        metrics = dict(rollout_metrics or {})
-        self.experience_maker = ExperienceMaker(args, self.ppo_state, *scoring[1:], metrics, self.stop_id)
+        accelerator, sources, stop_id = self.accelerator, self.reward_sources, self.stop_id
+        self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, self.generation, stop_id)
+        metrics, state = dict(rollout_metrics or {}), self.ppo_state
+        self.experience_maker = ExperienceMaker(args, state, accelerator, processing_class, sources, metrics, stop_id)
 
     @property
     def vllm(self) -> VLLMEngine | None:

@@ -222,7 +222,6 @@ class RewardSources:
                 raise ValueError(f"{name} has {len(given)} entries for {count} reward sources; give one per source.")
         self.processing_classes = [_load_tokenizer(p) for p in processing_classes]
         self.weights = [float(w) for w in weights]
-        self.scorers = [as_source(s, t) for s, t in zip(self.sources, self.processing_classes, strict=True)]
         names = [scorer.name for scorer in self.scorers]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         for source, tokenizer in zip(self.sources, self.processing_classes, strict=True):
@@ -232,6 +231,11 @@ class RewardSources:
                 backbone_and_head(source)
             if tokenizer is not None and tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
                 raise ValueError("A reward processing class needs a pad or eos token to pad with.")
+
+    @property
+    def scorers(self) -> list[RewardSource]:
+        """Each source behind the :class:`RewardSource` protocol (the prepared models once :meth:`prepare` ran)."""
+        return [as_source(s, t) for s, t in zip(self.sources, self.processing_classes, strict=True)]
 
     @property
     def modules(self) -> list[tuple[int, nn.Module]]:
@@ -266,7 +270,6 @@ class RewardSources:
         """Replace each reward model by ``prepare_module(model)`` (frozen, on the device or sharded)."""
         for index, module in self.modules:
             self.sources[index] = prepare_module(module)
-            self.scorers[index] = as_source(self.sources[index], self.processing_classes[index])
 
     def score(self, tokenizer, inputs, query_mask, response_mask, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(combined (B,), per-source (B, S))`` scores of query ⊕ response ``inputs``."""
