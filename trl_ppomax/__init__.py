@@ -24,29 +24,18 @@ _LAZY = {
     "evaluate_policy": ".judging.run",
 }
 
-__all__ = [
-    "CollapseMonitor",
-    "PPOMaxConfig",
-    "PPOMaxRewardConfig",
-    "PPOMaxRewardTrainer",
-    "PPOMaxTrainer",
-    "RemoteRewardModel",
-    "RunningMoments",
-    "WinRateCallback",
-    "__version__",
-    "evaluate_policy",
-]
+__all__ = sorted([*_LAZY, "__version__"])
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported lazily by __getattr__
-    from trl_ppomax.judging.callback import WinRateCallback
-    from trl_ppomax.judging.run import evaluate_policy
-    from trl_ppomax.ppo.config import PPOMaxConfig
-    from trl_ppomax.ppo.core import RunningMoments
-    from trl_ppomax.ppo.monitor import CollapseMonitor
-    from trl_ppomax.ppo.trainer import PPOMaxTrainer
-    from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
-    from trl_ppomax.reward_modeling.trainer import PPOMaxRewardTrainer
-    from trl_ppomax.rewards.remote import RemoteRewardModel
+    from trl_ppomax.judging.callback import WinRateCallback as WinRateCallback
+    from trl_ppomax.judging.run import evaluate_policy as evaluate_policy
+    from trl_ppomax.ppo.config import PPOMaxConfig as PPOMaxConfig
+    from trl_ppomax.ppo.core import RunningMoments as RunningMoments
+    from trl_ppomax.ppo.monitor import CollapseMonitor as CollapseMonitor
+    from trl_ppomax.ppo.trainer import PPOMaxTrainer as PPOMaxTrainer
+    from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig as PPOMaxRewardConfig
+    from trl_ppomax.reward_modeling.trainer import PPOMaxRewardTrainer as PPOMaxRewardTrainer
+    from trl_ppomax.rewards.remote import RemoteRewardModel as RemoteRewardModel
 
 
 def __getattr__(name: str) -> Any:

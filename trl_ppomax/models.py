@@ -2,8 +2,7 @@
 
 A new model family is taught in :func:`backbone_and_head` (body and scalar head of a ``*ForSequenceClassification``).
 Sequences are ``[query (left-padded, width L) | response (right-padded, width T)]``; the logits and value for
-response token ``t`` are read at position ``L − 1 + t``, the score where the model reads it (:func:`score_position`).
-"""
+response token ``t`` are read at position ``L − 1 + t``, the score where the model reads it (:func:`score_position`)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import copy
 import inspect
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -29,15 +28,13 @@ SCORE_HEAD_NAMES = ("score", "classifier")
 
 
 class PolicyAndCritic(nn.Module):
-    """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both.
-
-    ``forward`` returns the response logits (B, T, V), the values (B, T; None without a critic) and, when ``ptx_inputs`` is given, the
-    policy's logits on that pre-training batch. trl 1.12's names ``policy`` and ``value_model`` both work."""
+    """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both:
+    it returns the response logits (B, T, V), the values (B, T; None without a critic) and the policy's logits on
+    ``ptx_inputs`` when given. trl 1.12's names ``policy`` and ``value_model`` both work."""
 
     def __init__(self, policy: nn.Module, critic: nn.Module | None) -> None:
         super().__init__()
-        self.policy = policy
-        self.critic = critic  # None with a critic-free advantage estimator
+        self.policy, self.critic = policy, critic  # critic: None with a critic-free advantage estimator
 
     @property
     def trained(self) -> list[nn.Module]:
@@ -47,11 +44,7 @@ class PolicyAndCritic(nn.Module):
     @property
     def _no_split_modules(self) -> list[str]:
         """The policy's and the critic's layer classes: FSDP's transformer auto-wrap shards layer by layer."""
-        names = []
-        for model in self.trained:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            names += list(getattr(base, "_no_split_modules", None) or [])
-        return list(dict.fromkeys(names))
+        return list(dict.fromkeys(n for m in self.trained for n in getattr(_base(m), "_no_split_modules", None) or []))
 
     @property
     def value_model(self) -> nn.Module:
@@ -67,59 +60,52 @@ class PolicyAndCritic(nn.Module):
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
         for model in self.trained:
-            if hasattr(type(model), "activation_checkpointing_enable"):  # transformers ≥ 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            new = hasattr(type(model), "activation_checkpointing_enable")  # transformers ≥ 5.x name
+            (model.activation_checkpointing_enable if new else model.gradient_checkpointing_enable)(kwargs)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        flag = getattr(type(self.policy), "is_activation_checkpointing", None)
-        name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
-        return bool(getattr(self.policy, name, False))
+        new = hasattr(type(self.policy), "is_activation_checkpointing")
+        return bool(getattr(self.policy, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
 
     def gradient_checkpointing_disable(self) -> None:
         for model in self.trained:
-            name = "activation_checkpointing_disable"
-            getattr(model, name if hasattr(type(model), name) else "gradient_checkpointing_disable")()
+            new = hasattr(type(model), "activation_checkpointing_disable")
+            (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
 
 
 def without_zero3_init():
-    """A context in which transformers builds whole models (``from_config``) even under a DeepSpeed ZeRO-3 launch,
-    where it would build them inside ``zero.Init``, partitioned over the processes: for a model that one process
-    builds and writes (the tiny models), or a shell whose parameters are all replaced (``with_lm_head``)."""
-    from contextlib import nullcontext
-
+    """A context in which transformers builds whole models (``from_config``) even under DeepSpeed ZeRO-3, not
+    partitioned inside ``zero.Init``: for a model one process builds and writes (the tiny models), or a shell whose
+    parameters are all replaced (``with_lm_head``)."""
     from transformers import modeling_utils
 
     return getattr(modeling_utils, "set_zero3_state", nullcontext)()  # marks zero.Init as already entered
 
 
-def _accepts(module: nn.Module, argument: str) -> bool:
-    return argument in inspect.signature(module.forward).parameters
+def _base(model: nn.Module) -> nn.Module:
+    """``model`` without its PEFT wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
     """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2`` (only the last ``T + 1``
     asked for, ``logits_to_keep``, when the model supports it)."""
-    extra = {"logits_to_keep": response_width + 1} if _accepts(model, "logits_to_keep") else {}
+    accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": response_width + 1} if accepts else {}
     logits = model(**inputs, use_cache=False, **extra).logits
     return logits[:, -response_width - 1 : -1]
 
 
 def score_head(model: nn.Module) -> nn.Module | None:
     """The scalar head of a ``*ForSequenceClassification`` model (PEFT-wrapped or not), or None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for name in SCORE_HEAD_NAMES:
-        head = getattr(base, name, None)
-        if head is not None:
-            return head
-    return None
+    heads = (getattr(_base(model), name, None) for name in SCORE_HEAD_NAMES)
+    return next((head for head in heads if head is not None), None)
 
 
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The transformer body and the scalar head of a ``*ForSequenceClassification`` model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
     head = score_head(model)
     if backbone is None or head is None:
@@ -140,15 +126,12 @@ def token_values(model: nn.Module, inputs: dict[str, torch.Tensor], response_wid
 def score_position(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Index (B,) of the token a ``*ForSequenceClassification`` ``model`` reads its score at: the model's own rule.
-
-    transformers reads the rightmost position whose id is not ``config.pad_token_id``: with a dedicated pad token the
-    last real token, with ``pad == eos`` (trl's default without a pad, e.g. LLaMA) the token *before* trailing eos(s),
-    as trl's ``RewardTrainer`` trains it. Positions with ``attention_mask == 0`` are skipped too. Without a pad id in
-    the config: the last attended position. A row with no readable token gives 0, as transformers does.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
+    """Index (B,) of the token a ``*ForSequenceClassification`` ``model`` reads its score at, by the model's rule:
+    the rightmost position whose id is not ``config.pad_token_id``: with a dedicated pad token the last real token,
+    with ``pad == eos`` (trl's default without a pad, e.g. LLaMA) the token *before* trailing eos(s), as trl's
+    ``RewardTrainer`` trains it. Positions with ``attention_mask == 0`` are skipped too; without a pad id in the
+    config, the last attended position. A row with no readable token gives 0, as transformers does."""
+    config = getattr(_base(model), "config", None)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     pad_id = getattr(config, "pad_token_id", None)
@@ -189,17 +172,13 @@ def policy_and_reference(
         model = get_peft_model(model, peft_config)
     if is_peft(model):
         return model, None
-    if ref_model is None:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    return model, ref_model
+    return model, ref_model if ref_model is not None else copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
     """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3;
     :meth:`~trl_ppomax.rewards.RewardSources.critic_source` chose one that reads the policy's tokens)."""
-    if value_model is not None:
-        return value_model
-    return copy.deepcopy(reward_model).requires_grad_(True)
+    return value_model if value_model is not None else copy.deepcopy(reward_model).requires_grad_(True)
 
 
 def check_single_label(model) -> None:
@@ -213,16 +192,15 @@ def check_single_label(model) -> None:
 
 
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
-    """``(policy, reference, critic)`` from the trainer's arguments (no critic when ``reward_model``, the model it is
-    initialised from, is None: a critic-free advantage estimator) (checked by
-    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), with dropout off everywhere (PPO's ratio must start at 1)."""
+    """``(policy, reference, critic)`` from the trainer's arguments (checked by
+    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), dropout off everywhere (PPO's ratio must start at 1); no
+    critic without a ``reward_model`` to initialise it from (a critic-free advantage estimator)."""
     policy, reference = policy_and_reference(model, ref_model, peft_config)
     if is_peft(policy) and args.model_adapter_name:
         policy.set_adapter(args.model_adapter_name)
     critic = critic_from(value_model, reward_model) if reward_model is not None else None
-    for module in (policy, critic, reference, reward_model):
-        if isinstance(module, nn.Module):
-            disable_dropout_in_model(module)
+    for module in (m for m in (policy, critic, reference, reward_model) if isinstance(m, nn.Module)):
+        disable_dropout_in_model(module)
     for scorer in (reward_model, critic):
         check_single_label(scorer)
     return policy, reference, critic
@@ -244,15 +222,14 @@ def prepare_frozen(module: nn.Module, accelerator) -> nn.Module:
 
 @contextmanager
 def policy_for_generation(model: nn.Module, accelerator, args) -> Iterator[PolicyAndCritic]:
-    """The unwrapped :class:`PolicyAndCritic` ready for generation (trl's ``unwrap_model_for_generation``), except that
-    under DeepSpeed ZeRO-3 with ``ds3_gather_for_generation`` only the **policy's** parameters are gathered: the critic,
-    as large as the policy, stays sharded (use only ``.policy`` inside the block)."""
+    """The unwrapped :class:`PolicyAndCritic` ready for generation (trl's ``unwrap_model_for_generation``), but under
+    DeepSpeed ZeRO-3 with ``ds3_gather_for_generation`` only the **policy's** parameters are gathered: the critic, as
+    large as the policy, stays sharded (use only ``.policy`` inside the block)."""
     from trl.models.utils import add_hooks, remove_hooks, unwrap_model_for_generation
 
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    checkpointing_kwargs = args.checkpointing[1]
-    if not (plugin is not None and plugin.zero_stage == 3 and args.ds3_gather_for_generation):
-        gather = args.ds3_gather_for_generation
+    gather, checkpointing_kwargs = args.ds3_gather_for_generation, args.checkpointing[1]
+    if not (plugin is not None and plugin.zero_stage == 3 and gather):
         with unwrap_model_for_generation(
             model, accelerator, gather, gradient_checkpointing_kwargs=checkpointing_kwargs
         ) as w:
@@ -319,24 +296,22 @@ def load_weights(module: nn.Module, folder: str | os.PathLike) -> None:
 
         set_peft_model_state_dict(module, load_file(folder / ADAPTER_WEIGHTS))
         return
+    sharded = (folder / SAFE_WEIGHTS_INDEX_NAME).exists()
+    if not sharded and not (folder / SAFE_WEIGHTS_NAME).exists():
+        raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
     if isinstance(module, PreTrainedModel):
         # through from_pretrained, which maps the saved names back (e.g. GPT-NeoX saves its head as embed_out), with
         # the module's own config: a missing or foreign config.json must not build another model (a default 7B Llama)
-        if not any((folder / name).exists() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)):
-            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
-        dtype = next(module.parameters()).dtype
         loaded, info = type(module).from_pretrained(
-            folder, config=module.config, dtype=dtype, output_loading_info=True
+            folder, config=module.config, dtype=next(module.parameters()).dtype, output_loading_info=True
         )
         mismatched = [key for key, *_ in info.get("mismatched_keys", [])]  # left at from_pretrained's random init
         _check_weights_fit(module, folder, [*info["missing_keys"], *mismatched], list(info["unexpected_keys"]))
         module.load_state_dict(loaded.state_dict())
         return
-    if (folder / SAFE_WEIGHTS_INDEX_NAME).exists():
+    if sharded:
         missing, unexpected = load_sharded_checkpoint(module, folder, strict=False)  # one shard in memory at a time
     else:
-        if not (folder / SAFE_WEIGHTS_NAME).exists():
-            raise FileNotFoundError(f"No {SAFE_WEIGHTS_NAME} in {folder}; is it a trl-ppomax checkpoint?")
         missing, unexpected = module.load_state_dict(load_file(folder / SAFE_WEIGHTS_NAME), strict=False)
     _check_weights_fit(module, folder, missing, unexpected)
 
@@ -370,12 +345,10 @@ def model_identity(wrapper) -> dict:
 def sequence_inputs(
     query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` (B, L + T) of query ⊕ response, positions counting real
-    tokens only (correct for left padding)."""
+    """``input_ids``, ``attention_mask``, ``position_ids`` (B, L + T) of query ⊕ response (positions: real tokens)."""
     attention_mask = torch.cat([query_mask, response_mask.to(query_mask.dtype)], dim=1)
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     return {
         "input_ids": torch.cat([query_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
-        "position_ids": position_ids,
+        "position_ids": (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
     }

@@ -1,20 +1,18 @@
 """The ``trl-ppomax`` command line: ``ppo`` and ``reward`` (:mod:`.ppo`, :mod:`.reward`), ``env`` and ``presets``
 (:mod:`.env`), ``demo`` and ``plot`` (:mod:`.plot`), ``tiny``, ``consolidate``, ``push`` and ``moss recover``
-(:mod:`.models`), ``evaluate`` (:mod:`trl_ppomax.judging.command`).
-
-Nothing heavy (torch, transformers, trl, the Hub client) is imported here at module level: each command imports what
-it needs, so that ``trl-ppomax --help`` answers at once.
+(:mod:`.models`), ``evaluate`` (:mod:`trl_ppomax.judging.command`). Nothing heavy (torch, transformers, trl, the Hub
+client) is imported at module level, so that ``trl-ppomax --help`` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 
 from trl_ppomax import __version__
-from trl_ppomax.cli import env, models, plot
-from trl_ppomax.cli.arguments import Parser, fail
+from trl_ppomax.cli import arguments, env, models, plot
 
 TRAINING_COMMANDS = {
     "ppo": (
@@ -47,61 +45,34 @@ Run `trl-ppomax {name} --config {example} --help` for every field with its defau
 """
 
 
-def _split_accelerate_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Take ``--accelerate_config NAME`` (or ``=NAME``) out of ``argv``."""
-    rest, value, items = [], None, iter(argv)
-    for item in items:
-        if item in ("--accelerate_config", "--accelerate-config"):
-            value = next(items, None)
-            if value is None:
-                raise ValueError(f"{item} needs a value")
-        elif item.startswith(("--accelerate_config=", "--accelerate-config=")):
-            value = item.partition("=")[2]
-        else:
-            rest.append(item)
-    return value, rest
-
-
 def run_training(name: str, argv: list[str]) -> int:
     """``trl-ppomax ppo|reward [--config X] [--accelerate_config Y] [flags]``: in this process, or re-launched
     through ``accelerate launch --config_file <shipped accelerate config>`` (as ``trl`` does)."""
-    from trl_ppomax.cli.arguments import (
-        resolve_accelerate_config,
-        resolve_config_argv,
-        shipped_accelerate_configs,
-        shipped_configs,
-    )
-
     module, function, about = TRAINING_COMMANDS[name]
     if argv and argv[0] in ("-h", "--help") and "--config" not in argv:
-        lists = {
-            "configs": ", ".join(shipped_configs(name)),
-            "accelerate_configs": ", ".join(shipped_accelerate_configs()),
-        }
+        configs, accelerate_configs = arguments.shipped_configs(name), arguments.shipped_accelerate_configs()
         example = "tiny_cpu" if name == "ppo" else "reward_tiny_cpu"
+        lists = {"configs": ", ".join(configs), "accelerate_configs": ", ".join(accelerate_configs)}
         print(TRAINING_HELP.format(name=name, about=about, example=example, **lists))
         return 0
     try:
-        accelerate_config, argv = _split_accelerate_config(argv)
-        argv = resolve_config_argv(argv, name)
-        config_file = resolve_accelerate_config(accelerate_config) if accelerate_config else None
+        flags = ("--accelerate_config", "--accelerate-config")
+        accelerate_config, argv = arguments.split_flag(argv, flags, "{flag} needs a value")
+        argv = arguments.resolve_config_argv(argv, name)
+        config_file = arguments.resolve_accelerate_config(accelerate_config) if accelerate_config else None
     except (ValueError, FileNotFoundError) as err:
-        return fail(name, err)
+        return arguments.fail(name, err)
     if config_file is not None:
-        import importlib.util
-
         script = importlib.util.find_spec(module).origin
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file, script, *argv]
         print("Launching: " + " ".join(command[1:]), file=sys.stderr, flush=True)
         return subprocess.call(command)
-    import importlib
-
     getattr(importlib.import_module(module), function)(argv, prog=f"trl-ppomax {name}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser = arguments.Parser(
         prog="trl-ppomax",
         description="PPO-max for the Hugging Face stack.",
         epilog="Run `trl-ppomax COMMAND --help` for a command's flags.",
@@ -114,17 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_demo(commands)
     models.add(commands)
     plot.add(commands)
-    _add_evaluate(commands)
-    return parser
-
-
-def _add_evaluate(commands) -> None:
     from trl_ppomax.judging import command
 
     about = "Did RLHF help? The policy against a baseline: win / tie / lose by judges, or multiple-choice accuracy."
     evaluate = commands.add_parser("evaluate", help=about, description=command.__doc__, epilog=command.EPILOG)
     command.add_arguments(evaluate)
     evaluate.set_defaults(run=command.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,12 @@
-"""The training commands behind ``trl-ppomax ppo`` and ``trl-ppomax reward`` (as trl ships ``trl/scripts``).
-
-``recipes/ppo_max.py`` and ``recipes/reward_modeling.py`` in the repository are thin wrappers around these modules.
-This module imports nothing heavy: the command line uses it to find the shipped configs.
+"""What the training commands ``trl-ppomax ppo`` and ``reward`` (and the recipes wrapping them) and every command's
+parser share: shipped configs, config files, flags and errors. Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from pathlib import Path
 
@@ -15,14 +15,7 @@ CONFIGS_DIR = COMMANDS_DIR / "configs"
 ACCELERATE_CONFIGS_DIR = COMMANDS_DIR / "accelerate_configs"
 
 # --accelerate_config short names (as trl's), besides the shipped file names without ".yaml"
-ACCELERATE_ALIASES = {
-    "zero2": "deepspeed_zero2",
-    "zero3": "deepspeed_zero3",
-    "fsdp2": "fsdp",
-    "fsdp": "fsdp",
-    "multi_gpu": "multi_gpu",
-    "single_gpu": "single_gpu",
-}
+ACCELERATE_ALIASES = {"zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3", "fsdp2": "fsdp"}
 
 
 def config_command(name: str) -> str:
@@ -98,25 +91,24 @@ class ConfigError(ValueError):
 
 def _did_you_mean(name: str, known) -> str:
     """`` — did you mean 'NEAREST'?`` for the known name nearest ``name``, else a pointer to ``--help``."""
-    import difflib
-
     match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     return f" — did you mean {match[0]!r}?" if match else " (see --help for every field)"
 
 
-def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Take ``--config PATH`` (or ``--config=PATH``) out of ``argv``."""
-    path, rest, items = None, [], iter(argv)
+def split_flag(argv: list[str], names: tuple[str, ...], missing: str) -> tuple[str | None, list[str]]:
+    """Take ``NAME VALUE`` or ``NAME=VALUE`` (``NAME`` one of ``names``) out of ``argv``: ``(value, the rest)``;
+    :class:`ConfigError` ``missing`` (``{flag}`` the flag) when ``NAME`` ends ``argv``."""
+    value, rest, items = None, [], iter(argv)
     for item in items:
-        if item == "--config":
-            path = next(items, None)
-            if path is None:
-                raise ConfigError("argument --config: expected one argument")
-        elif item.startswith("--config="):
-            path = item.partition("=")[2]
+        if item in names:
+            value = next(items, None)
+            if value is None:
+                raise ConfigError(missing.format(flag=item))
+        elif item.startswith(tuple(f"{name}=" for name in names)):
+            value = item.partition("=")[2]
         else:
             rest.append(item)
-    return path, rest
+    return value, rest
 
 
 def read_config(path: str, fields) -> dict:
@@ -151,12 +143,10 @@ def read_config(path: str, fields) -> dict:
 def _parse(dataclasses: tuple, argv: list[str], prog: str | None) -> tuple:
     """TrlParser's ``parse_args_and_config``, with the config file and the unknown flags checked first
     (:class:`ConfigError`, instead of TRL's traceback advising to edit the dataclass)."""
-    import os
-
     from trl import TrlParser
 
     parser = TrlParser(dataclasses, **({"prog": prog} if prog else {}))
-    path, argv = _split_config_flag(argv)
+    path, argv = split_flag(argv, ("--config",), "argument {flag}: expected one argument")
     if path is not None:
         config = read_config(path, {action.dest for action in parser._actions if action.dest != "help"})
         for key, value in config.pop("env", {}).items():
@@ -189,9 +179,6 @@ def parse_script_args(dataclasses: tuple, argv: list[str] | None, prog: str | No
     the first dataclass's ``tiny_models_dir``, when set and missing, is filled with tiny models first (once, on the
     main process). A config file or flag it cannot take (an unknown field, a typo) ends the process as argparse does:
     ``PROG: error: unknown field 'learnig_rate' in FILE — did you mean 'learning_rate'?`` on stderr, exit status 2."""
-    import os
-    import sys
-
     from accelerate import PartialState
 
     try:
@@ -210,13 +197,10 @@ def parse_script_args(dataclasses: tuple, argv: list[str] | None, prog: str | No
 
 
 def setup_distributed(training_args) -> None:
-    """Join the process group, DeepSpeed's included, before any model is loaded.
-
-    Under ZeRO-3, transformers builds each model inside DeepSpeed's ``zero.Init``, which checks the DeepSpeed config's
-    batch sizes against the world size of DeepSpeed's communication backend *before* setting that backend up: with a
-    DeepSpeed JSON of the user's own (explicit ``train_batch_size``) it saw one process and failed
-    ("train_batch_size 16 != 4 * 2 * 1"). The training arguments set the torch process group up (``device``);
-    on CPU processes accelerate leaves DeepSpeed's backend alone, so it is set up here, on top of that group."""
+    """Join the process group, DeepSpeed's included, before any model is loaded: under ZeRO-3, transformers builds each
+    model inside ``zero.Init``, which checks the DeepSpeed config's batch sizes against the world size of DeepSpeed's
+    backend before setting it up (a user's JSON with ``train_batch_size`` saw one process: "train_batch_size 16 != 4 *
+    2 * 1"). ``device`` sets the torch group up; on CPU accelerate leaves DeepSpeed's alone, so it is set up here."""
     import torch.distributed
 
     training_args.device  # noqa: B018  (sets up the distributed state once, as the Trainer would)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -12,23 +13,9 @@ from pathlib import Path
 from trl_ppomax.cli.arguments import add_command
 
 PACKAGES = (
-    "trl-ppomax",
-    "torch",
-    "transformers",
-    "trl",
-    "accelerate",
-    "peft",
-    "datasets",
-    "huggingface_hub",
-    "tokenizers",
-    "deepspeed",
-    "vllm",
-    "bitsandbytes",
-    "liger-kernel",
-    "wandb",
-    "trackio",
-    "tensorboard",
-)
+    "trl-ppomax", "torch", "transformers", "trl", "accelerate", "peft", "datasets", "huggingface_hub", "tokenizers",
+    "deepspeed", "vllm", "bitsandbytes", "liger-kernel", "wandb", "trackio", "tensorboard",
+)  # fmt: skip
 
 
 def _version(name: str) -> str:
@@ -39,8 +26,7 @@ def _version(name: str) -> str:
 
 
 def _accelerate_config_lines() -> list[str]:
-    """accelerate's default config file (``accelerate config`` writes it, where ``accelerate launch`` looks it up)
-    and its settings."""
+    """accelerate's default config file (where ``accelerate config`` writes it) and its settings."""
     cache = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     folder = os.path.join(os.path.expanduser(cache), "accelerate")
     paths = [os.path.join(folder, name) for name in ("default_config.yaml", "default_config.json")]
@@ -50,8 +36,6 @@ def _accelerate_config_lines() -> list[str]:
     try:
         text = Path(path).read_text()
         if path.endswith(".json"):
-            import json
-
             items = json.loads(text).items()
         else:
             import yaml  # a dependency of transformers, accelerate and datasets

@@ -37,19 +37,17 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError  # unreachable
+    return f"{n:.1f} GB"
 
 
 def push_model(args: argparse.Namespace) -> int:
     """Upload a model folder (converted or trained) to the Hub with a generated model card, in one commit."""
-    from trl_ppomax.moss.card import (
-        moss_model_card,
-    )  # the MOSS-RLHF card for a converted folder, the generic one otherwise
+    from trl_ppomax.moss.card import moss_model_card  # the MOSS-RLHF card for a converted folder, else the generic one
     from trl_ppomax.reporting import hub
 
     try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from trl_ppomax.cli.arguments import add_command, fail, positive_int
 
@@ -39,14 +41,9 @@ def plot_run(args: argparse.Namespace) -> int:
 
 
 def _log_figure(args: argparse.Namespace, run_dir: Path, name: str, path: str, history: list[dict]) -> list[str]:
-    """Log the figure as ``training_dynamics`` (at the run's last step) to the ``--report-to`` trackers, through
-    :func:`trl_ppomax.reporting.plotting.log_image`: TensorBoard in ``--logging-dir`` (default: ``$TENSORBOARD_LOGGING_DIR``,
-    else the newest ``RUN_DIR/runs/*`` folder with events, which is where the Trainer wrote, else ``RUN_DIR/runs``);
-    wandb and trackio in a run started here, with ``resume="allow"`` (wandb resumes the run ``WANDB_RUN_ID`` names).
-    Raises ValueError naming the tracker that is not installed."""
-    import importlib
-    from types import SimpleNamespace
-
+    """Log the figure as ``training_dynamics`` (at the run's last step) to the ``--report-to`` trackers
+    (:func:`trl_ppomax.reporting.plotting.log_image`): TensorBoard in ``--logging-dir``, wandb and trackio in a run
+    started here with ``resume="allow"``. Raises ValueError naming a tracker that is not installed."""
     from trl_ppomax.reporting.plotting import log_image
 
     logging_dir = args.logging_dir or os.getenv("TENSORBOARD_LOGGING_DIR")
@@ -103,11 +100,7 @@ def add(commands) -> None:
         nargs="+",
         action="extend",
         default=[],
-        choices=(
-            "tensorboard",
-            "wandb",
-            "trackio",
-        ),  # trl_ppomax.reporting.plotting.TRACKERS (not imported for --help)
+        choices=("tensorboard", "wandb", "trackio"),  # reporting.plotting.TRACKERS (not imported for --help)
         metavar="TRACKER",
         help="also log the figure, as training_dynamics, to these trackers: tensorboard, wandb, trackio",
     )

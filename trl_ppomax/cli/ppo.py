@@ -1,17 +1,12 @@
 """Train a policy with PPO-max: one command from a laptop CPU to many GPUs (``trl-ppomax ppo``).
 
-    # installed command (the shipped configs by name; see `trl-ppomax ppo --help` for every field)
-    trl-ppomax ppo                                   # no config: the toy world demo
-    trl-ppomax ppo --config tiny_cpu                 # trl_ppomax/cli/configs/tiny_cpu.yaml
+    trl-ppomax ppo                                   # no arguments: the toy world demo, on a CPU in a few minutes
+    trl-ppomax ppo --config tiny_cpu                 # a shipped config: trl_ppomax/cli/configs/tiny_cpu.yaml
     trl-ppomax ppo --config moss_7b_en --accelerate_config zero2
-    # from a repository checkout
-    # no arguments: the toy world (SFT → reward model → PPO-max, with a known gold reward), CPU, a few minutes
+    # from a repository checkout: the toy world; two CPU processes (--multi_gpu starts torchrun, gloo on CPU); the
+    # paper's English setting on 8 GPUs with DeepSpeed ZeRO-2
     accelerate launch recipes/ppo_max.py
-    # tiny CPU run (builds its own tiny models on first use)
-    accelerate launch recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml
-    # two CPU processes (accelerate's --cpu launcher starts one process; --multi_gpu starts torchrun, gloo on CPU)
     accelerate launch --multi_gpu --num_processes 2 recipes/ppo_max.py --config recipes/configs/tiny_cpu.yaml
-    # the paper's English setting on 8 GPUs with DeepSpeed ZeRO-2
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/ppo_max.py \
         --config recipes/configs/moss_7b_en.yaml
 
@@ -212,15 +207,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> PPOMaxTraine
     peft_config = get_peft_config(model_args)
     policy_path, policy, reference, reward, value = load_models(script_args, training_args, model_args, peft_config)
     tokenizer = load_tokenizer(policy_path, script_args.prompt_format)
-
+    functions = [load_reward_function(path) for path in script_args.reward_funcs or []]
     trainer = PPOMaxTrainer(
         args=training_args,
         processing_class=tokenizer,
         model=policy,
         ref_model=reference,
-        reward_model=[reward, *map(load_reward_function, script_args.reward_funcs)]
-        if script_args.reward_funcs
-        else reward,
+        reward_model=[reward, *functions] if functions else reward,
         train_dataset=train_prompts,
         value_model=value,
         eval_dataset=eval_prompts,

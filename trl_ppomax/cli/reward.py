@@ -1,14 +1,10 @@
 """Train a PPO-max reward model: pairwise loss + imitation (LM) loss on the chosen response (§3.1 of the paper).
 
-    # installed command (the shipped configs by name; see `trl-ppomax reward --help` for every field)
     trl-ppomax reward --config reward_tiny_cpu      # trl_ppomax/cli/configs/reward_tiny_cpu.yaml
     trl-ppomax reward --config reward_moss_7b_en --accelerate_config zero2
-    # from a repository checkout
-    # tiny CPU run (build the tiny models first)
+    # from a repository checkout: a tiny CPU run (build the tiny models first), the paper's setting
     trl-ppomax tiny tiny
     accelerate launch recipes/reward_modeling.py --config recipes/configs/reward_tiny_cpu.yaml
-
-    # the paper's setting (LLaMA-7B-style SFT model, Anthropic HH-RLHF)
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/reward_modeling.py \
         --config recipes/configs/reward_moss_7b_en.yaml
 
@@ -54,8 +50,7 @@ class RewardScriptArguments(ScriptArguments):
 def load_preferences(script_args: ScriptArguments) -> DatasetDict:
     """A DatasetDict from a Hub id, a folder, or a single data file (which becomes the 'train' split)."""
     name = script_args.dataset_name
-    extension = os.path.splitext(name)[1]
-    if os.path.isfile(name) and extension in FILE_BUILDERS:
+    if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
         dataset = DatasetDict({"train": load_data_file(name)})  # an empty or broken file is named
     else:
         dataset = load_dataset(name, name=script_args.dataset_config)

@@ -18,26 +18,19 @@ logger = logging.getLogger(__name__)
 
 
 class PromptCollator:
-    """Pads ``input_ids`` (left by default, as generation needs) and builds the attention mask; a ``loss_mask``
-    column (ptx on dialogues) is padded alongside with 0. Every other column (``prompt``, ``solution``, …: what
-    reward functions are given as keywords) is passed through as a list."""
+    """Pads ``input_ids`` (left by default, for generation) with its attention mask, and a ``loss_mask`` (ptx on
+    dialogues) with 0; other columns (``prompt``, ``solution``: reward functions' keywords) pass through as lists."""
 
     def __init__(self, pad_token_id: int, padding_side: str = "left") -> None:
         self.pad_token_id, self.padding_side = pad_token_id, padding_side
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
-        masks = [torch.ones_like(i) for i in ids]
-        batch = {
-            "input_ids": pad(ids, padding_value=self.pad_token_id, padding_side=self.padding_side),
-            "attention_mask": pad(masks, padding_value=0, padding_side=self.padding_side),
-        }
+        columns = {"input_ids": (ids, self.pad_token_id), "attention_mask": ([torch.ones_like(i) for i in ids], 0)}
         if "loss_mask" in examples[0]:
-            loss_masks = [torch.as_tensor(e["loss_mask"], dtype=torch.long) for e in examples]
-            batch["loss_mask"] = pad(loss_masks, padding_value=0, padding_side=self.padding_side)
-        for key in examples[0].keys() - batch.keys():
-            batch[key] = [e[key] for e in examples]
-        return batch
+            columns["loss_mask"] = ([torch.as_tensor(e["loss_mask"], dtype=torch.long) for e in examples], 0)
+        batch = {k: pad(v, padding_value=fill, padding_side=self.padding_side) for k, (v, fill) in columns.items()}
+        return batch | {key: [e[key] for e in examples] for key in examples[0].keys() - batch.keys()}
 
 
 def rows_of(columns: dict[str, list] | None, rows: Sequence[int]) -> dict[str, list]:
@@ -57,20 +50,16 @@ def split_batch(batch: dict, device) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 class ShuffledBatches:
-    """The ``i``-th batch of a reshuffled-every-epoch stream, as a pure function of ``(seed, i)``.
-
-    Epoch ``e`` uses ``randperm(n)`` seeded with ``seed + e``; batch ``i`` is the ``i mod (n // global_batch)``-th
-    slice of ``global_batch`` indices of epoch ``i // (n // global_batch)``, of which each process takes its own
-    ``local_batch`` share. No global random state is used, so a resumed run continues the exact data order by
-    restarting from the saved batch counter.
-    """
+    """The ``i``-th batch of a reshuffled-every-epoch stream, a pure function of ``(seed, i)``: batch ``i`` is the
+    ``i mod (n // global_batch)``-th slice of ``global_batch`` indices of epoch ``e = i // (n // global_batch)``'s
+    ``randperm(n)`` seeded with ``seed + e``, each process taking its ``local_batch`` share. No global random state:
+    a resumed run continues the exact data order from the saved batch counter."""
 
     def __init__(
         self, dataset: Dataset, local_batch: int, num_processes: int, process_index: int, seed: int, collate: Callable
     ) -> None:
         self.dataset, self.local_batch, self.seed, self.collate = dataset, local_batch, seed, collate
-        self.global_batch = local_batch * num_processes
-        self.offset = process_index * local_batch
+        self.global_batch, self.offset = local_batch * num_processes, process_index * local_batch
         self.batches_per_epoch = len(dataset) // self.global_batch
         if self.batches_per_epoch == 0:
             raise ValueError(
@@ -85,15 +74,13 @@ class ShuffledBatches:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._epoch, self._order = epoch, torch.randperm(len(self.dataset), generator=generator)
         start = position * self.global_batch + self.offset
-        rows = self._order[start : start + self.local_batch].tolist()
-        return self.collate([self.dataset[i] for i in rows])
+        return self.collate([self.dataset[i] for i in self._order[start : start + self.local_batch].tolist()])
 
 
 def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids a model family was trained on for one prompt: for a conversation, the chat template's text with only
-    the template's own special tokens (``add_special_tokens=False``, as TRL's SFT); for plain text, the tokenizer's
-    own rule (``tokenizer(text)``, e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: a leading
-    BOS that the text already held and the tokenizer added again is dropped."""
+    """The ids of one prompt as the model family was trained: a conversation's chat-template text with only the
+    template's special tokens (``add_special_tokens=False``, as TRL's SFT); plain text by the tokenizer's own rule
+    (e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: the text's own and the tokenizer's."""
     if is_conversational({"prompt": prompt}):
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -104,19 +91,13 @@ def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase
 
 
 def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
-    """The most recent turns of a conversation that ``fits``: whole turns dropped from the start, one at a time
-    (system messages kept), never cutting a turn — the MOSS-RLHF release's rule (``ppo_datahelper.py``). None when
-    even the last turn alone does not fit."""
+    """The most recent whole turns (system messages kept) that ``fits``, as the MOSS-RLHF release drops them
+    (``ppo_datahelper.py``); None when even the last turn alone does not fit."""
     system, turns = _split_system(messages)
-    for start in range(len(turns)):
-        kept = system + turns[start:]
-        if fits(kept):
-            return kept
-    return None
+    return next((system + turns[i:] for i in range(len(turns)) if fits(system + turns[i:])), None)
 
 
 def _split_system(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """``(system messages, turns)`` of a conversation."""
     system = [m for m in messages if m.get("role") == "system"]
     return system, [m for m in messages if m.get("role") != "system"]
 
@@ -130,44 +111,39 @@ def prepare_prompt_dataset(
     name: str = "The prompt dataset",
     max_kept_length: int | None = None,
 ) -> Dataset:
-    """Tokenized prompts (an ``input_ids`` column) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt``
-    (text or conversation, see :func:`tokenize_prompt`), the MOSS-RLHF release's way (``ppo_datahelper.py``):
-
-    - a conversation with an empty turn (content None, empty or blank) is dropped, with a warning that counts them;
-    - a conversation longer than ``max_prompt_length`` drops its oldest whole turns (:func:`drop_oldest_turns`);
-    - a prompt still longer is never cut: with ``truncate`` it is kept whole up to ``max_kept_length`` tokens
-      (default ``max_prompt_length``) and skipped beyond, with a warning that counts both; else it raises.
-
-    Empty text prompts and ids, and ``prompt`` and ``input_ids`` columns that disagree, are refused (``name`` says
-    which dataset). The other columns are kept: reward functions get them as keywords, as TRL's GRPO does."""
+    """Tokenized prompts (``input_ids``) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt`` (text or
+    conversation, :func:`tokenize_prompt`), as the MOSS-RLHF release (``ppo_datahelper.py``): a conversation with an
+    empty turn (content None, empty or blank) is dropped; one over ``max_prompt_length`` drops its oldest whole turns
+    (:func:`drop_oldest_turns`); a prompt still longer is never cut: with ``truncate`` it is kept whole up to
+    ``max_kept_length`` tokens (default ``max_prompt_length``) and skipped beyond, else an error; warnings count both.
+    Empty prompts and disagreeing ``prompt``/``input_ids`` columns are refused (``name`` says which dataset). Other
+    columns are kept: reward functions get them as keywords, as TRL's GRPO does."""
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty; pass a dataset with at least one rollout batch of prompts.")
     columns = dataset.column_names
-    _refuse_wrong_prompt_types(dataset, name)
-    for column in ("prompt", "input_ids"):
-        if column in columns:
-            _refuse_empty_prompts(dataset[column], column, name)
-    if "prompt" in columns:
-        _refuse_unknown_roles(dataset["prompt"], name)
-    if "input_ids" in columns:
-        if "prompt" in columns:
-            _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
-    elif "prompt" in columns:
-        dataset = _tokenize_prompts(_drop_empty_turns(dataset, num_proc, name), tokenizer, num_proc, max_prompt_length)
-        _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
-    else:
+    if "prompt" not in columns and "input_ids" not in columns:
         raise ValueError(
             f"A prompt dataset needs an 'input_ids' column (tokenized, trl 1.12 style) or a 'prompt' column (text or "
             f"conversation); {name} has {columns}."
         )
+    _refuse_wrong_prompt_types(dataset, name)
+    for column in [c for c in ("prompt", "input_ids") if c in columns]:
+        _refuse_empty_prompts(dataset[column], column, name)
+    if "prompt" in columns:
+        _refuse_unknown_roles(dataset["prompt"], name)
+    if "input_ids" not in columns:
+        dataset = _tokenize_prompts(_drop_empty_turns(dataset, num_proc, name), tokenizer, num_proc, max_prompt_length)
+        _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
+    elif "prompt" in columns:
+        _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
     if not max_prompt_length:
         return dataset
     return _limit_prompt_length(dataset, max_prompt_length, max_kept_length or max_prompt_length, truncate, name)
 
 
 def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_prompt_length: int | None) -> Dataset:
-    """An ``input_ids`` column; conversations longer than ``max_prompt_length`` lose their oldest whole turns, down
-    to the last turn alone (the release's loop: drop while too long and more than one turn remains)."""
+    """An ``input_ids`` column; conversations over ``max_prompt_length`` lose their oldest whole turns, down to the
+    last turn alone (the release drops while too long and more than one turn remains)."""
 
     def fits(kept: list[dict]) -> bool:
         return len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
@@ -214,12 +190,11 @@ def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Data
         return any(m.get("role") == "user" for m in prompt) and not any(is_blank(m.get("content")) for m in prompt)
 
     kept = dataset.filter(complete, num_proc=num_proc, desc="Dropping empty turns")
-    dropped = len(dataset) - len(kept)
-    if dropped == 0:
+    if len(kept) == len(dataset):
         return dataset
     message = (
-        f"{name}: {dropped} of {len(dataset)} conversations have an empty message (content missing, None, empty or "
-        "blank) or no user turn"
+        f"{name}: {len(dataset) - len(kept)} of {len(dataset)} conversations have an empty message (content missing, "
+        "None, empty or blank) or no user turn"
     )
     if len(kept) == 0:
         raise ValueError(f"{message}: no prompt is left. Fill in or remove the empty turns.")
@@ -227,15 +202,17 @@ def _drop_empty_turns(dataset: Dataset, num_proc: int | None, name: str) -> Data
     return kept
 
 
-#: What each prompt column must hold: (test of one value, what the message says it must be).
-PROMPT_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+#: What each prompt column must hold: (test of one value, what the message says it must be, a hint).
+PROMPT_TYPES: dict[str, tuple[Callable[[object], bool], str, str]] = {
     "prompt": (
         lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, dict) for m in v)),
         "a text (str) or a conversation (a list of {'role': ..., 'content': ...} messages)",
+        "If these are token ids, put them, one list per row, in an 'input_ids' column instead.",
     ),
     "input_ids": (
         lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v),
         "a list of token ids (ints)",
+        "Tokenize the prompts (or pass texts in a 'prompt' column and let the trainer tokenize them).",
     ),
 }
 
@@ -249,41 +226,33 @@ def _column_type_fits(feature, column: str) -> bool:
 
 
 def _refuse_wrong_prompt_types(dataset: Dataset, name: str) -> None:
-    """Refuse a ``prompt`` column that holds neither texts nor conversations (e.g. numbers, or token ids), or an
-    ``input_ids`` column that holds no lists of ints, naming the column and the first such row."""
-    for column, (fits, expected) in PROMPT_TYPES.items():
+    """Refuse a ``prompt`` column of neither texts nor conversations, or an ``input_ids`` column of no int lists,
+    naming the column and the first such row."""
+    for column, (fits, expected, hint) in PROMPT_TYPES.items():
         if column not in dataset.column_names or _column_type_fits(dataset.features[column], column):
             continue
         wrong = ((row, v) for row, v in enumerate(dataset[column]) if v is not None and not fits(v))
         row, value = next(wrong, (None, None))
-        if row is None:
-            continue
-        hint = (
-            " If these are token ids, put them, one list per row, in an 'input_ids' column instead."
-            if column == "prompt"
-            else " Tokenize the prompts (or pass texts in a 'prompt' column and let the trainer tokenize them)."
-        )
-        raise ValueError(
-            f"{name}: row {row} of the {column!r} column holds {type(value).__name__} {reprlib.repr(value)}; each "
-            f"row must be {expected}.{hint}"
-        )
+        if row is not None:
+            raise ValueError(
+                f"{name}: row {row} of the {column!r} column holds {type(value).__name__} {reprlib.repr(value)}; "
+                f"each row must be {expected}. {hint}"
+            )
 
 
 def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = False) -> None:
     """Refuse None, blank text, no ids or no messages (a conversation with an empty turn is dropped instead)."""
     empty = [i for i, prompt in enumerate(prompts) if is_blank(prompt) or len(prompt) == 0]
-    if not empty:
-        return
-    what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
-    raise ValueError(
-        f"{name}: {len(empty)} of {len(prompts)} prompts {what} (the first at row {empty[0]}); the policy needs a "
-        f"prompt to respond to. Remove or fill them first, e.g. dataset.filter(...) on the {column!r} column."
-    )
+    if empty:
+        what = "tokenize to no tokens" if tokenized else f"are empty in the {column!r} column"
+        raise ValueError(
+            f"{name}: {len(empty)} of {len(prompts)} prompts {what} (the first at row {empty[0]}); the policy needs "
+            f"a prompt to respond to. Remove or fill them first, e.g. dataset.filter(...) on the {column!r} column."
+        )
 
 
 def _check_prompts_match_ids(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc, name: str) -> None:
-    """A dataset with both ``prompt`` and ``input_ids``: fine when every ``input_ids`` is the tokenized prompt;
-    otherwise it is ambiguous which one the user meant, so refuse."""
+    """Refuse ``prompt`` and ``input_ids`` columns whose ids are not the tokenized prompt (which one is meant?)."""
 
     def same(example: dict) -> dict:
         return {"same": tokenize_prompt(example["prompt"], tokenizer) == list(example["input_ids"])}
@@ -333,10 +302,9 @@ def _limit_prompt_length(dataset: Dataset, max_length: int, max_kept: int, trunc
 def prepare_text_dataset(
     dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc: int | None, assistant_only: bool = True
 ) -> Dataset:
-    """Tokenized ``input_ids`` for the ptx loss, from ``input_ids``, ``text`` (the tokenizer's own special tokens, as
-    :func:`tokenize_prompt`) or conversational ``messages`` (the chat template). For ``messages`` with
-    ``assistant_only``, a ``loss_mask`` keeps the loss on the assistant turns only, as the MOSS-RLHF release masks its
-    pre-training dialogues (``ppo_datahelper.py``); that needs ``{% generation %}`` markers in the chat template."""
+    """``input_ids`` for the ptx loss, from ``input_ids``, ``text`` or conversational ``messages`` (the chat
+    template). For ``messages`` with ``assistant_only``, a ``loss_mask`` keeps the loss on the assistant turns, as the
+    MOSS-RLHF release masks its pre-training dialogues (``ppo_datahelper.py``): needs ``{% generation %}`` markers."""
     columns = dataset.column_names
     if "input_ids" in columns:
         return dataset.select_columns([c for c in ("input_ids", "loss_mask") if c in columns])
@@ -368,22 +336,23 @@ def prepare_text_dataset(
 
 def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callable[[Dataset], Dataset]:
     """``prepare_prompt_dataset`` with the trainer's settings: the prompt budget (``max_prompt_length``, or the
-    policy's context minus ``response_length``), the longest prompt kept whole (:func:`longest_prompt_length`) and
-    the truncation rule."""
-    limit = prompt_length_limit(args.max_prompt_length, policy, args.response_length)
+    policy's context minus ``response_length``, :func:`check_prompt_budget`), the longest prompt kept whole
+    (:func:`longest_prompt_length`) and the truncation rule."""
+    context, longest = model_context(policy), longest_prompt_length(policy, args.response_length)
+    if context is not None:
+        check_prompt_budget(context, args.max_prompt_length, args.response_length)
     return partial(
         prepare_prompt_dataset,
         tokenizer=tokenizer,
         num_proc=args.dataset_num_proc,
-        max_prompt_length=limit,
+        max_prompt_length=longest if args.max_prompt_length is None else args.max_prompt_length,
         truncate=args.truncate_long_prompts,
-        max_kept_length=longest_prompt_length(policy, args.response_length),
+        max_kept_length=longest,
     )
 
 
 def model_context(model) -> int | None:
-    """The model's context, ``config.max_position_embeddings`` (of the text config for a multimodal model), or None
-    when the config does not say."""
+    """``config.max_position_embeddings`` (of the text config for a multimodal model), or None when unknown."""
     config = getattr(model, "config", None)
     context = getattr(config, "max_position_embeddings", None)
     if context is None and hasattr(config, "get_text_config"):
@@ -391,27 +360,16 @@ def model_context(model) -> int | None:
     return context if isinstance(context, int) else None
 
 
-def prompt_length_limit(max_prompt_length: int | None, model, response_length: int) -> int | None:
-    """``max_prompt_length``, or the model's context (``max_position_embeddings``) minus ``response_length``;
-    raises (:func:`check_prompt_budget`) when a prompt and its response cannot fit in that context."""
-    context = model_context(model)
-    if context is None:
-        return max_prompt_length
-    check_prompt_budget(context, max_prompt_length, response_length)
-    return context - response_length if max_prompt_length is None else max_prompt_length
-
-
 def longest_prompt_length(model, response_length: int) -> int | None:
-    """The longest prompt kept whole when even its last turn exceeds the prompt budget: the policy's context minus
-    ``response_length`` (a full response must fit too), or None when the context is unknown. The release keeps such
-    a prompt up to its total context (2048) and samples 512 more tokens past LLaMA's positions; here it is skipped."""
+    """The longest prompt kept whole when even its last turn exceeds the budget: the context minus
+    ``response_length`` (a full response must fit), or None when unknown. The release keeps such a prompt up to its
+    whole context (2048) and samples 512 tokens past LLaMA's positions; here it is skipped."""
     context = model_context(model)
     return None if context is None else context - response_length
 
 
 def check_prompt_budget(context: int, max_prompt_length: int | None, response_length: int) -> None:
-    """Prompt and response share the policy's ``context``: ``response_length`` must leave at least one prompt token,
-    and ``max_prompt_length + response_length`` must fit."""
+    """Prompt and response share ``context``: ``response_length`` must leave a prompt token, and both must fit."""
     where = f"the policy's context of {context} tokens (config.max_position_embeddings)"
     if response_length >= context:
         raise ValueError(
@@ -439,9 +397,8 @@ def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
         )
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         logger.warning(
-            "The pad token is the eos token (%r). Responses are cut after their first stop token, so this is safe "
-            "here, but models that find their last token by the pad id misread such sequences; a dedicated pad "
-            "token is safer.",
+            "The pad token is the eos token (%r): safe here (responses are cut after their first stop token), but "
+            "models that find their last token by the pad id misread such sequences; a dedicated pad token is safer.",
             tokenizer.eos_token,
         )
 
@@ -459,8 +416,8 @@ def rows_of_this_process(num_rows: int, accelerator) -> tuple[list[int], list[fl
 def batch_streams(
     train_dataset: Dataset, ptx_dataset: Dataset | None, tokenizer, args, accelerator, collate: Callable
 ) -> tuple[ShuffledBatches, ShuffledBatches | None]:
-    """This process's rollout batches (``local_prompt_batch_size`` prompts, left-padded) and, with ``ptx_coef > 0``, its ptx
-    batches (``per_device_train_batch_size`` texts, right-padded), each a resumable shuffled stream."""
+    """This process's resumable shuffled streams: rollout batches (``local_prompt_batch_size`` prompts, left-padded)
+    and, with ``ptx_coef > 0``, ptx batches (``per_device_train_batch_size`` texts, right-padded)."""
     seed = args.data_seed if args.data_seed is not None else args.seed
     batches = partial(
         ShuffledBatches, num_processes=accelerator.num_processes, process_index=accelerator.process_index, seed=seed

@@ -35,17 +35,11 @@ WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorc
 
 @contextmanager
 def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool = False) -> Iterator[str]:
-    """Yield a temporary folder to write into; publish it as ``final`` once the block (on every process, when an
-    ``accelerator`` is given) has finished. The one place trl-ppomax publishes a folder.
-
-    By default the temporary folder is the sibling ``.tmp-<name>``, renamed to ``final`` at the end (an existing
-    ``final`` is replaced only then): a crash leaves only ``.tmp-<name>``, removed by the next write of the folder;
-    an exception removes it at once.
-
-    With ``merge=True`` (a model saved into a folder holding other things, such as ``output_dir``) the temporary
-    folder is ``final/.tmp-save``, whose entries are then moved into ``final`` by :func:`merge_model_folder`: the
-    config files go last, so ``final`` never has a config without the complete weights next to it.
-    """
+    """Yield a temporary folder to write into, published as ``final`` once the block has finished (on every process,
+    given an ``accelerator``): the one place trl-ppomax publishes a folder. By default it is the sibling
+    ``.tmp-<name>``, renamed to ``final`` at the end (a crash leaves only it, removed by the next write; an exception
+    removes it at once). With ``merge=True`` (a model saved into a folder holding other things, such as
+    ``output_dir``) it is ``final/.tmp-save``, moved in by :func:`merge_model_folder`, configs last."""
     final = Path(final)
     refuse_file_in_the_way(final)  # on every process, before any barrier
     temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
@@ -65,10 +59,8 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
             raise DiskFullError(disk_full_message(final, cause)) from cause
         raise
     barrier()
-    if is_main and merge:
-        merge_model_folder(temporary, final)
-    elif is_main:
-        _replace_folder(temporary, final)
+    if is_main:
+        (merge_model_folder if merge else _replace_folder)(temporary, final)
     barrier()
 
 
@@ -90,9 +82,7 @@ def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> N
     written = {entry.name for entry in source.iterdir()}
     for name in MODEL_MARKERS:
         (final / name).unlink(missing_ok=True)
-    for entry in sorted(source.iterdir()):
-        if entry.name in MODEL_MARKERS:
-            continue
+    for entry in sorted(e for e in source.iterdir() if e.name not in MODEL_MARKERS):
         (_replace_folder if entry.is_dir() else os.replace)(entry, final / entry.name)
     for stale in final.iterdir():
         weights = any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
@@ -139,14 +129,12 @@ _DISK_FULL_MESSAGES = ("basic_ios::clear", "iostream error", "file write failed"
 
 
 def is_disk_full(error: BaseException) -> bool:
-    """Whether ``error`` says the disk (or the user's quota) is full: an ``OSError`` with ``ENOSPC``/``EDQUOT``, or
-    an error whose message is torch's or safetensors' for a failed write (:data:`_DISK_FULL_MESSAGES`); a
-    :class:`DiskFullError` itself."""
+    """Whether ``error`` says the disk (or quota) is full: a :class:`DiskFullError`, an ``OSError`` with
+    ``ENOSPC``/``EDQUOT``, or torch's or safetensors' message for a failed write (:data:`_DISK_FULL_MESSAGES`)."""
     if isinstance(error, DiskFullError) or not isinstance(error, Exception):
         return isinstance(error, DiskFullError)
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return any(text in str(error) for text in _DISK_FULL_MESSAGES)
+    no_space = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return no_space or any(text in str(error) for text in _DISK_FULL_MESSAGES)
 
 
 def _size(n: float) -> str:
@@ -207,8 +195,7 @@ def checkpoint_number(path: str | os.PathLike) -> int | None:
 
 
 def checkpoint_folders(folder: str | os.PathLike) -> list[Path]:
-    """The ``checkpoint-N`` folders in ``folder``, oldest (smallest N) first; empty when ``folder`` is absent. Only
-    names exactly ``checkpoint-<digits>`` count (not ``.tmp-checkpoint-N`` nor ``checkpoint-N-old``)."""
+    """The ``checkpoint-<digits>`` folders in ``folder``, smallest N first (none when ``folder`` is absent)."""
     folder = Path(folder)
     found = [p for p in folder.iterdir() if p.is_dir() and checkpoint_number(p) is not None] if folder.is_dir() else []
     return sorted(found, key=checkpoint_number)
@@ -221,8 +208,7 @@ def last_checkpoint_before(folder: str | os.PathLike, step: int | None) -> Path 
 
 
 def probe_writable(folder: str | os.PathLike) -> None:
-    """Create ``folder`` and write and delete a small file in it; a ValueError naming the folder if that fails, so
-    that a run is not lost at its first or final save."""
+    """Create ``folder`` and write and delete a file in it, or raise a ValueError naming it (before a run is lost)."""
     folder = Path(folder)
     probe = folder / f".trl-ppomax-write-test-{os.getpid()}"
     try:
@@ -237,8 +223,7 @@ def probe_writable(folder: str | os.PathLike) -> None:
 
 
 def refuse_file_in_the_way(folder: str | os.PathLike) -> None:
-    """A ``NotADirectoryError`` naming the path when ``folder``, or the nearest existing folder above it, is a file:
-    a model or checkpoint is written as a folder, and nothing is written over a file."""
+    """A ``NotADirectoryError`` naming the path when ``folder``, or its nearest existing parent, is a file."""
     folder = Path(folder)
     existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if existing is None or existing.is_dir():
@@ -263,11 +248,9 @@ class OutputDirInUse(RuntimeError):
 
 
 def lock_output_dir(folder: str | os.PathLike, owner: object) -> None:
-    """Take the exclusive lock of ``folder`` (``flock`` on :data:`LOCK_NAME`, non-blocking) for ``owner``; an
-    :class:`OutputDirInUse` naming the folder and the holder's PID when another process holds it. The lock is released
-    by :func:`unlock_output_dir` or when the process exits (the system drops it: a crash never leaves a stale lock).
-    Within one process a later owner takes the lock over (a trainer whose ``train()`` ended with an error keeps it
-    until then). Where ``flock`` is missing (Windows) or not supported by the file system, runs are not guarded."""
+    """Take the exclusive lock of ``folder`` (non-blocking ``flock`` on :data:`LOCK_NAME`) for ``owner``, or raise
+    :class:`OutputDirInUse` naming the holder's PID. Released by :func:`unlock_output_dir` or at exit (a crash never
+    leaves a stale lock); within one process a later owner takes it over. Unguarded where ``flock`` is unsupported."""
     try:
         import fcntl
     except ImportError:
@@ -340,10 +323,8 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
 
 def file_problem(path: str | os.PathLike) -> str | None:
     """Why the file at ``path`` is unreadable (truncated, empty, not what its name says), or None if it looks whole.
-
-    Cheap checks, never a full load: a safetensors header must cover the file exactly; a ``.pt``/``.pth``/``.bin``
-    written by ``torch.save`` must be a zip archive with its central directory (what a truncation cuts off); a JSON
-    file must parse to an object."""
+    Cheap checks, never a full load: a safetensors header must cover the file; a ``torch.save`` file (``.pt``,
+    ``.pth``, ``.bin``) must be a zip with its central directory (what a truncation cuts off); JSON an object."""
     path = Path(path)
     try:
         if path.stat().st_size == 0:

@@ -1,22 +1,9 @@
 """Anthropic HH-RLHF rows to TRL's conversational preference format with an explicit prompt.
 
-A raw HH-RLHF row is ``{"chosen": str, "rejected": str}``, each a whole dialogue written as
-``"\\n\\nHuman: ...\\n\\nAssistant: ...\\n\\nHuman: ...\\n\\nAssistant: ..."``. The two dialogues share every turn but
-the last assistant reply. The converted row is::
-
-    {
-        "prompt": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ..., {"role": "user", ...}],
-        "chosen": [{"role": "assistant", "content": ...}],
-        "rejected": [{"role": "assistant", "content": ...}],
-    }
-
-which TRL's reward/DPO trainers (and ``trl.apply_chat_template``) take as it is. Example::
-
-    >>> from datasets import load_dataset
-    >>> from trl_ppomax.data.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
-    >>> raw = load_dataset("Anthropic/hh-rlhf", split="train")  # doctest: +SKIP
-    >>> dataset = convert_hh_rlhf(raw) if is_hh_rlhf(raw) else raw  # doctest: +SKIP
-"""
+A raw row is ``{"chosen": str, "rejected": str}``, two whole ``"\\n\\nHuman: ...\\n\\nAssistant: ..."`` dialogues
+sharing every turn but the last assistant reply. The converted row, ``{"prompt": [user, assistant, ..., user
+messages], "chosen": [assistant message], "rejected": [assistant message]}``, is what TRL's reward/DPO trainers (and
+``trl.apply_chat_template``) take: ``dataset = convert_hh_rlhf(raw) if is_hh_rlhf(raw) else raw``."""
 
 from __future__ import annotations
 
@@ -40,17 +27,10 @@ def _snippet(text: str, limit: int = 80) -> str:
 
 
 def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
-    """Split an HH-RLHF dialogue into chat messages.
-
-    Turns start at ``"\\n\\nHuman:"`` (role ``"user"``) and ``"\\n\\nAssistant:"`` (``"assistant"``); a turn's
-    content is the text up to the next marker, stripped. The first ``"Human:"`` may lack its ``"\\n\\n"``; empty
-    replies are allowed.
-
-    Raises:
-        ValueError: if the text has no Human turn, has text before the first one, its roles do not alternate
-            starting with the human, or it does not end with an assistant turn.
-
-    Example::
+    """Split an HH-RLHF dialogue into chat messages: turns start at ``"\\n\\nHuman:"`` (``"user"``) and
+    ``"\\n\\nAssistant:"`` (``"assistant"``), content stripped (may be empty); the first ``"Human:"`` may lack
+    its ``"\\n\\n"``. A ValueError when there is no Human turn, text before it, roles that do not alternate from
+    the human, or no final assistant turn. Example::
 
         >>> parse_hh_dialogue("\\n\\nHuman: Hi there\\n\\nAssistant: Hello!")
         [{'role': 'user', 'content': 'Hi there'}, {'role': 'assistant', 'content': 'Hello!'}]
@@ -82,21 +62,9 @@ def parse_hh_dialogue(text: str) -> list[dict[str, str]]:
 
 
 def hh_rlhf_to_preference(example: Mapping[str, Any]) -> dict[str, list[dict[str, str]]]:
-    """Convert one raw HH-RLHF row to ``{"prompt", "chosen", "rejected"}`` conversational messages: the shared
-    dialogue up to the last human turn, and each dialogue's final assistant reply. Other keys are not kept.
-
-    Raises:
-        ValueError: if either dialogue does not parse (see :func:`parse_hh_dialogue`) or the two do not share the
-            same turns before their final replies; the message says which turn differs.
-
-    Example::
-
-        >>> hh_rlhf_to_preference(
-        ...     {"chosen": "\\n\\nHuman: Hi\\n\\nAssistant: Hello!", "rejected": "\\n\\nHuman: Hi\\n\\nAssistant: Go away."}
-        ... )
-        {'prompt': [{'role': 'user', 'content': 'Hi'}], 'chosen': [{'role': 'assistant', 'content': 'Hello!'}], \
-'rejected': [{'role': 'assistant', 'content': 'Go away.'}]}
-    """
+    """One raw HH-RLHF row as ``{"prompt", "chosen", "rejected"}`` messages: the shared dialogue up to the last human
+    turn, and each dialogue's final assistant reply (other keys dropped). A ValueError when a dialogue does not parse
+    (:func:`parse_hh_dialogue`) or the two differ before their final replies, naming the turn that differs."""
     parsed = {}
     for key in ("chosen", "rejected"):
         if key not in example:
@@ -126,28 +94,19 @@ def _looks_like_hh(text: Any) -> bool:
 
 def is_hh_rlhf(dataset_or_example: Dataset | IterableDataset | DatasetDict | Mapping[str, Any]) -> bool:
     """Whether a dataset (judged by its first row) or a single row is raw HH-RLHF: ``chosen`` and ``rejected``
-    ``"Human:"`` dialogues, no ``prompt``. An empty dataset is not; a ``DatasetDict`` is when all its splits are.
-
-    Example::
-
-        >>> is_hh_rlhf({"chosen": "\\n\\nHuman: Hi\\n\\nAssistant: Hello!", "rejected": "\\n\\nHuman: Hi\\n\\nAssistant: No."})
-        True
-        >>> is_hh_rlhf({"prompt": "Hi", "chosen": "Hello!", "rejected": "No."})
-        False
-    """
+    ``"Human:"`` dialogues, no ``prompt``. An empty dataset is not; a ``DatasetDict`` is when all its splits are."""
     if isinstance(dataset_or_example, (DatasetDict, IterableDatasetDict)):
         return len(dataset_or_example) > 0 and all(is_hh_rlhf(split) for split in dataset_or_example.values())
-    if isinstance(dataset_or_example, Mapping):
-        example = dataset_or_example
-    else:
-        columns = getattr(dataset_or_example, "column_names", None)
+    example = dataset_or_example
+    if not isinstance(example, Mapping):
+        columns = getattr(example, "column_names", None)
         if columns is not None and ("prompt" in columns or not {"chosen", "rejected"} <= set(columns)):
             return False
-        example = next(iter(dataset_or_example), None)
-        if not isinstance(example, Mapping):
-            return False
+        example = next(iter(example), None)
     return (
-        "prompt" not in example and _looks_like_hh(example.get("chosen")) and _looks_like_hh(example.get("rejected"))
+        isinstance(example, Mapping)
+        and "prompt" not in example
+        and all(_looks_like_hh(example.get(key)) for key in ("chosen", "rejected"))
     )
 
 

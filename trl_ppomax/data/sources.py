@@ -1,9 +1,9 @@
-"""Where datasets come from: a Hub id, a local folder or data file (``.json``/``.jsonl``/``.parquet``/``.csv``/``.txt``),
-or the MOSS-RLHF release's data files (read as the release reads them, :mod:`trl_ppomax.moss.data`); a local path
-that does not exist is named at once, and a file that cannot be read says which line."""
+"""Where datasets come from: a Hub id, a local folder or data file, or the MOSS-RLHF release's data files (read as
+the release reads them, :mod:`trl_ppomax.moss.data`); a missing local path is named at once, a bad file's line too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -13,9 +13,7 @@ from datasets import Dataset, load_dataset
 
 from trl_ppomax.moss.data import read_release_files, release_files
 
-# Prompt sources for the recipes
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
 DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
 
 
@@ -32,9 +30,8 @@ def looks_local(name: str, data: bool = False) -> bool:
 
 
 def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] = ()) -> None:
-    """Fail at once, naming the setting, when a model or dataset setting (``…dataset_name``, or named in
-    ``datasets``) is a local path that does not exist (a typo), instead of trying the Hub and failing there after
-    retries."""
+    """Fail at once, naming the setting, when a model or dataset setting (``…dataset_name``, or in ``datasets``) is
+    a local path that does not exist (a typo), instead of failing on the Hub after retries."""
     for setting, name in settings.items():
         local = name and looks_local(name, data=setting.endswith("dataset_name") or setting in datasets)
         if local and not os.path.exists(os.path.expanduser(name)):
@@ -46,14 +43,9 @@ def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] =
 def load_any_dataset(
     name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
 ) -> Dataset:
-    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt).
-
-    The MOSS-RLHF release's data files (:func:`release_files`: a file, or a folder's ``*train.json`` /
-    ``*valid.json``) are read as the release reads them (:func:`read_release_files`): as prompts (``kind="prompts"``)
-    or as dialogues for the ptx loss (``kind="ptx"``)."""
-
-    files = release_files(name, split)
-    if files:
+    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt). The MOSS-RLHF
+    release's data files (:func:`release_files`) are read as the release reads them, as prompts or ptx dialogues."""
+    if files := release_files(name, split):
         return read_release_files(files, kind)
     if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
         return load_data_file(name, split)
@@ -61,10 +53,8 @@ def load_any_dataset(
 
 
 def load_data_file(path: str, split: str = "train") -> Dataset:
-    """The rows of a local data file (:data:`FILE_BUILDERS`) as the split ``split``. An empty file, or one its
-    builder cannot read (a broken JSON line, a damaged Parquet file), fails here with a ``ValueError`` naming the
-    file (and the first bad line of a JSON file), not deep in ``datasets`` without it."""
-
+    """The rows of a local data file (:data:`FILE_BUILDERS`) as ``split``; an empty or unreadable file raises a
+    ``ValueError`` naming it (and a JSON file's first bad line), not deep in ``datasets`` without it."""
     builder = FILE_BUILDERS[os.path.splitext(path)[1]]
     try:
         dataset = load_dataset(builder, data_files={split: path}, split=split)
@@ -85,11 +75,9 @@ def _first_bad_json_line(path: str) -> str:
         text = file.read()
     if not text.strip():
         return " (the file is empty)"
-    try:
+    with contextlib.suppress(json.JSONDecodeError):
         json.loads(text)
         return ""
-    except json.JSONDecodeError:
-        pass
     for number, line in enumerate(text.splitlines(), 1):
         try:
             if line.strip():
@@ -100,10 +88,8 @@ def _first_bad_json_line(path: str) -> str:
 
 
 def to_prompt_dataset(dataset: Dataset) -> Dataset:
-    """Keep (or make) the ``prompt`` column from the common formats: prompt-only and preference datasets with
-    ``prompt``; conversational ``messages`` (everything up to the last user turn); raw HH-RLHF (``chosen``/``rejected``
-    dialogues); tokenized ``input_ids`` is kept as is. The other columns stay: reward functions receive them (e.g. a
-    ``solution`` column)."""
+    """The ``prompt`` column of a prompt-only or preference dataset, made from ``messages`` (up to the last user turn)
+    or raw HH-RLHF; tokenized ``input_ids`` are kept as they are. Other columns stay for the reward functions."""
     from trl_ppomax.data.hh_rlhf import convert_hh_rlhf, is_hh_rlhf
 
     columns = dataset.column_names

@@ -1,12 +1,12 @@
-"""Generation engines behind one interface: the rollout is **generate → score**, and this is the first half.
+"""Generation engines behind one interface, the first half of the rollout (**generate → score**; scoring is the
+trainer's and the same for every engine).
 
 An engine has ``generate(query_ids, query_mask, sampling=True, n=1) -> (response_ids, response_mask,
 sampler_logprobs)``: ``n`` responses (B·n, T) to each left-padded prompt (B, L), in a row per prompt, right-padded, the
-mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None when the engine's
-own forward is the policy's, as with ``generate``). ``on_policy_updated()`` is called after every update that changed
-the policy; ``pop_metrics()`` returns what the engine measured since the last call. :class:`HFGeneration` samples with
-the policy's own ``generate``; :class:`~trl_ppomax.generation.vllm.VLLMEngine` with vLLM (``use_vllm=True``). Scoring (the
-policy, reference, critic and reward forwards) is the trainer's next step and the same for every engine.
+mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None when the sampler is
+the policy itself). ``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()``
+returns what the engine measured since the last call. :class:`HFGeneration` samples with the policy's ``generate``;
+:class:`~trl_ppomax.generation.vllm.VLLMEngine` with vLLM (``use_vllm=True``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ __all__ = ["HFGeneration", "generate_in_chunks", "generate_responses", "generati
 
 
 class HFGeneration:
-    """Rollouts by the policy's own ``generate`` (:func:`generation_kwargs`: the repetition
-    penalty on generated tokens only, temperature, top-p, ending at ``stop_token_id``). ``policy``: the unwrapped
-    policy the trainer trains (gathered in place under ZeRO-3 while the trainer generates)."""
+    """Rollouts by the policy's own ``generate`` (:func:`generation_kwargs`: the repetition penalty on generated
+    tokens only, temperature, top-p, ending at ``stop_token_id``). ``policy``: the unwrapped policy the trainer trains
+    (gathered in place under ZeRO-3 while the trainer generates)."""
 
     def __init__(self, policy: nn.Module, args, stop_token_id: int | None, pad_token_id: int) -> None:
         self.policy, self.args = policy, args
@@ -90,11 +90,8 @@ def pad_right(tensors, value: int | float) -> torch.Tensor:
 def generate_responses(
     model: nn.Module, query_ids: torch.Tensor, query_mask: torch.Tensor, generation_kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample responses with :func:`generation_kwargs`; returns ``(response_ids, response_mask)``, (B, T), with pad
-    after the stop token (``eos_token_id``).
-
-    Generation ends when every sequence has produced the stop token (or at ``max_new_tokens``).
-    """
+    """Sample responses with :func:`generation_kwargs` until every row has the stop token (``eos_token_id``) or
+    ``max_new_tokens``: ``(response_ids, response_mask)`` (B, T), pad after the stop token."""
     output = model.generate(input_ids=query_ids, attention_mask=query_mask, **generation_kwargs)
     responses = output[:, query_ids.shape[1] :]
     mask = response_mask_from_stop(responses, generation_kwargs["eos_token_id"])
@@ -137,14 +134,10 @@ def generation_kwargs(
     """``generate()`` arguments of a rollout: at most ``response_length`` new tokens, ending at the stop token;
     greedy, or sampled (top-k off) through, in this order, the repetition penalty on the tokens **generated so far**
     (the prompt, ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated
-    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p.
-    """
-    kwargs = {
-        "max_new_tokens": args.response_length,
-        "eos_token_id": stop_token_id,
-        "pad_token_id": pad_token_id,
-        "do_sample": sampling,
-    }
+    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p."""
+    kwargs = dict(
+        max_new_tokens=args.response_length, eos_token_id=stop_token_id, pad_token_id=pad_token_id, do_sample=sampling
+    )
     if sampling:
         processors = []
         if args.repetition_penalty != 1.0:

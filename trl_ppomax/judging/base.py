@@ -4,6 +4,7 @@ for is asked twice: an interrupted evaluation resumes from it)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -18,16 +19,14 @@ Verdict = Literal["win", "tie", "lose", "invalid"]
 #: Every verdict, from the policy's side: its answer is better (win), as good (tie), worse (lose), or the judge gave
 #: no usable answer (invalid).
 VERDICTS: tuple[Verdict, ...] = ("win", "tie", "lose", "invalid")
-#: The category of prompts that have none.
-ALL = "all"
+ALL = "all"  # the category of prompts that have none
 
 
 @dataclass(frozen=True)
 class Pair:
-    """One held-out prompt with the policy's and the baseline's answers.
-
-    ``prompt`` is the text or conversation (list of ``{"role", "content"}``) the models saw; ``key`` is stable across
-    runs (index and prompt hash), so cached verdicts are found again."""
+    """One held-out prompt with the policy's and the baseline's answers. ``prompt`` is the text or conversation (list
+    of ``{"role", "content"}``) the models saw; ``key`` is stable across runs (index and prompt hash), so cached
+    verdicts are found again."""
 
     key: str
     prompt: str | list[dict[str, str]]
@@ -59,17 +58,12 @@ def margin_verdict(policy_score: float, baseline_score: float, tie_threshold: fl
     margin = policy_score - baseline_score
     if not math.isfinite(margin):
         return "invalid"
-    if margin > tie_threshold:
-        return "win"
-    if margin < -tie_threshold:
-        return "lose"
-    return "tie"
+    return "win" if margin > tie_threshold else "lose" if margin < -tie_threshold else "tie"
 
 
 def combine_swapped(first: Verdict, second: Verdict) -> Verdict:
-    """One verdict from a pair judged twice with the answers swapped (both already from the policy's side): the
-    same verdict twice stands; two valid verdicts that disagree are a tie (position bias, as LLM-as-a-judge
-    recommends); an invalid one makes the pair invalid."""
+    """One verdict from a pair judged twice with the answers swapped (both from the policy's side): the same verdict
+    twice stands, two that disagree are a tie (position bias, as LLM-as-a-judge recommends), any invalid is invalid."""
     if "invalid" in (first, second):
         return "invalid"
     return first if first == second else "tie"
@@ -87,11 +81,9 @@ class JsonlCache:
         self._values: dict[str, object] = {}
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # the line a crash cut short
                     record = json.loads(line)
-                except json.JSONDecodeError:  # the line a crash cut short
-                    continue
-                self._values[record["key"]] = record["value"]
+                    self._values[record["key"]] = record["value"]
 
     def __contains__(self, key: str) -> bool:
         return key in self._values
@@ -104,13 +96,11 @@ class JsonlCache:
 
     def put(self, key: str, value) -> None:
         line = json.dumps({"key": key, "value": value}, ensure_ascii=False) + "\n"
-        with self._lock:
-            with self.path.open("a", encoding="utf-8") as file:
-                if file.tell() and not self._ends_with_newline():
-                    file.write("\n")  # after a line a crash cut short
-                file.write(line)
-                file.flush()
-                os.fsync(file.fileno())
+        with self._lock, self.path.open("a", encoding="utf-8") as file:
+            torn = file.tell() and not self._ends_with_newline()  # a crash cut the last line short
+            file.write("\n" + line if torn else line)
+            file.flush()
+            os.fsync(file.fileno())
             self._values[key] = value
 
     def _ends_with_newline(self) -> bool:
@@ -128,6 +118,5 @@ class Judge(Protocol):
     def settings(self) -> dict:
         """What decides its verdicts (model, prompt, threshold; never a secret): a cache made under other settings is
         not reused."""
-        ...
 
     def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]: ...

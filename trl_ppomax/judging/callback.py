@@ -26,14 +26,12 @@ logger = logging.getLogger(__name__)
 class WinRateCallback(TrainerCallback):
     """``trainer.add_callback(WinRateCallback(trainer, judge="rm", every=10))``.
 
-    The SFT answers are the policy's own before its first update (sampled once, at the start of training, kept in
-    ``output_dir/win_rate_baseline/`` so that a resumed run compares with the same answers). Each check samples the
-    policy on the same prompts with the training sampling settings under a fixed seed (the training random streams
-    are left untouched) and counts, per prompt, ``win`` if ``score(policy) − score(SFT) > tie_threshold``.
-    ``judge``: ``"rm"`` (the trainer's score: the reward model's, after the missing-stop-token penalty) or a
-    :class:`~trl_ppomax.judging.scored.ScoreJudge` (``FunctionJudge(gold_rewards)`` for the toy world's gold reward).
-    ``prompts``: a prompt dataset (default: the trainer's ``eval_dataset``, else its training prompts), of which the
-    first ``num_prompts`` are used."""
+    The SFT answers are the policy's own before its first update, kept in ``output_dir/win_rate_baseline/`` for a
+    resumed run. Each check samples the policy on the same prompts (training sampling settings, a fixed seed, the
+    training random streams untouched) and counts ``win`` per prompt if ``score(policy) − score(SFT) > tie_threshold``.
+    ``judge``: ``"rm"`` (the trainer's score, after the missing-stop-token penalty) or a ``ScoreJudge`` such as
+    ``FunctionJudge(gold_rewards)``. ``prompts``: the first ``num_prompts`` of a prompt dataset (default: the trainer's
+    ``eval_dataset``, else its training prompts)."""
 
     def __init__(
         self,
@@ -46,14 +44,11 @@ class WinRateCallback(TrainerCallback):
     ) -> None:
         if every < 1:
             raise ValueError(f"WinRateCallback(every={every}): check every N ≥ 1 iterations.")
-        self.trainer, self.every, self.tie_threshold = trainer, every, tie_threshold
         if not (judge == "rm" or isinstance(judge, ScoreJudge)):
             raise ValueError(f"WinRateCallback(judge={judge!r}): use 'rm' or a ScoreJudge such as FunctionJudge(f).")
-        self.judge = judge
-        dataset = prepare_eval_prompts(trainer, prompts) if prompts is not None else None
-        if dataset is None:
-            eval_dataset = trainer.eval_dataset
-            dataset = eval_dataset if isinstance(eval_dataset, Dataset) else trainer.train_dataset
+        self.trainer, self.every, self.judge, self.tie_threshold = trainer, every, judge, tie_threshold
+        default = trainer.eval_dataset if isinstance(trainer.eval_dataset, Dataset) else trainer.train_dataset
+        dataset = prepare_eval_prompts(trainer, prompts) if prompts is not None else default
         self.dataset = dataset.select(range(min(num_prompts, len(dataset))))
         self.baseline: list[float] | None = None
 
@@ -83,8 +78,7 @@ class WinRateCallback(TrainerCallback):
         _, weights = rows_of_this_process(len(self.dataset), self.trainer.accelerator)
         counts = torch.zeros(4)
         for policy, sft, weight in zip(scores, self.baseline, weights, strict=True):
-            verdict = margin_verdict(policy, sft, self.tie_threshold)
-            counts[VERDICTS.index(verdict)] += weight
+            counts[VERDICTS.index(margin_verdict(policy, sft, self.tie_threshold))] += weight
         counts = self.trainer.reduce_sum(counts.to(self.trainer.accelerator.device)).cpu()
         shares = (counts[:3] / counts[:3].sum().clamp(min=1e-12)).tolist()
         return dict(zip((M.WIN_RATE_VS_SFT, M.TIE_RATE_VS_SFT, M.LOSE_RATE_VS_SFT), shares, strict=True))

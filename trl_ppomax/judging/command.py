@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -75,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_settings(args)
         check_paths(args)
-        if args.task == "mcq":
-            return _run_mcq(args)
-        return _run_pairwise(args)
+        return _run_mcq(args) if args.task == "mcq" else _run_pairwise(args)
     except (ValueError, OSError, KeyError, ImportError) as err:
         print(f"trl-ppomax evaluate: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -112,8 +111,7 @@ def check_paths(args: argparse.Namespace) -> None:
     """A local model folder or data file that does not exist fails here, before anything loads or the Hub is tried."""
     from trl_ppomax.data.sources import check_local_paths
 
-    sources = [split_category(item)[2] for item in args.prompts or []]
-    data = {f"--prompts {s}": s.partition("#")[0] for s in sources}
+    data = {f"--prompts {s}": s.partition("#")[0] for _, _, s in map(split_category, args.prompts or [])}
     data.update({"--data": args.data, "--few-shot-data": args.few_shot_data})
     models = {"--policy": args.policy, "--baseline": args.baseline, "--reward-model": args.reward_model}
     check_local_paths({**models, **data}, datasets=list(data))
@@ -131,15 +129,15 @@ def _run_pairwise(args: argparse.Namespace) -> int:
         load_prompts(source, args.split, args.category_column, category or None, args.num_prompts, args.seed)
         for category, _, source in map(split_category, args.prompts)
     ]
-    generation = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        do_sample=not args.greedy,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
+    names = (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "batch_size",
+        "seed",
+    )  # fields named as flags
+    generation = GenerationSettings(do_sample=not args.greedy, **{name: getattr(args, name) for name in names})
     prompts = concatenate_datasets(parts)
     evaluate_policy(args.policy, args.baseline, prompts, args.output, build_judges(args), generation)
     if "human" in args.judges and not args.human_sheet:
@@ -173,15 +171,8 @@ def build_judges(args: argparse.Namespace) -> list:
                 raise ValueError("--judges llm needs --judge-model (and --base-url for a server other than OpenAI's)")
             from trl_ppomax.judging.llm import LLMJudge
 
-            judges.append(
-                LLMJudge(
-                    args.judge_model,
-                    base_url=args.base_url,
-                    api_key=os.environ.get(args.api_key_env),
-                    prompt=args.judge_prompt,
-                    concurrency=args.judge_concurrency,
-                )
-            )
+            settings = {"base_url": args.base_url, "prompt": args.judge_prompt, "concurrency": args.judge_concurrency}
+            judges.append(LLMJudge(args.judge_model, api_key=os.environ.get(args.api_key_env), **settings))
         elif name == "human" and args.human_sheet:
             from trl_ppomax.judging.human import HumanJudge
 
@@ -192,8 +183,6 @@ def build_judges(args: argparse.Namespace) -> list:
 
 def export_human_sheet(output: str) -> None:
     """Write the blind A/B sheet for the pairs of ``output`` (its ``pairs.jsonl``) under ``output/human``."""
-    import json
-
     from trl_ppomax.judging.base import Pair
     from trl_ppomax.judging.human import export_sheet
 
@@ -211,22 +200,16 @@ def _run_mcq(args: argparse.Namespace) -> int:
 
     if not args.data:
         raise ValueError("--task mcq needs --data (questions with question, choices/A-D and answer columns)")
-    few_shot = None
+    shots = None
     if args.few_shot:
         if args.few_shot_data is None and os.path.isfile(args.data):
             raise ValueError("--few-shot with a data file needs --few-shot-data (a file of solved examples)")
-        few_shot = _load_questions(args.few_shot_data or args.data, args.few_shot_split)
+        shots = _load_questions(args.few_shot_data or args.data, args.few_shot_split)
     models = {"policy": args.policy, **({"baseline": args.baseline} if args.baseline else {})}
+    options = {name: getattr(args, name) for name in ("few_shot", "scoring", "batch_size", "max_questions")}
+    questions = _load_questions(args.data, args.split)
     compare_multiple_choice(
-        models,
-        _load_questions(args.data, args.split),
-        args.output,
-        few_shot=args.few_shot,
-        few_shot_dataset=few_shot,
-        scoring=args.scoring,
-        batch_size=args.batch_size,
-        max_questions=args.max_questions,
-        subject_column=args.subject_column,
+        models, questions, args.output, few_shot_dataset=shots, subject_column=args.subject_column, **options
     )
     return 0
 

@@ -3,7 +3,6 @@ arrives: the paper's §6.1 sampling (top-p 0.9, temperature 0.8, repetition pena
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -17,8 +16,6 @@ from trl_ppomax.data import PromptCollator, model_context, prepare_prompt_datase
 from trl_ppomax.data.sources import load_any_dataset, to_prompt_dataset
 from trl_ppomax.generation import generate_responses, generation_kwargs
 from trl_ppomax.judging.base import ALL, JsonlCache, Pair, prompt_key
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,9 +54,7 @@ def load_prompts(
         )
     if category_column is not None and category_column not in dataset.column_names:
         raise ValueError(f"--category-column {category_column!r} is not a column of {source}: {dataset.column_names}.")
-    labels = (
-        [str(c) for c in dataset.to_dict()[category_column]] if category_column else [category or ALL] * len(dataset)
-    )
+    labels = [str(c) for c in dataset[category_column]] if category_column else [category or ALL] * len(dataset)
     prompts = to_prompt_dataset(dataset)
     if "prompt" not in prompts.column_names:
         raise ValueError(f"{source} has tokenized prompts only (input_ids); evaluation needs 'prompt' text.")
@@ -80,24 +75,21 @@ def load_causal_lm(name: str | os.PathLike, device=None, dtype: torch.dtype | No
     return model.to(device).eval(), AutoTokenizer.from_pretrained(os.fspath(name))
 
 
-#: How messages name the answer length: the setting and the flag of ``trl-ppomax evaluate``.
-MAX_NEW_TOKENS = "max_new_tokens (--max-new-tokens)"
+MAX_NEW_TOKENS = "max_new_tokens (--max-new-tokens)"  # how messages name the answer length: setting and flag
 
 
 def prompt_budget(model, max_new_tokens: int) -> int | None:
     """The longest prompt that leaves room for ``max_new_tokens`` in the model's context (None when its config does
     not say); a ValueError naming ``--max-new-tokens`` when an answer that long leaves no room for a prompt."""
     context = model_context(model)
-    if context is None:
-        return None
-    if max_new_tokens >= context:
+    if context is not None and max_new_tokens >= context:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} (--max-new-tokens) does not fit the model's context of {context} tokens "
-            f"(config.max_position_embeddings): prompt and answer share it, so {context - max_new_tokens} tokens would "
-            f"be left for the prompt. Lower --max-new-tokens (e.g. --max-new-tokens {context // 4} leaves "
+            f"(config.max_position_embeddings): prompt and answer share it, so {context - max_new_tokens} tokens "
+            f"would be left for the prompt. Lower --max-new-tokens (e.g. --max-new-tokens {context // 4} leaves "
             f"{context - context // 4} prompt tokens), or evaluate a model with a longer context."
         )
-    return context - max_new_tokens
+    return None if context is None else context - max_new_tokens
 
 
 @torch.no_grad()

@@ -1,10 +1,8 @@
-"""The ``human`` judge: a blind A/B sheet round trip.
-
-:func:`export_sheet` writes ``human_sheet.csv`` for annotators (rows shuffled, sides randomised per row, opaque ids)
-and ``human_key.json``, kept apart, which says per pair key which column holds the policy's answer;
-:func:`import_sheet` turns the filled sheet back into verdicts from the policy's side; :class:`HumanJudge` serves
-them to the evaluation like any other judge. The same pairs and seed always give the same files, so a lost key can be
-rebuilt by exporting again into another folder."""
+"""The ``human`` judge, a blind A/B sheet round trip: :func:`export_sheet` writes ``human_sheet.csv`` for annotators
+(rows shuffled, sides randomised per row, opaque ids) and ``human_key.json``, kept apart, which says per pair key which
+column holds the policy's answer; :func:`import_sheet` turns the filled sheet back into verdicts from the policy's
+side; :class:`HumanJudge` serves them like any other judge. The same pairs and seed always give the same files, so a
+lost key can be rebuilt by exporting again into another folder."""
 
 from __future__ import annotations
 
@@ -52,11 +50,10 @@ def export_sheet(
     pairs: Iterable[Pair], folder: str | os.PathLike, seed: int = 0, *, overwrite: bool = False
 ) -> tuple[Path, Path]:
     """Write ``folder/human_sheet.csv`` (UTF-8 with BOM, columns :data:`COLUMNS`), ``folder/human_key.json`` and
-    ``folder/HUMAN_SHEET_README.txt``, each atomically; return ``(sheet, key)``.
-
-    Rows and sides are shuffled with ``random.Random(seed)`` after sorting the pairs by key, so the files depend only
-    on the set of pairs and the seed. Raises :class:`ValueError` on duplicate pair keys and :class:`FileExistsError`,
-    unless ``overwrite``, when an existing key differs from the new one or the existing sheet has judged rows."""
+    ``folder/HUMAN_SHEET_README.txt``, each atomically; return ``(sheet, key)``. Rows and sides are shuffled with
+    ``random.Random(seed)`` after sorting the pairs by key, so the files depend only on the set of pairs and the seed.
+    Raises :class:`ValueError` on duplicate pair keys and :class:`FileExistsError`, unless ``overwrite``, when an
+    existing key differs from the new one or the existing sheet has judged rows."""
     pairs = sorted(pairs, key=lambda pair: pair.key)
     duplicates = sorted(pair_key for pair_key, count in Counter(pair.key for pair in pairs).items() if count > 1)
     if duplicates:
@@ -68,16 +65,14 @@ def export_sheet(
         _guard(sheet_path, key_path, key)
     write_json(key_path, key)
     buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerows([COLUMNS, *rows])
+    csv.writer(buffer).writerows([COLUMNS, *rows])
     write_text_atomically(sheet_path, buffer.getvalue(), encoding="utf-8-sig")
     write_text_atomically(folder / README_NAME, README)
     return sheet_path, key_path
 
 
 def _layout(pairs: list[Pair], seed: int) -> tuple[list[tuple[str, ...]], dict]:
-    """The sheet's rows (cells in the order of :data:`COLUMNS`) and the key for ``pairs`` (sorted by key) under
-    ``seed``."""
+    """The sheet's rows (cells as :data:`COLUMNS`) and the key for ``pairs`` (sorted by key) under ``seed``."""
     rng = random.Random(seed)
     order = list(pairs)
     rng.shuffle(order)
@@ -89,13 +84,8 @@ def _layout(pairs: list[Pair], seed: int) -> tuple[list[tuple[str, ...]], dict]:
         first, second = (pair.policy, pair.baseline) if policy_column == "response_1" else (pair.baseline, pair.policy)
         rows.append((row_id, pair.category, prompt_text(pair.prompt), first, second, "", ""))
         entries[pair.key] = {"id": row_id, "policy_column": policy_column, "answers_sha256": answers_digest(pair)}
-    key = {
-        "format": KEY_FORMAT,
-        "about": f"Which column of {SHEET_NAME} holds the policy's answer, per pair key. Keep it from annotators.",
-        "seed": seed,
-        "pairs": entries,
-    }
-    return rows, key
+    about = f"Which column of {SHEET_NAME} holds the policy's answer, per pair key. Keep it from annotators."
+    return rows, {"format": KEY_FORMAT, "about": about, "seed": seed, "pairs": entries}
 
 
 def answers_digest(pair: Pair) -> str:
@@ -106,20 +96,17 @@ def answers_digest(pair: Pair) -> str:
 
 def _guard(sheet_path: Path, key_path: Path, key: dict) -> None:
     """Refuse to replace a different key or a sheet that already holds judgements."""
-    if key_path.exists():
-        try:
-            old = json.loads(key_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            old = None
-        if old != key:
-            raise FileExistsError(
-                f"{key_path} already exists for other pairs or another seed; replacing it would make a sheet filled "
-                "against it worthless. Export into another folder, or pass overwrite=True."
-            )
+    old = None
+    with contextlib.suppress(OSError, ValueError):  # a missing or unreadable key reads as None
+        old = json.loads(key_path.read_text(encoding="utf-8"))
+    if key_path.exists() and old != key:
+        raise FileExistsError(
+            f"{key_path} already exists for other pairs or another seed; replacing it would make a sheet filled "
+            "against it worthless. Export into another folder, or pass overwrite=True."
+        )
     judged = 0
     with contextlib.suppress(FileNotFoundError, ValueError):  # no sheet, or not a sheet: nothing judged
-        records, columns = _read_records(sheet_path)
-        judged = sum(bool(_cell(record, columns["preferred"])) for _, record in records)
+        judged = sum(bool(preferred) for _, _, preferred in _read_records(sheet_path))
     if judged:
         raise FileExistsError(
             f"{sheet_path} already has {judged} judged rows; exporting again would erase them. Import it, move it "
@@ -142,19 +129,16 @@ def load_key(key: str | os.PathLike) -> dict[str, dict[str, str]]:
 
 def import_sheet(sheet: str | os.PathLike, key: str | os.PathLike) -> dict[str, Verdict]:
     """Pair key → verdict from the policy's side (``win``/``lose``/``tie``) for every judged row of a filled sheet.
-
     Tolerates what a spreadsheet does on saving: BOM or none, ``,``/``;``/tab delimiters, extra, reordered or
     differently cased columns, reordered rows, surrounding whitespace, ``1.0``/``2.0``. Rows with a blank
     ``preferred`` are left out. Raises one :class:`ValueError` listing every unknown value, unknown id and duplicate
     id, with its spreadsheet row number (the header is row 1)."""
     entries = load_key(key)
     by_id = {entry["id"]: (pair_key, entry["policy_column"]) for pair_key, entry in entries.items()}
-    records, columns = _read_records(Path(sheet))
     verdicts: dict[str, Verdict] = {}
     seen: dict[str, int] = {}
     bad_values, unknown, duplicates = [], [], []
-    for row, record in records:
-        row_id, raw = _cell(record, columns["id"]), _cell(record, columns["preferred"])
+    for row, row_id, raw in _read_records(Path(sheet)):
         if not row_id:
             if raw:
                 unknown.append(f"row {row}: no id")
@@ -185,21 +169,18 @@ def import_sheet(sheet: str | os.PathLike, key: str | os.PathLike) -> dict[str, 
 
 
 def _parse_choice(raw: str) -> str | None:
-    """The preferred column (``"response_1"``, ``"response_2"``) or ``"tie"``; ``""`` for blank; ``None`` for anything
-    else."""
+    """The preferred column (``"response_1"``, ``"response_2"``), ``"tie"``, ``""`` (blank) or ``None`` (other)."""
     value = raw.strip().lower()
     if value in ("", "tie"):
         return value
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return {1.0: SIDES[0], 2.0: SIDES[1]}.get(number)
+    with contextlib.suppress(ValueError):
+        return {1.0: SIDES[0], 2.0: SIDES[1]}.get(float(value))
+    return None
 
 
-def _read_records(path: Path) -> tuple[list[tuple[int, list[str]]], dict[str, int]]:
-    """The sheet's data records with their spreadsheet row numbers, and the column index of ``id`` and
-    ``preferred``. Raises :class:`ValueError` if no delimiter gives a header with both."""
+def _read_records(path: Path) -> list[tuple[int, str, str]]:
+    """``(spreadsheet row number, id, preferred)`` of each data record, stripped. Raises :class:`ValueError` if no
+    delimiter gives a header with both columns."""
     text = _decode(path.read_bytes())
     first_line = text.split("\n", 1)[0]
     for delimiter in (",", ";", "\t"):
@@ -213,8 +194,9 @@ def _read_records(path: Path) -> tuple[list[tuple[int, list[str]]], dict[str, in
         records = list(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter))
     except csv.Error as error:
         raise ValueError(f"{path}: not a readable CSV file ({error})") from error
-    columns = {"id": header.index("id"), "preferred": header.index("preferred")}
-    return list(enumerate(records[1:], start=2)), columns
+    i, p = header.index("id"), header.index("preferred")
+    padded = (record + [""] * len(header) for record in records[1:])  # short records: blank cells
+    return [(row, cells[i].strip(), cells[p].strip()) for row, cells in enumerate(padded, start=2)]
 
 
 def _decode(data: bytes) -> str:
@@ -228,16 +210,11 @@ def _decode(data: bytes) -> str:
         return data.decode("latin-1")
 
 
-def _cell(record: list[str], index: int) -> str:
-    return record[index].strip() if index < len(record) else ""
-
-
 class HumanJudge:
-    """Verdicts read from a filled blind sheet (:func:`import_sheet`) and its key.
-
-    :meth:`judge` raises :class:`ValueError` for pairs the key does not hold or whose answers differ from those
-    exported, and for pairs not judged yet unless ``allow_partial`` (they are then ``"invalid"``). Every judged pair's
-    verdict is stored in the cache; the sheet, not the cache, is the source of truth."""
+    """Verdicts read from a filled blind sheet (:func:`import_sheet`) and its key. :meth:`judge` raises
+    :class:`ValueError` for pairs the key does not hold or whose answers differ from those exported, and for pairs not
+    judged yet unless ``allow_partial`` (they are then ``"invalid"``). Every judged pair's verdict is stored in the
+    cache; the sheet, not the cache, is the source of truth."""
 
     name = "human"
 

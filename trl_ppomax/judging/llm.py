@@ -1,15 +1,13 @@
 """The ``llm`` judge: a model behind an OpenAI-compatible ``/chat/completions`` endpoint (OpenAI, vLLM, …) compares
 the policy's and the baseline's answers pairwise, as in LLM-as-a-judge (Zheng et al. 2023).
 
-* Template: a text file holding ``{question}``, ``{answer_a}`` and ``{answer_b}``. Only these three are replaced, in
-  one pass (other braces stay as written; answers may contain anything). Text above the first line that is exactly
-  ``---`` is the system message, the rest the user message; without such a line the whole file is the user message.
-* Each pair is asked twice: ``policy_first`` (policy = A) and ``baseline_first`` (baseline = A). The last
-  ``[[A]]`` / ``[[B]]`` / ``[[C]]`` (tie) of a reply decides; it is mapped to the policy's side and
-  :func:`~trl_ppomax.judging.base.combine_swapped` joins the two orders.
-* Cache: ``"<pair.key>|<order>"`` → ``{"verdict", "label", "reply", "asks"}``, stored as each reply arrives; a cached
-  request is never sent again.
-* Transport: the ``openai`` client, which sends the requests and retries them; we only choose the wait and log why.
+* Template: a text file holding ``{question}``, ``{answer_a}`` and ``{answer_b}``, replaced in one pass (other braces
+  stay as written; answers may contain anything). Text above the first line that is exactly ``---`` is the system
+  message, the rest the user message; without such a line the whole file is the user message.
+* Each pair is asked twice: ``policy_first`` (policy = A) and ``baseline_first`` (baseline = A). The last ``[[A]]`` /
+  ``[[B]]`` / ``[[C]]`` (tie) of a reply decides; :func:`~trl_ppomax.judging.base.combine_swapped` joins the orders.
+* Cache: ``"<pair.key>|<order>"`` → ``{"verdict", "label", "reply", "asks"}``, stored as each reply arrives.
+* Transport: the ``openai`` client sends and retries the requests; we only choose the wait and log why.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +36,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = Path(__file__).with_name("prompts") / "pairwise.txt"
 PLACEHOLDERS = ("question", "answer_a", "answer_b")
-#: The two orders every pair is asked in: who is answer A.
-ORDERS = ("policy_first", "baseline_first")
+ORDERS = ("policy_first", "baseline_first")  # every pair is asked in both: who is answer A
 #: The judge's label → the verdict from the policy's side, per order.
 LABEL_VERDICTS: dict[str, dict[str, Verdict]] = {
     "policy_first": {"A": "win", "B": "lose", "C": "tie"},
@@ -58,8 +55,7 @@ class JudgeUnavailableError(RuntimeError):
 
 
 class JudgeRequestError(RuntimeError):
-    """The judge server refused a request in a way a retry cannot fix (another 4xx, or a reply that is not a chat
-    completion)."""
+    """The judge server refused a request a retry cannot fix (another 4xx, or a reply that is no chat completion)."""
 
 
 class JudgeAuthError(JudgeRequestError):
@@ -68,10 +64,6 @@ class JudgeAuthError(JudgeRequestError):
 
 class _RetriesExhausted(Exception):
     """Internal: one request failed ``max_retries + 1`` times; ``judge()`` turns it into JudgeUnavailableError."""
-
-
-class _Stopped(Exception):
-    """Internal: another request failed for good, so this worker stops before sending more."""
 
 
 def cache_key(pair: Pair, order: str) -> str:
@@ -116,11 +108,9 @@ class PromptTemplate:
 
 
 class _RetryHookClient(openai.OpenAI):
-    """``openai.OpenAI`` that calls ``before_retry(retries_taken, response)`` in place of its own wait.
-
-    openai decides what to retry (408, 409, 429, 5xx, timeouts, connection errors) and how often (``max_retries``), but
-    its wait (0.5 s · 2ⁿ with jitter, at most 8 s) has no public setting; ``_sleep_for_retry`` (openai ≥ 1.76) is the
-    one place it waits. ``response`` is ``None`` after a timeout or connection error."""
+    """``openai.OpenAI`` that calls ``before_retry(retries_taken, response)`` in place of its own wait (0.5 s · 2ⁿ with
+    jitter, at most 8 s, no public setting): ``_sleep_for_retry`` (openai ≥ 1.76) is the one place it waits. openai
+    still decides what to retry and how often. ``response`` is ``None`` after a timeout or connection error."""
 
     def __init__(self, *, before_retry: Callable[[int, Any], None], **kwargs) -> None:
         super().__init__(**kwargs)
@@ -159,8 +149,7 @@ class LLMJudge:
     ) -> None:
         if concurrency < 1 or max_retries < 0 or parse_retries < 0:
             raise ValueError("concurrency must be >= 1, max_retries and parse_retries >= 0")
-        self.model = model
-        self.base_url = base_url.rstrip("/")
+        self.model, self.base_url = model, base_url.rstrip("/")
         self.url = f"{self.base_url}/chat/completions"
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.template = PromptTemplate.load(prompt if prompt is not None else DEFAULT_TEMPLATE)
@@ -183,7 +172,8 @@ class LLMJudge:
         }
 
     def judge(self, pairs: Iterable[Pair], cache: JsonlCache) -> list[Verdict]:
-        """One verdict per pair, in order: both orders asked (unless cached), joined by ``combine_swapped``."""
+        """One verdict per pair, in order: both orders asked (unless cached) on ``concurrency`` threads, joined by
+        ``combine_swapped``; the first failure stops the other workers and is raised."""
         pairs = list(pairs)
         unique = list({pair.key: pair for pair in pairs}.values())
         todo = [pair for pair in unique if not all(cache_key(pair, order) in cache for order in ORDERS)]
@@ -197,8 +187,16 @@ class LLMJudge:
             before_retry=functools.partial(self._before_retry, stop),
         )
         try:
-            with client, bar:
-                self._judge_all(todo, cache, client, stop, bar)
+            with client, bar, ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+                futures = [pool.submit(self._judge_pair, pair, cache, client, stop) for pair in todo]
+                try:
+                    for future in as_completed(futures):
+                        future.result()
+                        bar.update()
+                except BaseException:
+                    stop.set()
+                    pool.shutdown(cancel_futures=True)  # running requests finish (and cache what they got)
+                    raise
         except _RetriesExhausted as error:
             cached = sum(cache_key(pair, order) in cache for pair in unique for order in ORDERS)
             raise JudgeUnavailableError(
@@ -207,20 +205,6 @@ class LLMJudge:
                 f"cached in {cache.path}; run the same command again to resume from them."
             ) from None
         return [combine_swapped(*(cache.get(cache_key(pair, order))["verdict"] for order in ORDERS)) for pair in pairs]
-
-    def _judge_all(self, pairs: list[Pair], cache: JsonlCache, client, stop: threading.Event, bar) -> None:
-        """Judge ``pairs`` on ``concurrency`` threads; the first failure sets ``stop`` and is raised."""
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = [pool.submit(self._judge_pair, pair, cache, client, stop) for pair in pairs]
-            try:
-                for future in as_completed(futures):
-                    future.result()
-                    bar.update()
-            except BaseException:
-                stop.set()
-                for future in futures:
-                    future.cancel()
-                raise  # after the pool has let running requests finish (and cache what they got)
 
     def _judge_pair(self, pair: Pair, cache: JsonlCache, client: openai.OpenAI, stop: threading.Event) -> None:
         """Ask each order not cached yet, up to ``1 + parse_retries`` times, and cache what it decided."""
@@ -242,8 +226,8 @@ class LLMJudge:
     def _complete(self, client: openai.OpenAI, messages: list[dict[str, str]], stop: threading.Event) -> str:
         """The reply text of one chat completion (openai retries transient failures); ``_RetriesExhausted`` when they
         last, :class:`JudgeRequestError` when the server refuses."""
-        if stop.is_set():
-            raise _Stopped
+        if stop.is_set():  # another request failed for good: send no more
+            raise CancelledError
         try:
             raw = client.chat.completions.with_raw_response.create(
                 model=self.model,
@@ -265,10 +249,10 @@ class LLMJudge:
             ) from None
 
     def _before_retry(self, stop: threading.Event, retry: int, response: Any) -> None:
-        """Log why, then wait ``min(Retry-After or backoff · 2**retry, max_backoff)``; ``_Stopped`` when another
+        """Log why, then wait ``min(Retry-After or backoff · 2**retry, max_backoff)``; ``CancelledError`` when another
         request already failed for good."""
         if stop.is_set():
-            raise _Stopped
+            raise CancelledError
         delay, reason = self.backoff * 2**retry, "timeout or connection error"
         if response is not None:
             reason = f"HTTP {response.status_code}: {self._server_message(response)}"
@@ -276,14 +260,8 @@ class LLMJudge:
                 seconds = float(response.headers["Retry-After"])
                 delay = max(seconds, 0.0) if math.isfinite(seconds) else delay
         delay = min(delay, self.max_backoff)
-        logger.warning(
-            "Judge request to %s failed (%s); retry %d/%d in %.2f s",
-            self.url,
-            reason,
-            retry + 1,
-            self.max_retries,
-            delay,
-        )
+        message = "Judge request to %s failed (%s); retry %d/%d in %.2f s"
+        logger.warning(message, self.url, reason, retry + 1, self.max_retries, delay)
         self._sleep(delay)
 
     def _status_error(self, response: Any) -> Exception:

@@ -1,13 +1,11 @@
-"""Alignment tax on knowledge questions: multiple-choice accuracy per subject of two models (the SFT model and the PPO
-policy, as in Fig. 12 of "Secrets of RLHF in Large Language Models Part I: PPO" on C-Eval), scored by the
-log-likelihood of the answers: a quick before/after check of several models on the same data (``lighteval`` is the
-better tool for full benchmark suites with their official prompts and splits).
+"""Alignment tax: multiple-choice accuracy per subject of two models (the SFT model and the PPO policy, as in Fig. 12
+of "Secrets of RLHF in Large Language Models Part I: PPO" on C-Eval), scored by the log-likelihood of the answers
+(``lighteval`` is the better tool for full benchmark suites with their official prompts and splits).
 
-Data layouts (column names configurable):
+Data layouts (column names configurable; rows without a subject go to the subject "all"):
 
 * MMLU: ``question``, ``choices`` (a list of strings), ``answer`` (an index, 0 = A), ``subject``;
-* C-Eval: ``question``, ``A``, ``B``, ``C``, ``D`` (one column per choice), ``answer`` (a letter such as "B"),
-  usually no subject column. Rows without a subject go to the subject "all".
+* C-Eval: ``question``, ``A``, ``B``, ``C``, ``D`` (one column per choice), ``answer`` (a letter such as "B").
 
 Prompt, with ``k`` solved examples from ``few_shot_dataset`` (of the question's subject when there are subjects)::
 
@@ -59,14 +57,11 @@ logger = logging.getLogger(__name__)
 
 Scoring = Literal["letter", "text"]
 SCORINGS: tuple[Scoring, ...] = ("letter", "text")
-#: Choice letters: A = index 0.
-LETTERS = string.ascii_uppercase
-#: The line that ends every question; the answer follows it after a space.
-ANSWER_LABEL = "Answer:"
+LETTERS = string.ascii_uppercase  # choice letters: A = index 0
+ANSWER_LABEL = "Answer:"  # ends every question; the answer follows it after a space
 #: MMLU's instruction header (Hendrycks et al.); ``{subject}`` is the subject with underscores as spaces.
 MMLU_INSTRUCTION = "The following are multiple choice questions (with answers) about {subject}."
-#: The local ``evaluate`` metric module (correct / n), loaded by path.
-METRIC_PATH = Path(__file__).parent / "metrics" / "mcq_accuracy"
+METRIC_PATH = Path(__file__).parent / "metrics" / "mcq_accuracy"  # the local evaluate metric (correct / n)
 REPORT_FILE = "mcq_report.json"
 PREDICTIONS_FILE = "mcq_predictions.jsonl"
 
@@ -81,13 +76,6 @@ class Question:
     subject: str = ALL
 
 
-def _column_names(dataset) -> list[str]:
-    if isinstance(dataset, Mapping):
-        raise ValueError(f"Pass one split (e.g. dataset['test']), not a dict of splits: found keys {list(dataset)}.")
-    names = getattr(dataset, "column_names", None)  # a list of dicts has none: its first row's keys
-    return list(names if names is not None else dataset[0] if len(dataset) else [])
-
-
 def _choice_source(columns: list[str], choices_column: str | Sequence[str] | None) -> str | list[str]:
     """The list column holding the choices (MMLU), or one column per choice (C-Eval's A, B, C, D)."""
     if choices_column is None:
@@ -97,9 +85,8 @@ def _choice_source(columns: list[str], choices_column: str | Sequence[str] | Non
         if len(letters) >= 2:
             return letters
         raise ValueError(
-            f"Unrecognised multiple-choice layout: columns found {columns}. Expected MMLU (question, choices = list "
-            "of strings, answer = index) or C-Eval (question, A, B, C, D, answer = letter), or name the choices with "
-            "choices_column= (one list column, or a list of one column per choice)."
+            f"Unrecognised multiple-choice layout: columns found {columns}. Expected MMLU (question, choices, answer "
+            "= index) or C-Eval (question, A, B, C, D, answer = letter), or name the choices with choices_column=."
         )
     wanted = [choices_column] if isinstance(choices_column, str) else list(choices_column)
     missing = [c for c in wanted if c not in columns]
@@ -112,8 +99,7 @@ def _answer_index(value, n_choices: int, row: int) -> int:
     """An index (int) or a letter ("B", any case) → the index, checked against the number of choices."""
     index = -1
     if isinstance(value, str):
-        letter = value.strip().upper()
-        index = LETTERS.index(letter) if len(letter) == 1 and letter in LETTERS else -1
+        index = LETTERS.find(value.strip().upper()) if len(value.strip()) == 1 else -1
     elif not isinstance(value, bool):
         with contextlib.suppress(TypeError):
             index = operator.index(value)
@@ -134,22 +120,19 @@ def read_questions(
     subject_column: str | None = "subject",
     max_questions: int | None = None,
 ) -> list[Question]:
-    """The first ``max_questions`` rows (all by default) of a ``datasets.Dataset`` or list of dicts as questions.
-
-    ``choices_column``: a list column, a list of one column per choice, or ``None`` to detect ``choices`` (MMLU) or
-    the letter columns ``A``, ``B``, ... (C-Eval). The answer may be an index or a letter. Rows without a subject
-    (no such column, or an empty value) get the subject "all".
-
-    Raises:
-        ValueError: the layout is not recognised, a column is missing, or an answer is out of range (the message
-            names the columns found or the row).
-    """
-    columns = _column_names(dataset)
+    """The first ``max_questions`` rows (all by default) of a ``datasets.Dataset`` or list of dicts as questions, in
+    the layouts of the module docstring. ``choices_column``: a list column, a list of one column per choice, or
+    ``None`` to detect MMLU's ``choices`` or C-Eval's ``A``, ``B``, ... A ``ValueError`` names the columns found or the
+    row when the layout is not recognised, a column is missing or an answer is out of range."""
+    if isinstance(dataset, Mapping):
+        raise ValueError(f"Pass one split (e.g. dataset['test']), not a dict of splits: found keys {list(dataset)}.")
+    columns = getattr(dataset, "column_names", None)  # a list of dicts has none: its first row's keys
+    columns = list(columns if columns is not None else dataset[0] if len(dataset) else [])
     missing = [c for c in (question_column, answer_column) if c not in columns]
     if missing:
         raise ValueError(f"Column(s) {missing} not in the dataset: columns found {columns}.")
     source = _choice_source(columns, choices_column)
-    has_subject = subject_column is not None and subject_column in columns
+    has_subject = subject_column in columns  # None is no column name
     rows = dataset if max_questions is None else itertools.islice(dataset, max_questions)
     questions = []
     for i, row in enumerate(rows):
@@ -158,8 +141,7 @@ def read_questions(
             raise ValueError(f"Row {i}: choices {raw!r} are not a list of 2-{len(LETTERS)} options.")
         choices = tuple(str(c) for c in raw)
         answer = _answer_index(row[answer_column], len(choices), i)
-        subject = row[subject_column] if has_subject else None
-        subject = str(subject) if subject not in (None, "") else ALL
+        subject = str(row[subject_column]) if has_subject and row[subject_column] not in (None, "") else ALL
         questions.append(Question(str(row[question_column]), choices, answer, subject))
     if not questions:
         raise ValueError("The dataset has no questions.")
@@ -202,20 +184,6 @@ def build_prompt(
     return "\n\n".join(blocks)
 
 
-def _encoder(tokenizer):
-    """texts → token ids as the model should read them: the tokenizer's leading special token (LLaMA's bos), if it
-    adds one, but no trailing ones (an eos would end up inside the continuation)."""
-    bos = tokenizer.bos_token_id
-    with_special = tokenizer("a")["input_ids"]
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    prefix = [bos] if bos is not None and with_special[:1] == [bos] and bare[:1] != [bos] else []
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return [prefix + list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-    return encode
-
-
 @torch.no_grad()
 def loglikelihoods(
     model,
@@ -234,14 +202,13 @@ def loglikelihoods(
     model reads ``(context + continuation)[:-1]``, left-truncated to ``max_length`` (default: the model's
     ``max_position_embeddings``); requests with the same input (one context, single-token letters) share a forward
     pass. Inputs are batched ``batch_size`` at a time, longest first, right-padded with an explicit attention mask
-    and positions: the scores do not depend on the batch size or the tokenizer's padding side.
-    """
+    and positions: the scores do not depend on the batch size or the tokenizer's padding side."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     flat = [pair for question in requests for pair in question]
     owners = [q for q, question in enumerate(requests) for _ in question]
     max_length = max_length or getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    inputs, targets = _plan_inputs(_encoder(tokenizer), flat, max_length)
+    inputs, targets = _plan_inputs(tokenizer, flat, max_length)
     by_input = defaultdict(list)  # input index → the requests reading it
     for r, (i, _) in enumerate(targets):
         by_input[i].append(r)
@@ -251,35 +218,41 @@ def loglikelihoods(
     collate, device = PromptCollator(pad_id, padding_side="right"), next(model.parameters()).device
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
     scores: list[tuple[float, int]] = [(0.0, 0)] * len(flat)
-    bar = tqdm(total=len(requests), desc="Scoring questions", unit="question", disable=not progress)
-    for first in range(0, len(order), batch_size):
-        batch = order[first : first + batch_size]
-        padded = collate([{"input_ids": inputs[i]} for i in batch])
-        padded["position_ids"] = (padded["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        logits = model(**{k: v.to(device) for k, v in padded.items()}, use_cache=False).logits
-        for row, i in enumerate(batch):
-            for r in by_input[i]:  # the continuation's tokens are the last ones the input predicts
-                tokens = torch.tensor(targets[r][1], device=logits.device)
-                logprobs = logits[row, len(inputs[i]) - len(tokens) : len(inputs[i])].float().log_softmax(-1)
-                scores[r] = (logprobs.gather(-1, tokens[:, None]).sum().item(), len(tokens))
-            for q in {owners[r] for r in by_input[i]}:
-                pending[q] -= 1
-                bar.update(int(pending[q] == 0))
-    bar.close()
+    with tqdm(total=len(requests), desc="Scoring questions", unit="question", disable=not progress) as bar:
+        for first in range(0, len(order), batch_size):
+            batch = order[first : first + batch_size]
+            padded = collate([{"input_ids": inputs[i]} for i in batch])
+            padded["position_ids"] = (padded["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            logits = model(**{k: v.to(device) for k, v in padded.items()}, use_cache=False).logits
+            for row, i in enumerate(batch):
+                for r in by_input[i]:  # the continuation's tokens are the last ones the input predicts
+                    tokens = torch.tensor(targets[r][1], device=logits.device)
+                    logprobs = logits[row, len(inputs[i]) - len(tokens) : len(inputs[i])].float().log_softmax(-1)
+                    scores[r] = (logprobs.gather(-1, tokens[:, None]).sum().item(), len(tokens))
+                for q in {owners[r] for r in by_input[i]}:
+                    pending[q] -= 1
+                    bar.update(int(pending[q] == 0))
     offsets = list(itertools.accumulate((len(question) for question in requests), initial=0))
     return [scores[start:end] for start, end in itertools.pairwise(offsets)]
 
 
 def _plan_inputs(
-    encode, flat: Sequence[tuple[str, str]], max_length: int | None
+    tokenizer, flat: Sequence[tuple[str, str]], max_length: int | None
 ) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
-    """The distinct model inputs, and per ``(context, continuation)`` request ``(input index, continuation ids)``:
-    see :func:`loglikelihoods`."""
+    """The distinct model inputs, and per ``(context, continuation)`` request ``(input index, continuation ids)``
+    (see :func:`loglikelihoods`). Texts are encoded with the tokenizer's leading special token (LLaMA's bos), if it
+    adds one, but no trailing ones (an eos would end up inside the continuation)."""
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    prefix = [bos] if adds_bos and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos] else []
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [prefix + list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
     contexts = encode([context for context, _ in flat])
     fulls = encode([context + cont for context, cont in flat])
     index: dict[tuple[int, ...], int] = {}
-    targets = []
-    truncated = set()
+    targets, truncated = [], set()
     for (context, cont), context_ids, full_ids in zip(flat, contexts, fulls, strict=True):
         n = min(len(context_ids), len(full_ids))
         start = next((i for i in range(n) if context_ids[i] != full_ids[i]), n)  # their common prefix
@@ -296,12 +269,8 @@ def _plan_inputs(
             truncated.add(tuple(model_input))
         targets.append((index.setdefault(tuple(model_input), len(index)), full_ids[start:]))
     if truncated:
-        logger.warning(
-            "%d of %d model inputs were longer than %d tokens: their start was cut off.",
-            len(truncated),
-            len(index),
-            max_length,
-        )
+        message = "%d of %d model inputs were longer than %d tokens: their start was cut off."
+        logger.warning(message, len(truncated), len(index), max_length)
     return [list(ids) for ids in index], targets
 
 
@@ -337,13 +306,10 @@ def _score_questions(
     short = sorted({q.subject for q, s in zip(questions, shots, strict=True) if len(s) < few_shot})
     if short:
         logger.warning("Fewer than %d few-shot examples for subject(s) %s: using those there are.", few_shot, short)
-    requests = [
-        [
-            (build_prompt(q, s, instruction=instruction, scoring=scoring), continuation(q, i, scoring))
-            for i in range(len(q.choices))
-        ]
-        for q, s in zip(questions, shots, strict=True)
-    ]
+    requests = []  # per question, (prompt, continuation) for each choice
+    for q, s in zip(questions, shots, strict=True):
+        prompt = build_prompt(q, s, instruction=instruction, scoring=scoring)
+        requests.append([(prompt, continuation(q, i, scoring)) for i in range(len(q.choices))])
     was_training = model.training
     model.eval()
     try:
@@ -353,19 +319,11 @@ def _score_questions(
     scores = [[total / n if scoring == "text" else total for total, n in result] for result in results]
     predicted = [max(range(len(s)), key=s.__getitem__) for s in scores]
     report = accuracy_report(predicted, [q.answer for q in questions], [q.subject for q in questions])
-    rows = [
-        {
-            "index": i,
-            "subject": q.subject,
-            "question": q.question,
-            "answer": LETTERS[q.answer],
-            "prediction": LETTERS[p],
-            "correct": p == q.answer,
-            "scores": s,
-        }
+    keys = ("index", "subject", "question", "answer", "prediction", "correct", "scores")
+    return report, [
+        dict(zip(keys, (i, q.subject, q.question, LETTERS[q.answer], LETTERS[p], p == q.answer, s), strict=True))
         for i, (q, p, s) in enumerate(zip(questions, predicted, scores, strict=True))
     ]
-    return report, rows
 
 
 def score_multiple_choice(
@@ -387,14 +345,10 @@ def score_multiple_choice(
     progress: bool = True,
 ) -> tuple[dict, list[dict]]:
     """Score a loaded model on the questions of ``dataset`` (see the module docstring for layouts, prompt and
-    scoring); the model is put in eval mode for the call and on its own device.
-
-    Returns:
-        ``(report, predictions)``: ``report`` as :func:`accuracy_report`; one prediction per question,
-        ``{"index", "subject", "question", "answer", "prediction", "correct", "scores"}`` with letters for answer and
-        prediction and one score per choice (log-probability of the letter, or mean per-token log-likelihood of the
-        text).
-    """
+    scoring); the model is put in eval mode for the call and on its own device. Returns ``(report, predictions)``:
+    ``report`` as :func:`accuracy_report`, and per question ``{"index", "subject", "question", "answer", "prediction",
+    "correct", "scores"}`` (answer and prediction as letters; one score per choice: the log-probability of the letter,
+    or the mean per-token log-likelihood of the text)."""
     options = {name: value for name, value in locals().items() if name not in ("model", "tokenizer", "dataset")}
     questions, pool, settings = _prepared(dataset, **options)
     return _score_questions(model, tokenizer, questions, pool, **settings)
@@ -427,11 +381,9 @@ def format_table(report: dict) -> str:
     rows = []
     for subject in subjects if subjects != [ALL] else []:
         cells = [models[m]["subjects"].get(subject) for m in names]
-        n = next(c["n"] for c in cells if c)
-        rows.append((subject, str(n), [c["accuracy"] if c else None for c in cells]))
+        rows.append((subject, str(next(c["n"] for c in cells if c)), [c["accuracy"] if c else None for c in cells]))
     rows.append(("all (micro)", str(models[names[0]]["all"]["n"]), [models[m]["all"]["accuracy"] for m in names]))
     rows.append(("macro", "", [models[m]["macro"] for m in names]))
-
     header = ["subject", "n", *names] + (["policy − baseline"] if diff else [])
     lines = []
     for subject, n, accuracies in rows:
@@ -443,9 +395,7 @@ def format_table(report: dict) -> str:
     widths = [max(len(row[c]) for row in [header, *lines]) for c in range(len(header))]
 
     def fmt(row):
-        return "  ".join(
-            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
+        return "  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))])
 
     title = f"Multiple-choice accuracy (%), {report['scoring']} scoring, {report['few_shot']}-shot"
     return "\n".join([title, fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
@@ -461,14 +411,12 @@ def compare_multiple_choice(
     **options,
 ) -> dict:
     """Score each model of ``models`` (name → folder or Hub name, e.g. ``{"policy": ..., "baseline": ...}``) on the
-    same questions, one model in memory at a time (:func:`~trl_ppomax.judging.generation.load_causal_lm`), and print
-    the table of :func:`format_table`. ``options`` are :func:`score_multiple_choice`'s keywords (scoring, few-shot,
-    columns, batch size, …).
+    same questions, one model in memory at a time, and print the table of :func:`format_table`. ``options`` are
+    :func:`score_multiple_choice`'s keywords (scoring, few-shot, columns, batch size, …).
 
-    Writes and returns ``output_dir/mcq_report.json`` (atomically), ``{"task": "mcq", "scoring", "few_shot",
-    "models": {name: report}}`` with each report as :func:`accuracy_report`; writes
-    ``output_dir/mcq_predictions.jsonl``: one line per model and question, the rows of :func:`score_multiple_choice`
-    with ``"model"`` added."""
+    Writes (atomically) and returns ``output_dir/mcq_report.json``, ``{"task": "mcq", "scoring", "few_shot",
+    "models": {name: report}}`` with each report as :func:`accuracy_report`; writes ``mcq_predictions.jsonl`` beside
+    it: the rows of :func:`score_multiple_choice` of every model, with ``"model"`` added."""
     if not models:
         raise ValueError("No models to compare.")
     parameters = inspect.signature(score_multiple_choice).parameters.values()
@@ -476,9 +424,7 @@ def compare_multiple_choice(
     unknown = sorted(options.keys() - defaults.keys())
     if unknown:
         raise TypeError(f"compare_multiple_choice() got unknown options {unknown}; it takes {sorted(defaults)}.")
-    questions, pool, settings = _prepared(
-        dataset, **{**defaults, **options}
-    )  # the data is checked before a model loads
+    questions, pool, settings = _prepared(dataset, **{**defaults, **options})  # checked before a model loads
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -492,8 +438,7 @@ def compare_multiple_choice(
 
     report = {"task": "mcq", "scoring": settings["scoring"], "few_shot": settings["few_shot"], "models": reports}
     write_json(out / REPORT_FILE, report)
-    write_text_atomically(
-        out / PREDICTIONS_FILE, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predictions)
-    )
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predictions)
+    write_text_atomically(out / PREDICTIONS_FILE, lines)
     print(format_table(report))
     return report

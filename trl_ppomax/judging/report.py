@@ -39,8 +39,7 @@ def tally(verdicts: Sequence[Verdict], categories: Sequence[str]) -> dict[str, d
         raise ValueError(f"{len(verdicts)} verdicts for {len(categories)} categories.")
     names = [c for c in dict.fromkeys(categories) if c != ALL]
     result = {name: count([v for v, c in zip(verdicts, categories, strict=True) if c == name]) for name in names}
-    result[ALL] = count(list(verdicts))
-    return result
+    return {**result, ALL: count(list(verdicts))}
 
 
 def format_table(judges: Mapping[str, Mapping[str, dict]]) -> str:

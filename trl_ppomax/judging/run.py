@@ -1,8 +1,7 @@
 """``evaluate_policy``: answers from both sides, every judge's verdicts, ``report.json``, the table and the figure.
-
-Everything lands in ``output_dir`` as it is made — ``generations.jsonl``, ``verdicts/<judge>.jsonl`` — so running the
-same evaluation again resumes where it stopped without generating or asking a judge twice. A folder made under other
-settings (models, prompts, sampling, a judge's model or prompt) is refused rather than mixed."""
+Everything lands in ``output_dir`` as it is made (``generations.jsonl``, ``verdicts/<judge>.jsonl``), so running it
+again resumes without generating or asking a judge twice; a folder made under other settings (models, prompts,
+sampling, a judge's model or prompt) is refused rather than mixed."""
 
 from __future__ import annotations
 
@@ -41,7 +40,9 @@ def evaluate_policy(
     generation = generation or GenerationSettings()
     output = Path(output_dir)
     names = names or {"policy": _label(policy), "baseline": _label(baseline)}
-    claim(output / "settings.json", {**names, "prompts": _fingerprint(prompts), "generation": generation.as_dict()})
+    columns = json.dumps(prompts.select_columns(["prompt", "category"]).to_dict(), sort_keys=True)
+    fingerprint = hashlib.sha256(columns.encode()).hexdigest()
+    claim(output / "settings.json", {**names, "prompts": fingerprint, "generation": generation.as_dict()})
     pairs = make_pairs(policy, baseline, prompts, generation, JsonlCache(output / "generations.jsonl"))
     write_text_atomically(
         output / "pairs.jsonl", "".join(json.dumps(p.as_dict(), ensure_ascii=False) + "\n" for p in pairs)
@@ -65,25 +66,18 @@ def claim(path: Path, settings: dict) -> None:
     """Write ``settings`` to ``path``, or check that the ones already there are the same: the cached work beside it
     was made under them."""
     settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples → lists)
-    if path.exists():
-        saved = read_json(path)
-        if saved != settings:
-            changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
-            raise ValueError(
-                f"{path.parent} holds an evaluation made under other settings ({', '.join(changed)} differ from "
-                f"{path.name}); its cached answers or verdicts would be mixed with new ones. Use another --output "
-                "folder, or delete that folder (or the judge's files under verdicts/) to start afresh."
-            )
-    else:
+    if not path.exists():
         write_json(path, settings)
+    elif (saved := read_json(path)) != settings:
+        changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+        raise ValueError(
+            f"{path.parent} holds an evaluation made under other settings ({', '.join(changed)} differ from "
+            f"{path.name}); its cached answers or verdicts would be mixed with new ones. Use another --output "
+            "folder, or delete that folder (or the judge's files under verdicts/) to start afresh."
+        )
 
 
 def _label(side) -> str:
     if isinstance(side, tuple):
         return getattr(side[0], "name_or_path", None) or type(side[0]).__name__
     return os.fspath(side)
-
-
-def _fingerprint(prompts: Dataset) -> str:
-    text = json.dumps(prompts.select_columns(["prompt", "category"]).to_dict(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()

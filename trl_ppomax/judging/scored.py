@@ -1,6 +1,5 @@
-"""Judges that score each answer on its own and compare the scores: a reward model (``rm``) and a scoring function
-(``gold``: a known reward such as the toy world's, any ``(prompts, completions) -> scores``). A pair is a win when the
-policy's score beats the baseline's by more than ``tie_threshold``, a loss when it trails by more, else a tie."""
+"""Judges that score each answer on its own and compare the scores (``base.margin_verdict``): a reward model (``rm``)
+and a scoring function (``gold``, e.g. the toy world's known reward: any ``(prompts, completions) -> scores``)."""
 
 from __future__ import annotations
 
@@ -106,8 +105,6 @@ def load_reward_model(name: str | os.PathLike):
     """``(model, tokenizer)``: ``AutoModelForSequenceClassification`` with one label (bfloat16 on a GPU)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    cuda = torch.cuda.is_available()
-    model = AutoModelForSequenceClassification.from_pretrained(
-        os.fspath(name), num_labels=1, dtype=torch.bfloat16 if cuda else torch.float32
-    )
-    return model.to("cuda" if cuda else "cpu"), AutoTokenizer.from_pretrained(os.fspath(name))
+    dtype, device = (torch.bfloat16, "cuda") if torch.cuda.is_available() else (torch.float32, "cpu")
+    model = AutoModelForSequenceClassification.from_pretrained(os.fspath(name), num_labels=1, dtype=dtype)
+    return model.to(device), AutoTokenizer.from_pretrained(os.fspath(name))

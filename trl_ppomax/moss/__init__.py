@@ -1,6 +1,5 @@
 """The paper's released models (MOSS-RLHF): prompt format and chat template, tokenizer set-up, recovery of the
-weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives in this
-package."""
+weight diffs into standard transformers checkpoints, and their model card. Every MOSS-RLHF fact lives here."""
 
 from trl_ppomax.moss.card import moss_model_card
 from trl_ppomax.moss.prompt import (

@@ -1,11 +1,9 @@
-"""The model card of a MOSS-RLHF model: what ``trl-ppomax push`` writes for a folder made by ``trl-ppomax moss
-recover``.
+"""The model card ``trl-ppomax push`` writes for a MOSS-RLHF model (a folder made by ``trl-ppomax moss recover``).
 
 A folder holding the conversion record (:data:`~trl_ppomax.moss.recovery.CONVERSION_INFO`) gets the MOSS-RLHF card:
-licence ``agpl-3.0``, the published diff as ``base_model``, the release's prompt format (rendered with
-:func:`~trl_ppomax.moss.prompt.format_dialogue` and the chat template), usage and the recovery command. A folder
-trained from a MOSS-RLHF model gets the trl-ppomax card with the MOSS-RLHF prompt format and licence; any other
-folder the generic card of :func:`trl_ppomax.reporting.hub.model_card`. The layout is :func:`trl_ppomax.reporting.hub.render_card`'s.
+licence ``agpl-3.0``, the published diff as ``base_model``, the release's prompt format, usage and the recovery
+command. A folder trained from a MOSS-RLHF model gets the trl-ppomax card with the MOSS-RLHF prompt format and
+licence; any other folder the generic :func:`trl_ppomax.reporting.hub.model_card`.
 """
 
 from __future__ import annotations
@@ -57,13 +55,9 @@ def _prompt_section(lang: str | None) -> str:
         human, assistant = SPEAKER_TAGS[code]
         example = format_dialogue([{"role": "user", "content": _EXAMPLE_TEXT[code]}], code)
         lines.append(f"- {_LANGUAGE_NAMES[code]}: `{human}` / `{assistant}`, e.g. `{example}`")
-    messages = [{"role": "user", "content": _EXAMPLE_TEXT[langs[0]]}]
+    messages, template = [{"role": "user", "content": _EXAMPLE_TEXT[langs[0]]}], chat_template(langs[0])
     (rendered,), _ = render_jinja_template(
-        [messages],
-        chat_template=chat_template(langs[0]),
-        add_generation_prompt=True,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
+        [messages], chat_template=template, add_generation_prompt=True, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN
     )
     lines += [
         f"\nThe tokenizer's chat template writes the bos `{BOS_TOKEN}` itself, then this string: "
@@ -91,19 +85,16 @@ def _release_intro(model_type: str | None, lang: str | None, base_model: str | N
     return intro
 
 
-def _recovery_section(conversion: dict, base_model: str | None, name: str, model_type, lang) -> str:
+def _recovery_section(conversion: dict, base_model: str | None, repo_id: str, model_type, lang) -> str:
     command = conversion.get("recovery_command") or recovery_command(
         conversion.get("source_raw") or "/path/to/llama-7b-hf",
         conversion.get("source_diff") or base_model or "/path/to/diff",
-        f"./{name}",
+        f"./{repo_id.rstrip('/').split('/')[-1]}",
         model_type or "reward",
         lang or "en",
     )
-    check = (
-        f" The recovery checks that the sum of all recovered parameters (float32) is `{conversion['expected_sum']}`."
-        if conversion.get("expected_sum") is not None
-        else ""
-    )
+    expected = conversion.get("expected_sum")
+    check = "" if expected is None else f" The recovery checks that the float32 sum of the parameters is `{expected}`."
     return (
         "## How these weights were made\n\n"
         "The release stores `tuned − raw` for every parameter whose name contains `layers` (other tensors "
@@ -121,14 +112,9 @@ def moss_model_card(
 ) -> ModelCard:
     """The model card (README.md) for a model folder about to be pushed to ``repo_id``: the MOSS-RLHF card for a
     converted folder (or one whose base model is a MOSS-RLHF model), else the generic trl-ppomax card; either with
-    the training sections of the card a trl-ppomax trainer wrote in the folder (:func:`~.hub.trainer_sections`).
-
-    ``model_type`` ("reward", "sft" or "policy"), ``lang`` ("en" or "zh") and ``base_model`` override what the
-    conversion record and config.json say.
-
-    Raises:
-        ValueError: the folder is missing or holds no config.json / adapter_config.json, a JSON file is
-            unreadable, or ``model_type`` / ``lang`` is unknown.
+    the :func:`~.hub.trainer_sections` of the folder. ``model_type`` ("reward", "sft" or "policy"), ``lang`` ("en" or
+    "zh") and ``base_model`` override what the conversion record and config.json say. Raises ValueError as
+    :func:`~.hub.model_card`, or for an unknown ``lang``.
     """
     model = ModelFolder.read(folder)
     converted = (model.path / CONVERSION_INFO).is_file()
@@ -138,16 +124,13 @@ def moss_model_card(
     lang = lang or conversion.get("lang")
     if lang is not None and lang not in SPEAKER_TAGS:
         raise ValueError(f"Unknown language {lang!r}: use one of {', '.join(SPEAKER_TAGS)}.")
-    base_model = base_model or repo_like(conversion.get("source_diff"))
-    if base_model is None and converted:
-        base_model = RELEASES.get((model_type, lang or "en"))
-    base_model = base_model or model.base_model
+    release = RELEASES.get((model_type, lang or "en")) if converted else None
+    base_model = base_model or repo_like(conversion.get("source_diff")) or release or model.base_model
     common = dict(model_type=model_type, base_model=base_model, lang=lang, peft=model.peft)
     if not converted and "moss-rlhf" not in (base_model or "").lower():
         return model_card(model.path, repo_id, model_type=model_type, lang=lang, base_model=base_model)
 
-    name = repo_id.rstrip("/").split("/")[-1]
-    sections = [_recovery_section(conversion, base_model, name, model_type, lang)] if converted else []
+    sections = [_recovery_section(conversion, base_model, repo_id, model_type, lang)] if converted else []
     return render_card(
         repo_id,
         intro=_release_intro(model_type, lang, base_model) if converted else trained_intro(model_type, base_model),

@@ -21,9 +21,9 @@ RELEASE_SPLIT_FILES = {"validation": "valid"}
 
 
 def release_files(name: str, split: str = "train") -> list[str]:
-    """The MOSS-RLHF release's data files (JSON lists of samples, each a list of turns) that ``name`` holds for
-    ``split``: ``name`` itself when it is one; in a folder, every such file named ``*{split}.json`` (``validation``
-    reads ``*valid.json``), sorted, as the release's ``ppo_datahelper.py``. Empty when ``name`` is neither."""
+    """The release's data files that ``name`` holds for ``split``: ``name`` itself when it is one; in a folder, every
+    such file named ``*{split}.json`` (``validation`` reads ``*valid.json``), sorted, as ``ppo_datahelper.py``. Empty
+    when ``name`` is neither."""
     if os.path.isfile(name):
         return [name] if name.endswith(".json") and _looks_like_release_list(name) else []
     if not os.path.isdir(name):
@@ -35,8 +35,8 @@ def release_files(name: str, split: str = "train") -> list[str]:
 
 
 def _looks_like_release_list(path: str) -> bool:
-    """Whether a JSON file opens as a list of lists (``[[``, or ``[]``): the release's samples, each a list of turns,
-    rather than the list of records (``[{``) that the ``json`` dataset builder reads."""
+    """Whether a JSON file opens as a list of lists (``[[``, or ``[]``), not the list of records (``[{``) that the
+    ``json`` dataset builder reads."""
     with open(path, encoding="utf-8-sig") as file:
         head = "".join(file.read(4096).split())
     return head.startswith(("[[", "[]"))
@@ -54,27 +54,25 @@ def _read_release_list(path: str) -> list[list[str | None]] | None:
 
 
 def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "prompts") -> Dataset:
-    """The samples of the release's data files (JSON lists of samples, each a list of turns), in file order.
+    """The samples of the release's data files, in file order; dropped samples are counted in a warning per file, and
+    ValueError is raised when none is left.
 
     - ``kind="prompts"``: a ``prompt`` column; the **last turn is the human's** (:func:`roles_from_the_end`, the
       release's ``i + (len + 1) % 2``); a sample with no turn or an empty one (None, empty or blank) is dropped, as
       the release's ``all(sample)`` does.
     - ``kind="ptx"``: a ``messages`` column, the human's turn first (:func:`roles_from_the_start`); a sample with
       fewer than two turns or an empty one is dropped, as the release does.
-
-    Dropped samples are counted in a warning per file; raises when none is left."""
+    """
     samples, shortest = [], 2 if kind == "ptx" else 1
     for path in paths:
         data = _read_release_list(path)
         if data is None:
             raise ValueError(f"{path} is not a MOSS-RLHF data file: a JSON list of samples, each a list of turns.")
         kept = [s for s in data if len(s) >= shortest and not any(is_blank(t) for t in s)]
-        if len(kept) < len(data):
+        if dropped := len(data) - len(kept):
             few = "fewer than two" if kind == "ptx" else "no"
-            message = (
-                f"{path}: dropped {len(data) - len(kept)} of {len(data)} samples with {few} turns or an empty one"
-            )
-            logger.warning("%s, as the MOSS-RLHF release does.", message)
+            message = "%s: dropped %d of %d samples with %s turns or an empty one, as the MOSS-RLHF release does."
+            logger.warning(message, path, dropped, len(data), few)
         samples.extend(kept)
     if not samples:
         raise ValueError(
@@ -87,9 +85,7 @@ def read_release_files(paths: Sequence[str], kind: Literal["prompts", "ptx"] = "
 
 def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
     """Messages for a list of turns whose last one is the user's: ``[..., assistant, user]``."""
-    return [
-        {"role": "user" if (len(turns) - 1 - i) % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)
-    ]
+    return roles_from_the_start(turns[::-1])[::-1]
 
 
 def roles_from_the_start(turns: list[str]) -> list[dict[str, str]]:

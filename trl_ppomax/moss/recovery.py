@@ -1,20 +1,16 @@
 """Recover the MOSS-RLHF release's models from their weight diffs and convert them to standard transformers classes.
 
-The release stores, for every parameter whose name contains ``layers``, ``tuned − raw`` against the original
-LLaMA-7B; every other tensor (embeddings, final norm, ``lm_head``, ``reward_head``) is stored whole. Recovery adds
-the raw tensor back, tensor by tensor: diff and raw shards are memory-mapped (safetensors, or ``torch.load(mmap=True)``
-for ``.bin``), so the peak memory is about one output shard (``max_shard_size``) plus the tensor at hand — never two
-models. The result is written into a temporary sibling folder and renamed into place only after the published sum
-check passed: a failed check leaves nothing at ``output``.
+The release stores ``tuned − raw`` (against LLaMA-7B) for every parameter whose name contains ``layers``, and every
+other tensor (embeddings, final norm, ``lm_head``, ``reward_head``) whole. Recovery adds the raw tensor back, tensor by
+tensor, from memory-mapped shards (safetensors, or ``torch.load(mmap=True)`` for ``.bin``): the peak memory is about
+one output shard (``max_shard_size``) plus the tensor at hand, never two models. The result is renamed into place only
+after the published sum check passed: a failed check leaves nothing at ``output``.
 
-The release was made with transformers 4.30.2, whose LLaMA saved ``model.layers.N.self_attn.rotary_emb.inv_freq``
-(a persistent buffer then, non-persistent from 4.31): the diffs may hold it (diffed to zero: the key contains
-``layers``) and the published sums count it, while a LLaMA-7B converted with a newer transformers has no such key (or
-the reverse). Such buffers (:data:`NON_PERSISTENT_BUFFERS`) are not weights of a modern model: they are never written,
-and the sum check counts them as the release did — from the checkpoints' tensors, or from the config when neither
-checkpoint has them. Any other key in the raw checkpoint and not in the diff, or a diffed (``layers``) key not in the
-raw checkpoint, is an error, as is a ``model_type`` that contradicts the diff's head (``reward_head`` or ``lm_head``);
-both are checked before anything is written.
+transformers 4.30.2 (the release's) saved ``model.layers.N.self_attn.rotary_emb.inv_freq``, non-persistent from 4.31:
+the diffs may hold it and the published sums count it, while a LLaMA-7B converted with a newer transformers may not (or
+the reverse). Such buffers (:data:`NON_PERSISTENT_BUFFERS`) are never written; the sum check counts them as the release
+did. Any other missing key, or a ``model_type`` that contradicts the diff's head, is an error raised before anything is
+written.
 
 Conversion: reward → ``LlamaForSequenceClassification`` (``num_labels=1``, ``score.weight`` = ``reward_head.weight``,
 ``lm_head`` dropped, ``pad_token_id`` = ``<unk>`` = 0), whose score at the last non-pad token equals the release's
@@ -29,7 +25,7 @@ import math
 import os
 import shlex
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -63,8 +59,7 @@ RELATIVE_TOLERANCE = 1e-5
 #: sum_counts_buffers, dtype, recovery_command); :mod:`trl_ppomax.moss.card` reads it.
 CONVERSION_INFO = "trl_ppomax_conversion.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Name endings of buffers that transformers 4.30.2 (the release's) saved and newer versions do not (non-persistent):
-#: never written, and counted in the published sums (see :func:`buffers_sum`).
+#: Name endings of the buffers transformers 4.30.2 saved and newer ones do not: never written (:func:`buffers_sum`).
 NON_PERSISTENT_BUFFERS = ("rotary_emb.inv_freq",)
 #: Whether the published sums (:data:`EXPECTED_SUMS`) count the :data:`NON_PERSISTENT_BUFFERS`: they were computed on
 #: transformers 4.30.2 state dicts (MOSS-RLHF issue #33: a zh sum short by exactly the inv_freq sum).
@@ -75,11 +70,10 @@ class IntegrityError(ValueError):
     """The recovered weights do not add up to the published sum."""
 
 
-# -- Reading checkpoints tensor by tensor ------------------------------------------------------------------------------
+# -- Reading checkpoints tensor by tensor ----------------------------------------------------------------------------
 def load_bin_shard(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.bin`` checkpoint file, memory-mapped (an old non-zip ``torch.save`` file is read whole).
-    A truncated or corrupt file (an interrupted download) raises ``ValueError`` naming it, instead of torch's
-    "[Errno 22] Invalid argument" or "PytorchStreamReader failed"."""
+    """The tensors of a ``.bin`` checkpoint file, memory-mapped (an old non-zip file is read whole); a truncated or
+    corrupt file raises ``ValueError`` naming it, not torch's "[Errno 22] Invalid argument"."""
     try:
         with open(path, "rb") as file:
             is_zip = file.read(4) == b"PK\x03\x04"  # torch.save's format since 1.6; mmap needs it
@@ -105,8 +99,7 @@ class TensorFolder:
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
-        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            index = self.folder / index_name
+        for index in (self.folder / "model.safetensors.index.json", self.folder / "pytorch_model.bin.index.json"):
             if index.is_file():
                 return json.loads(index.read_text())["weight_map"]
         for single in ("model.safetensors", "pytorch_model.bin"):
@@ -146,13 +139,9 @@ def is_non_persistent_buffer(name: str) -> bool:
     return name.endswith(NON_PERSISTENT_BUFFERS)
 
 
-def check_keys(diff: TensorFolder, raw: TensorFolder) -> dict[str, list[str]]:
-    """Check that the diff and the raw checkpoint hold the same model, before anything is read or written.
-
-    Every diffed tensor (name containing ``layers``) must be in the raw checkpoint, and every raw tensor in the diff;
-    the diff's other tensors (``reward_head``) need no raw counterpart. :data:`NON_PERSISTENT_BUFFERS` are exempt:
-    returns their names, ``{"diff": [...], "raw": [...]}``. Raises ``ValueError`` naming the first missing key.
-    """
+def check_keys(diff: TensorFolder, raw: TensorFolder) -> None:
+    """Raise ``ValueError`` naming the first missing key unless every diffed (``layers``) tensor is in the raw
+    checkpoint and every raw tensor in the diff. :data:`NON_PERSISTENT_BUFFERS` are exempt, and logged as skipped."""
     for name in diff.names():
         if "layers" in name and not is_non_persistent_buffer(name) and name not in raw:
             raise ValueError(
@@ -165,7 +154,10 @@ def check_keys(diff: TensorFolder, raw: TensorFolder) -> dict[str, list[str]]:
                 f"The raw LLaMA checkpoint has {name} but the diff {diff.folder} does not: the recovered model would "
                 "lack it. The diff is incomplete or was made from another model."
             )
-    return {"diff": _buffers(diff), "raw": _buffers(raw)}
+    message = "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current model."
+    for where, folder in (("diff", diff), ("raw", raw)):
+        if names := _buffers(folder):
+            logger.info(message, len(names), where, ", ".join(NON_PERSISTENT_BUFFERS), names[0])
 
 
 def check_model_type(diff: TensorFolder, model_type: ModelType) -> None:
@@ -191,9 +183,8 @@ def check_model_type(diff: TensorFolder, model_type: ModelType) -> None:
 
 
 def inv_freq(config) -> torch.Tensor:
-    """The rotary ``inv_freq`` buffer of one layer, as transformers 4.30.2 computed it (float32):
-    ``1 / base^(arange(0, d, 2) / d)``, ``d`` = head dim (``hidden_size / num_attention_heads``), ``base`` =
-    ``rope_theta`` (default 10000)."""
+    """One layer's rotary ``inv_freq`` as transformers 4.30.2 computed it (float32):
+    ``1 / base^(arange(0, d, 2) / d)``, ``d`` = head dim, ``base`` = ``rope_theta`` (default 10000)."""
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     base = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
@@ -201,13 +192,9 @@ def inv_freq(config) -> torch.Tensor:
 
 
 def buffers_sum(diff: TensorFolder, raw: TensorFolder, config) -> tuple[float, str]:
-    """The float32 sum of the recovered :data:`NON_PERSISTENT_BUFFERS` (``inv_freq`` of every layer), as the release's
-    state dict held them, and where it came from.
-
-    Each buffer in either checkpoint is ``raw + diff`` (the diff's, a ``layers`` key, is tuned − raw), the raw part
-    recomputed from ``config`` (:func:`inv_freq`) when only the diff has it; with no buffer in either checkpoint, the
-    sum is ``num_hidden_layers`` × that of :func:`inv_freq`.
-    """
+    """The float32 sum of the recovered :data:`NON_PERSISTENT_BUFFERS` as the release's state dict held them, and
+    where it came from: each buffer is ``raw + diff``, the raw part from :func:`inv_freq` when only the diff has it;
+    with no buffer in either checkpoint, ``num_hidden_layers`` × the sum of :func:`inv_freq`."""
     names = sorted(set(_buffers(diff)) | set(_buffers(raw)))
     if not names:
         return config.num_hidden_layers * inv_freq(config).sum().item(), "the config"
@@ -227,9 +214,7 @@ def _buffers(folder: TensorFolder) -> list[str]:
 def recovered_tensors(diff: TensorFolder, raw: TensorFolder) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tuned)`` for every tensor of the diff but the :data:`NON_PERSISTENT_BUFFERS`: ``diff + raw`` for names
     containing ``layers``, else ``diff``; each raw tensor is read on demand (memory-mapped), in the diff's order."""
-    for name in diff.names():
-        if is_non_persistent_buffer(name):
-            continue
+    for name in (name for name in diff.names() if not is_non_persistent_buffer(name)):
         tensor = diff[name]
         if "layers" in name:
             if name not in raw:
@@ -248,17 +233,15 @@ def converted_name(name: str, model_type: ModelType) -> str | None:
     return None if model_type == "reward" and name.startswith("lm_head.") else name  # score replaces the unembedding
 
 
-# -- Writing shards as they fill ---------------------------------------------------------------------------------------
+# -- Writing shards as they fill -------------------------------------------------------------------------------------
 def shard_size_bytes(size: int | str) -> int:
     """``max_shard_size`` in bytes: an int, or a whole number and a unit as transformers reads them ("2GB", "500MB",
     "1GiB"; a lower-case "b" means bits)."""
     try:
         value = convert_file_size_to_int(size)
     except (ValueError, TypeError, AttributeError) as err:
-        raise ValueError(
-            f'Invalid --max-shard-size {size!r}: give a whole number followed by a unit, e.g. "5GB", "500MB" '
-            'or "2GiB".'
-        ) from err
+        message = f'Invalid --max-shard-size {size!r}: give a whole number and a unit, e.g. "5GB", "500MB" or "2GiB".'
+        raise ValueError(message) from err
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f'Invalid --max-shard-size {size!r}: it must be positive, e.g. "5GB".')
     return value
@@ -271,12 +254,10 @@ class ShardWriter:
 
     folder: Path
     max_bytes: int
-
-    def __post_init__(self) -> None:
-        self.buffer: dict[str, torch.Tensor] = {}
-        self.buffered = 0
-        self.shards: list[list[str]] = []
-        self.total_bytes = 0
+    buffer: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
+    buffered: int = field(default=0, init=False)
+    shards: list[list[str]] = field(default_factory=list, init=False)
+    total_bytes: int = field(default=0, init=False)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -294,22 +275,18 @@ class ShardWriter:
     def finish(self) -> None:
         if self.buffer:
             self._flush()
-        count = len(self.shards)
-        names = (
-            ["model.safetensors"]
-            if count == 1
-            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        )
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
         for i, (shard, final) in enumerate(zip(self.shards, names, strict=True)):
             os.replace(self.folder / f"shard-{i:05d}.tmp", self.folder / final)
             weight_map.update(dict.fromkeys(shard, final))
-        if count > 1:
+        if n > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-# -- Recovery ----------------------------------------------------------------------------------------------------------
+# -- Recovery --------------------------------------------------------------------------------------------------------
 def expected_sum_for(model_type: ModelType, lang: str, expected_sum: float | None, check: bool) -> float | None:
     """The sum to check against: the caller's, else the published one; None when the check is skipped."""
     if not check:
@@ -331,20 +308,6 @@ def _check_choices(**given: tuple) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
 
 
-def _say_skipped_buffers(skipped: dict[str, list[str]]) -> None:
-    """Log the non-persistent buffers of each checkpoint (``{"diff"|"raw": names}``) that are not written."""
-    for where, names in skipped.items():
-        if names:
-            logger.info(
-                "Skipping %d non-persistent buffers of the %s checkpoint (%s, e.g. %s): not weights of a current "
-                "transformers model, not written.",
-                len(names),
-                where,
-                ", ".join(NON_PERSISTENT_BUFFERS),
-                names[0],
-            )
-
-
 def recover(
     raw: str | os.PathLike,
     diff: str | os.PathLike,
@@ -360,14 +323,11 @@ def recover(
     """Recover ``diff`` (a release folder) against ``raw`` (LLaMA-7B, Hugging Face format) and write a standard
     transformers checkpoint, tokenizer with the MOSS chat template and a conversion record to ``output``.
 
-    The sum check compares the float32 sum of the recovered tensors with the published one, which counts the rotary
-    ``inv_freq`` buffers (:data:`PUBLISHED_SUMS_COUNT_BUFFERS`; their sum from :func:`buffers_sum`); a given
-    ``expected_sum`` may count them or not (either is accepted: they differ by far more than the tolerance).
-
-    Raises ``IntegrityError`` (and writes nothing) when the parameters do not sum to the expected value, and
-    ``ValueError`` (before writing anything) for an unknown ``model_type``, ``lang`` or ``dtype``, an invalid
-    ``max_shard_size``, a ``model_type`` that contradicts the diff's head, or a tensor missing from the diff or the raw
-    checkpoint.
+    The float32 sum of the recovered tensors is checked against the published one, which counts the rotary
+    ``inv_freq`` buffers (:func:`buffers_sum`); a given ``expected_sum`` may count them or not (the two differ by far
+    more than the tolerance). Raises ``IntegrityError`` (writing nothing) when the sum is off, and ``ValueError``
+    (before writing anything) for an unknown ``model_type``, ``lang`` or ``dtype``, an invalid ``max_shard_size``, a
+    ``model_type`` that contradicts the diff's head, or a tensor missing from the diff or the raw checkpoint.
     """
     from transformers import AutoConfig
 
@@ -380,25 +340,21 @@ def recover(
         raise FileExistsError(f"{output} exists and is not empty; choose another output folder or remove it.")
     max_bytes = shard_size_bytes(max_shard_size)
     diff_folder, raw_folder = TensorFolder(diff), TensorFolder(raw)
-    _say_skipped_buffers(check_keys(diff_folder, raw_folder))
+    check_keys(diff_folder, raw_folder)
     check_model_type(diff_folder, model_type)
     config = AutoConfig.from_pretrained(diff if (Path(diff) / "config.json").is_file() else raw)
     buffers, source = buffers_sum(diff_folder, raw_folder, config) if target is not None else (None, None)
     if counts_buffers:
-        logger.info(
+        message = (
             "The published sum %.6f counts the rotary inv_freq buffers (transformers 4.30.2), which sum to %.6f "
-            "(from %s) and are not written: the recovered weights must sum to %.6f.",
-            target,
-            buffers,
-            source,
-            target - buffers,
+            "(from %s) and are not written: the recovered weights must sum to %.6f."
         )
+        logger.info(message, target, buffers, source, target - buffers)
     with atomic_directory(output) as folder:  # nothing at ``output`` unless every step below succeeds
         temporary = Path(folder)
         total = _write_tensors(diff_folder, raw_folder, temporary, model_type, DTYPES[dtype], max_bytes, progress)
-        counted = None
-        if target is not None:
-            counted = check_sum(total, buffers, source, target, counts_buffers, f"{lang} {model_type}")
+        what = f"{lang} {model_type}"
+        counted = None if target is None else check_sum(total, buffers, source, target, counts_buffers, what)
         _write_config_and_tokenizer(config, Path(diff), Path(raw), temporary, model_type, lang, dtype)
         info = dict(model_type=model_type, lang=lang, source_diff=str(diff), source_raw=str(raw), expected_sum=target)
         info.update(recovered_sum=total, buffers_sum=buffers, sum_counts_buffers=counted, dtype=dtype)
@@ -410,20 +366,14 @@ def recover(
 def check_sum(
     total: float, buffers: float, source: str, target: float, counts_buffers: bool | None, what: str
 ) -> bool:
-    """Check the recovered weights' sum ``total`` against ``target`` (relative tolerance :data:`RELATIVE_TOLERANCE`),
-    adding the non-persistent buffers' sum ``buffers`` (taken from ``source``) when the target counts them; with
-    ``counts_buffers`` None, either way is accepted. Returns whether the buffers were counted; raises
-    ``IntegrityError``."""
-    ways = (False, True) if counts_buffers is None else (counts_buffers,)
-    for counted in ways:
+    """Check ``total`` (the recovered weights' sum) against ``target`` (:data:`RELATIVE_TOLERANCE`), adding the
+    buffers' sum ``buffers`` (from ``source``) if the target counts them, either way if ``counts_buffers`` is None.
+    Returns whether they were counted; raises ``IntegrityError``."""
+    for counted in (False, True) if counts_buffers is None else (counts_buffers,):
         if math.isclose(total + (buffers if counted else 0.0), target, rel_tol=RELATIVE_TOLERANCE):
             if counts_buffers is None:
-                logger.info(
-                    "The expected sum %.6f matches the recovered weights %s the rotary inv_freq buffers (%.6f).",
-                    target,
-                    "plus" if counted else "without",
-                    buffers,
-                )
+                message = "The expected sum %.6f matches the recovered weights %s the rotary inv_freq buffers (%.6f)."
+                logger.info(message, target, "plus" if counted else "without", buffers)
             return counted
     which = "the published sum (which counts the buffers)" if counts_buffers else "the expected sum"
     raise IntegrityError(
@@ -435,8 +385,7 @@ def check_sum(
 
 
 def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) -> float:
-    """Stream recovered tensors into shards; returns the float32 sum of every recovered parameter (the
-    non-persistent buffers excluded)."""
+    """Stream recovered tensors into shards; returns the float32 sum of the recovered parameters (buffers excluded)."""
     from tqdm.auto import tqdm
 
     writer = ShardWriter(folder, max_bytes)
@@ -444,8 +393,7 @@ def _write_tensors(diff, raw, folder, model_type, dtype, max_bytes, progress) ->
     count = sum(not is_non_persistent_buffer(name) for name in diff.names())
     for name, tensor in tqdm(recovered_tensors(diff, raw), total=count, desc="Recovering", disable=not progress):
         total += tensor.float().sum().item()  # float32, as the release computed it
-        new_name = converted_name(name, model_type)
-        if new_name is not None:
+        if (new_name := converted_name(name, model_type)) is not None:
             writer.add(new_name, tensor.to(dtype))
     writer.finish()
     return total
@@ -456,11 +404,9 @@ def _write_config_and_tokenizer(config, diff: Path, raw: Path, folder: Path, mod
 
     config.pad_token_id = 0  # <unk>, as in the release
     config.dtype = dtype
+    config.architectures = ["LlamaForSequenceClassification" if model_type == "reward" else "LlamaForCausalLM"]
     if model_type == "reward":
-        config.architectures = ["LlamaForSequenceClassification"]
         config.num_labels = 1
-    else:
-        config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(folder)
     source = diff if any(diff.glob("tokenizer*")) else raw
     tokenizer = setup_tokenizer(AutoTokenizer.from_pretrained(source, legacy=True), lang=lang)  # the release's ids
@@ -475,9 +421,8 @@ def recovery_command(raw, diff, output, model_type, lang, dtype=None) -> str:
 
 
 def resolve_source(path_or_repo: str, setting: str = "source") -> str:
-    """A local folder as is; otherwise a Hub repo id, downloaded (weights, config, tokenizer) with huggingface_hub. A
-    ``FileNotFoundError`` naming ``setting`` for a local path (:func:`~trl_ppomax.data.sources.looks_local`) that is no
-    folder, instead of a Hub error about a malformed repo id."""
+    """A local folder as is, else a Hub repo id, downloaded (weights, config, tokenizer). A local-looking path that is
+    no folder raises ``FileNotFoundError`` naming ``setting``, not a Hub error about a malformed repo id."""
     from trl_ppomax.data.sources import looks_local
 
     if os.path.isdir(path_or_repo):

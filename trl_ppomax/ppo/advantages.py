@@ -1,10 +1,7 @@
-"""Advantage estimators: the registry ``PPOMaxConfig.advantage_estimator`` names one of.
-
-An estimator turns the shaped token rewards of a rollout into the policy's advantages and the critic's targets. It
-says whether it needs a critic (GAE bootstraps from the critic's values; a critic-free estimator, such as a group
-baseline over the samples of one prompt, does not). A new estimator is a function and one :data:`ESTIMATORS` entry;
-the trainer calls :meth:`AdvantageEstimator.estimate` and knows nothing else about it.
-"""
+"""Advantage estimators: the registry ``PPOMaxConfig.advantage_estimator`` names one of. An estimator turns a
+rollout's shaped token rewards into the policy's advantages and the critic's targets, and says whether it needs a
+critic (GAE does; a group baseline over one prompt's samples would not). A new estimator is a function and one
+:data:`ESTIMATORS` entry; the trainer calls :meth:`AdvantageEstimator.estimate` and knows nothing else about it."""
 
 from __future__ import annotations
 

@@ -19,20 +19,12 @@ def token_budget_batches(
     batches: list[list[int]] = []
     longest = (0, 0)
     for i in order:
-        grown = (max(longest[0], queries[i]), max(longest[1], responses[i]))
-        if batches and (len(batches[-1]) + 1) * sum(grown) <= budget:
-            batches[-1].append(i)
-            longest = grown
-        else:
-            batches.append([i])
+        longest = (max(longest[0], queries[i]), max(longest[1], responses[i]))
+        if not batches or (len(batches[-1]) + 1) * sum(longest) > budget:
+            batches.append([])
             longest = (queries[i], responses[i])
+        batches[-1].append(i)
     return [torch.tensor(batch, dtype=torch.long, device=query_lengths.device) for batch in batches]
-
-
-def trim_query_padding(query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, L) without the columns that are padding in every row."""
-    width = max(int(query_mask.sum(1).max()), 1)
-    return query_ids[:, -width:], query_mask[:, -width:]
 
 
 def forward_groups(query_mask: torch.Tensor, response_mask: torch.Tensor, args, accelerator):
@@ -47,9 +39,8 @@ def forward_groups(query_mask: torch.Tensor, response_mask: torch.Tensor, args, 
 
 
 def token_budget_groups(query_mask, response_mask, budget: int, accelerator) -> tuple[list[torch.Tensor], int]:
-    """The rows packed under ``budget`` (:func:`token_budget_batches`), and the most packs any process has: every
-    process must run as many forwards (ZeRO-3 gathers parameters in each) and backwards (ZeRO reduces gradients at
-    every micro-step)."""
+    """The rows packed under ``budget`` (:func:`token_budget_batches`), and the most packs any process has: all must
+    run as many forwards (ZeRO-3 gathers parameters in each) and backwards (ZeRO reduces at every micro-step)."""
     groups = token_budget_batches(query_mask.sum(1), response_mask.sum(1), budget)
     if accelerator.num_processes == 1:
         return groups, len(groups)
@@ -60,8 +51,7 @@ def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, en
     """``(rows, loss weights)`` of one update step's micro-batches: ``per_device_train_batch_size`` rows each (weights
     None: token means), or packed by length under ``max_tokens_per_microbatch`` with :func:`core.row_split_loss_weights`
     times the divisor ``backward`` applies (``engine_divisor``, DeepSpeed's accumulation steps, else the count), which
-    leaves the gradients unchanged. Every process gets as many micro-batches as the one with most (ZeRO reduces at
-    every micro-step): the others repeat a row with zero weight."""
+    leaves the gradients unchanged; every process gets as many as the busiest (repeating a row with zero weight)."""
     if args.max_tokens_per_microbatch is None:
         return [(rows, None) for rows in minibatch.split(args.per_device_train_batch_size)]
     mask = rollout.response_mask[minibatch]
@@ -74,7 +64,9 @@ def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, en
 
 
 def forward_queries(query_ids: torch.Tensor, query_mask: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch's prompts as its forwards see them: under a token budget, without their all-padding columns."""
+    """A micro-batch's left-padded prompts (B, L) as its forwards see them: under a token budget, without the columns
+    that are padding in every row."""
     if args.max_tokens_per_microbatch is None:
         return query_ids, query_mask
-    return trim_query_padding(query_ids, query_mask)
+    width = max(int(query_mask.sum(1).max()), 1)
+    return query_ids[:, -width:], query_mask[:, -width:]

@@ -1,33 +1,30 @@
 """Saving, resuming and the best model of :class:`~trl_ppomax.PPOMaxTrainer`, on top of transformers' ``Trainer``
-(which saves the optimizer, scheduler, RNG and trainer states and rotates checkpoints): the policy/critic split of
-one state dict, the PPO state (:class:`~trl_ppomax.ppo.state.PPOState`) and the run's settings.
+(optimizer, scheduler, RNG and trainer states, checkpoint rotation): the policy/critic split of one state dict, the
+PPO state (:class:`~trl_ppomax.ppo.state.PPOState`) and the run's settings.
 
-``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top (``from_pretrained``
-loads it); ``critic/``; ``optimizer.pt``/``scheduler.pt`` (or a DeepSpeed engine checkpoint); ``rng_state*.pth``;
-``trainer_state.json``; ``ppo_state.json`` (counters, reward moments, data position, run settings). ``checkpoint-0``,
-the initial policy, is written when its step-0 evaluation is the best so far and the best model must be loadable.
+``checkpoint-N/``: the policy as a plain transformers (or PEFT adapter) folder at the top; ``critic/``;
+``optimizer.pt``/``scheduler.pt`` (or a DeepSpeed engine checkpoint); ``rng_state*.pth``; ``trainer_state.json``;
+``ppo_state.json``. ``checkpoint-0``, the initial policy, is written when its step-0 evaluation is the best so far.
 
-Under DeepSpeed ZeRO-3 with ``stage3_gather_16bit_weights_on_model_save`` false (a DeepSpeed JSON that does not set
-it), the full weights are never gathered, as transformers' ``Trainer`` does then: checkpoints and ``save_model`` hold
-the engine's sharded checkpoint (``global_step*/``, with DeepSpeed's ``zero_to_fp32.py`` beside it), the configs and
-the tokenizer, and no plain weights; a resume under DeepSpeed reads the engine checkpoint, and
-:func:`consolidate_engine_checkpoint` turns such a folder into plain transformers folders afterwards.
+Under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` the full weights are never gathered (as in
+transformers' ``Trainer``): checkpoints and ``save_model`` hold the engine's sharded checkpoint (``global_step*/``),
+the configs and the tokenizer; :func:`consolidate_engine_checkpoint` turns them into plain folders.
 
-Before the first rollout (:meth:`CheckpointMixin.claim_run`, refusals in :mod:`~trl_ppomax.ppo.checkpoint_files`): a trainer trains
-once; one run at a time holds ``output_dir`` (a lock file, released at the end of ``train()``); a fresh run does not
-reuse another run's checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless
-``resume_weights_only``), undamaged and from the same run settings (unless ``resume_allow_changes``). A full disk is
-reported as such, naming the folder and its free space (nothing is overwritten). ``output_dir`` is checked writable
-at init. ``training_args.bin`` is written without secrets (no token on disk).
+Before the first rollout (:meth:`CheckpointMixin.claim_run`, refusals in :mod:`~trl_ppomax.ppo.checkpoint_files`): a
+trainer trains once; one run at a time holds ``output_dir`` (a lock file); a fresh run does not reuse another run's
+checkpoints (unless ``overwrite_output_dir``); a checkpoint to resume is complete (unless ``resume_weights_only``),
+undamaged and from the same run settings (unless ``resume_allow_changes``). ``training_args.bin`` holds no secrets.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,8 +73,7 @@ GATHER_ON_SAVE = '"stage3_gather_16bit_weights_on_model_save": true'
 
 
 def engine_checkpoint_advice(folder: str) -> str:
-    """How to turn the sharded DeepSpeed engine checkpoint in ``folder`` into plain model folders, and how to save
-    plain folders directly next time (the end of the warnings about engine-only saves)."""
+    """How to consolidate the engine checkpoint in ``folder`` and save plain folders next time (ends the warnings)."""
     return (
         "To get a plain transformers folder (policy at the top, critic/ when the folder has one): "
         f"`trl-ppomax consolidate {folder}`, or consolidate_engine_checkpoint('{folder}') from trl_ppomax.ppo.checkpoint "
@@ -91,38 +87,21 @@ def engine_checkpoint_advice(folder: str) -> str:
     )
 
 
-class _WaitForHubPush(TrainerCallback):
-    """At the end of training, wait for the checkpoint pushes still in flight (as transformers' Trainer does)."""
+class _OnTrainEnd(TrainerCallback):
+    """Calls ``action`` at the end of training (wait for the Hub pushes in flight, release the ``output_dir`` lock)."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._finish_current_push()
-
-
-class _UnlockOutputDir(TrainerCallback):
-    """At the end of training, release the ``output_dir`` lock taken when it started."""
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._unlock_output_dir()
+        self.action()
 
 
 # -- The trainer side --------------------------------------------------------------------------------------------------
 class CheckpointMixin:
-    """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
-
-    ``ppo_state.json`` holds what ``TrainerState`` does not: episode, running reward moments, skip counters, ptx data
-    position and run settings. Resuming restores it with the weights, optimizer, scheduler and RNG states, so a
-    resumed run continues exactly as if it had never stopped.
-
-    Contract with the trainer (besides ``transformers.Trainer``'s attributes): it owns ``ppo_state`` (a
-    :class:`~trl_ppomax.ppo.state.PPOState`) and a prompt ``train_dataset`` (its size is a run setting); nothing else
-    of the trainer's is read or written here.
-    """
+    """Save, resume and best-model loading of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it): a resumed run
+    continues exactly as if it had never stopped. Besides ``transformers.Trainer``'s attributes it reads only the
+    trainer's ``ppo_state`` (a :class:`~trl_ppomax.ppo.state.PPOState`) and its prompt ``train_dataset``."""
 
     #: Settings of ``args`` that define a run: a resume with other values would change which prompts an iteration
     #: reads (the prompt stream, :class:`~trl_ppomax.data.ShuffledBatches`, takes ``batch_size ÷
@@ -146,9 +125,7 @@ class CheckpointMixin:
     )
 
     def __init__(self, *, args, model, **trainer_kwargs) -> None:
-        """``args`` and ``model`` (the policy and critic) as ``transformers.Trainer`` takes them, with its other
-        keyword arguments: the output folder is probed for writing and the models' identity kept before the Trainer
-        is built."""
+        """``transformers.Trainer``'s arguments; probes ``output_dir`` for writing and keeps the models' identity."""
         if args.should_save:
             probe_writable(args.output_dir)
         self._model_identity = model_identity(model)
@@ -157,8 +134,8 @@ class CheckpointMixin:
         self._lock_owner = object()  # this trainer's token for the output_dir lock
         super().__init__(args=args, model=model, **trainer_kwargs)
         if self.args.push_to_hub:
-            self.add_callback(_WaitForHubPush(self))  # end of training waits for the checkpoint pushes in flight
-        self.add_callback(_UnlockOutputDir(self))
+            self.add_callback(_OnTrainEnd(self._finish_current_push))  # as transformers' Trainer does
+        self.add_callback(_OnTrainEnd(self._unlock_output_dir))
 
     # -- before the first rollout -----------------------------------------------------------------------------------
     def claim_run(self, resume_from_checkpoint: str | bool | None) -> None:
@@ -191,9 +168,8 @@ class CheckpointMixin:
 
     @property
     def _engine_checkpoint_only(self) -> bool:
-        """Whether the full weights cannot be gathered to save them: DeepSpeed ZeRO-3 without
-        ``stage3_gather_16bit_weights_on_model_save`` (accelerate's ``get_state_dict`` refuses then). Saves then
-        write the engine's sharded checkpoint instead of plain weights, as transformers' ``Trainer`` does."""
+        """Whether saves write the engine's sharded checkpoint, not plain weights: ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` (accelerate's ``get_state_dict`` refuses to gather then)."""
         if not self.is_deepspeed_enabled:
             return False
         engine = self.model_wrapped
@@ -238,11 +214,8 @@ class CheckpointMixin:
         )
         if args.should_save:
             root = Path(args.output_dir)
-            for path in [
-                *found,
-                *root.glob(f".tmp-{PREFIX_CHECKPOINT_DIR}-*"),
-                *root.glob(f".old-{PREFIX_CHECKPOINT_DIR}-*"),
-            ]:
+            partial = [p for kind in (".tmp", ".old") for p in root.glob(f"{kind}-{PREFIX_CHECKPOINT_DIR}-*")]
+            for path in [*found, *partial]:
                 shutil.rmtree(path, ignore_errors=True)
         self.accelerator.wait_for_everyone()
 
@@ -270,13 +243,10 @@ class CheckpointMixin:
         card.save(f"{self.args.output_dir}/README.md")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathering the weights
-        from every shard under DeepSpeed ZeRO-3 or FSDP. Written atomically (:func:`atomic_directory` with ``merge``):
-        a crash or full disk leaves the folder as it was; ``checkpoint-N`` folders or logs beside it are kept.
-
-        Under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` (:attr:`_engine_checkpoint_only`) the
-        folder gets DeepSpeed's sharded engine checkpoint instead of the weights, with the config and tokenizer, and a
-        warning says how to consolidate it. Every process must call it (the engine saves are collectives)."""
+        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathered from every shard
+        under ZeRO-3 or FSDP, atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it
+        is kept). Under :attr:`_engine_checkpoint_only` the folder gets DeepSpeed's sharded engine checkpoint instead,
+        and a warning says how to consolidate it. A collective: every process calls it."""
         final = output_dir or self.args.output_dir
         engine_only = self._engine_checkpoint_only
         with atomic_directory(final, self.accelerator, merge=True) as folder:
@@ -295,9 +265,8 @@ class CheckpointMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
-        """transformers' ``Trainer.push_to_hub``; when only an engine checkpoint can be saved
-        (:attr:`_engine_checkpoint_only`) there is no plain model to push: ``output_dir`` is saved (on every
-        process) and a warning says how to consolidate and push it, but nothing is uploaded."""
+        """transformers' ``Trainer.push_to_hub``; under :attr:`_engine_checkpoint_only` ``output_dir`` is saved and
+        a warning says how to consolidate and push it, but nothing is uploaded (there is no plain model)."""
         if not self._engine_checkpoint_only:
             return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
         self.save_model(_internal_call=True)
@@ -316,10 +285,8 @@ class CheckpointMixin:
         return None
 
     def _save_weights(self, folder: str, with_critic: bool, engine_checkpoint: bool = False) -> None:
-        """The policy (and critic) weights, configs and tokenizer into ``folder``; a collective (every process).
-        Under :attr:`_engine_checkpoint_only` the weights are not gathered: ``engine_checkpoint`` writes the engine's
-        sharded checkpoint into ``folder`` instead (a checkpoint's ``_save_optimizer_and_scheduler`` writes it
-        otherwise) and only the configs go beside it."""
+        """The policy (and critic) weights, configs and tokenizer into ``folder``; a collective. Under
+        :attr:`_engine_checkpoint_only` only the configs: ``engine_checkpoint`` also writes the engine's checkpoint."""
         if self._engine_checkpoint_only:
             if engine_checkpoint:
                 self.model_wrapped.save_checkpoint(folder)  # every process writes its shard of weights and optimizer
@@ -381,9 +348,8 @@ class CheckpointMixin:
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Push the policy of ``checkpoint_folder`` (and, with ``hub_strategy`` "checkpoint"/"all_checkpoints", the
-        folder itself) to ``hub_model_id``, as transformers' Trainer does, in the background; the model card comes
-        along, and ``training_args.bin`` is written without secrets."""
+        """Push the policy of ``checkpoint_folder`` with its model card (and, with ``hub_strategy`` "checkpoint" or
+        "all_checkpoints", the folder itself) to ``hub_model_id`` in the background, as transformers' Trainer does."""
         if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END or self.hub_model_id is None:
             return
         if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
@@ -395,6 +361,13 @@ class CheckpointMixin:
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
         output_dir, source = self.args.output_dir, Path(checkpoint_folder)
         message = f"Training in progress, step {self.state.global_step}"
+        upload = functools.partial(
+            hf_api().upload_folder,
+            repo_id=self.hub_model_id,
+            token=self.args.hub_token,
+            run_as_future=True,
+            revision=self.args.hub_revision,
+        )
         jobs = []
         if self._engine_checkpoint_only:  # no plain policy to push: only the checkpoint folder goes
             self._warn_no_model_push()
@@ -404,30 +377,12 @@ class CheckpointMixin:
                     shutil.copy(entry, os.path.join(output_dir, entry.name))
             torch.save(without_secrets(self.args), os.path.join(output_dir, TRAINING_ARGS_NAME))
             self.create_model_card()
-            jobs.append(
-                hf_api().upload_folder(
-                    repo_id=self.hub_model_id,
-                    folder_path=output_dir,
-                    commit_message=message,
-                    token=self.args.hub_token,
-                    run_as_future=True,
-                    ignore_patterns=["_*", ".*", f"{PREFIX_CHECKPOINT_DIR}-*"],
-                    revision=self.args.hub_revision,
-                )
-            )
+            ignore = ["_*", ".*", f"{PREFIX_CHECKPOINT_DIR}-*"]
+            jobs.append(upload(folder_path=output_dir, commit_message=message, ignore_patterns=ignore))
         if with_checkpoint:
+            in_repo = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else source.name
             jobs.append(
-                hf_api().upload_folder(
-                    repo_id=self.hub_model_id,
-                    folder_path=checkpoint_folder,
-                    path_in_repo="last-checkpoint"
-                    if self.args.hub_strategy == HubStrategy.CHECKPOINT
-                    else source.name,
-                    commit_message=f"{message}, checkpoint",
-                    token=self.args.hub_token,
-                    run_as_future=True,
-                    revision=self.args.hub_revision,
-                )
+                upload(folder_path=checkpoint_folder, path_in_repo=in_repo, commit_message=f"{message}, checkpoint")
             )
         if self.push_in_progress is None or self.push_in_progress.is_done():
             self.push_in_progress = PushInProgress(jobs)
@@ -575,29 +530,23 @@ def _drop_older_engine_folders(folder: str | os.PathLike) -> str | None:
 
 
 def consolidate_engine_checkpoint(folder: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> Path:
-    """Turn a folder that holds only a sharded DeepSpeed engine checkpoint (a ``checkpoint-N`` or ``save_model``
-    folder of a ZeRO-3 run with ``stage3_gather_16bit_weights_on_model_save`` false) into plain transformers folders:
-    the policy at the top of ``output_dir`` (default: ``folder`` itself, beside the engine checkpoint), the critic in
-    ``output_dir/critic`` when ``folder`` has ``critic/config.json``; the tokenizer comes along. Runs on CPU, in one
-    process, with DeepSpeed's ``zero_to_fp32`` (fp32 weights from the optimizer's master copy; it needs memory for
-    them). Returns ``output_dir``; ``from_pretrained`` loads it."""
+    """Turn a ``checkpoint-N`` or ``save_model`` folder holding only a sharded DeepSpeed engine checkpoint into plain
+    transformers folders: the policy and tokenizer at the top of ``output_dir`` (default: ``folder``), the critic in
+    ``critic/`` when ``folder`` has one. Runs on CPU, in one process, with DeepSpeed's ``zero_to_fp32`` (fp32 master
+    weights: it needs memory for them). Returns ``output_dir``, which ``from_pretrained`` loads."""
     import transformers
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = Path(folder)
     output = Path(output_dir) if output_dir is not None else folder
     if not (folder / "config.json").is_file():
-        has_adapter = (folder / "adapter_config.json").is_file()
-        raise ValueError(
-            f"{folder} has no config.json"
-            + (
-                " (a PEFT policy: consolidate with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint and load the "
-                "`policy.` entries into the PEFT model)"
-                if has_adapter
-                else ": pass a checkpoint-N or save_model folder of a trl-ppomax run"
-            )
-            + "."
+        advice = (
+            " (a PEFT policy: consolidate with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint and load the "
+            "`policy.` entries into the PEFT model)"
+            if (folder / "adapter_config.json").is_file()
+            else ": pass a checkpoint-N or save_model folder of a trl-ppomax run"
         )
+        raise ValueError(f"{folder} has no config.json{advice}.")
     if not (folder / "latest").is_file():
         raise ValueError(f"{folder} holds no DeepSpeed engine checkpoint (no `latest` file beside a global_step*/).")
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder), lazy_mode=True)  # read each tensor on demand

@@ -1,6 +1,5 @@
-"""What a checkpoint must hold, and the refusals of one that cannot be resumed: missing, incomplete, damaged or from
-a run with other settings (checked by ``train(resume_from_checkpoint=...)`` before its first rollout); each message
-names what to do."""
+"""What a checkpoint must hold, and the refusals of one that cannot be resumed (missing, incomplete, damaged or from
+other run settings), checked before the first rollout; each message names what to do."""
 
 from __future__ import annotations
 
@@ -28,6 +27,12 @@ logger = logging.getLogger(__name__)
 
 #: ``ppo_state.json`` keys a resume needs.
 PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
+#: Why plain weights are missing from a folder that holds a ``latest`` file, and what to do.
+_ENGINE_ONLY = (
+    " — it holds only a sharded DeepSpeed engine checkpoint (global_step*/): resume it under DeepSpeed with the same "
+    "ZeRO stage and number of processes, or write plain weights into it first with "
+    "trl_ppomax.ppo.checkpoint.consolidate_engine_checkpoint"
+)
 
 
 class CheckpointError(ValueError):
@@ -110,12 +115,9 @@ def check_run_settings(path: str, saved: dict | None, current: dict, allow_chang
 
 
 def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
-    """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones.
-    With ``resume_weights_only`` only the weights (and the JSON states) are required.
-
-    Under DeepSpeed the weights (and optimizer states) come from the engine checkpoint, weights-only resumes
-    included (:func:`engine_checkpoint_files`): the plain weight files are then not required (a ZeRO-3 run without
-    ``stage3_gather_16bit_weights_on_model_save`` writes none), only checked when present."""
+    """The files a resume from ``path`` reads (to check for damage); a CheckpointError naming the missing ones. With
+    ``resume_weights_only`` only the weights (and the JSON states) are required. Under DeepSpeed the weights come from
+    the engine checkpoint (:func:`engine_checkpoint_files`), so plain weight files are only checked when present."""
     missing, files = [], []
     if engine == "deepspeed":
         engine_files, engine_missing = engine_checkpoint_files(path, args.world_size)
@@ -128,16 +130,7 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
             if engine == "deepspeed":
                 continue
             only_engine = folder == path and os.path.isfile(os.path.join(path, "latest"))
-            missing.append(
-                f"{os.path.relpath(folder, path)} weights ({err})"
-                + (
-                    " — it holds only a sharded DeepSpeed engine checkpoint (global_step*/): resume it under "
-                    "DeepSpeed with the same ZeRO stage and number of processes, or write plain weights into it "
-                    "first with trl_ppomax.ppo.checkpoint.consolidate_engine_checkpoint"
-                    if only_engine
-                    else ""
-                )
-            )
+            missing.append(f"{os.path.relpath(folder, path)} weights ({err}){_ENGINE_ONLY if only_engine else ''}")
     if not args.resume_weights_only:
         needed = [SCHEDULER_NAME, *rng_files(args.world_size)]
         if engine == "fsdp":
@@ -145,11 +138,9 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
                 missing.append("optimizer*")
         elif engine != "deepspeed":  # DeepSpeed's optimizer states are in its engine checkpoint, checked above
             needed.insert(0, OPTIMIZER_NAME)
-        for name in needed:
-            if os.path.isfile(os.path.join(path, name)):
-                files.append(os.path.join(path, name))
-            else:
-                missing.append(name)
+        present = {name for name in needed if os.path.isfile(os.path.join(path, name))}
+        files += [os.path.join(path, name) for name in needed if name in present]
+        missing += [name for name in needed if name not in present]
     if missing:
         raise CheckpointError(
             f"The checkpoint {path} is incomplete: missing {'; '.join(missing)}. Resuming without these would "
@@ -161,9 +152,8 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
 
 
 def engine_checkpoint_files(path: str, world_size: int) -> tuple[list[str], list[str]]:
-    """The files of the DeepSpeed engine checkpoint in ``path`` that a resume reads, and what is missing of it: the
-    ``latest`` file, the ``global_step*/`` folder it names, model states and (ZeRO) the optimizer states of every one
-    of the ``world_size`` processes (the fp32 weights of ZeRO-3 live there)."""
+    """The files of the DeepSpeed engine checkpoint in ``path`` a resume reads, and what of it is missing: ``latest``,
+    the ``global_step*/`` it names, the model and (ZeRO) optimizer states of each of the ``world_size`` processes."""
     root = Path(path)
     latest = root / "latest"
     if not latest.is_file():
@@ -192,9 +182,8 @@ def rng_files(world_size: int) -> list[str]:
 
 @contextmanager
 def reading(checkpoint: str, what: str, loading: bool = False) -> Iterator[None]:
-    """Turn a failure while reading ``what`` from ``checkpoint`` into a :class:`CheckpointError` naming it. With
-    ``loading`` (the files passed the damage checks; loading them into the models failed) the message also allows
-    for a checkpoint written for other models or settings."""
+    """Turn a failure while reading ``what`` from ``checkpoint`` into a :class:`CheckpointError` naming it; with
+    ``loading`` (the files passed the damage checks, loading them failed) it allows for other models or settings."""
     try:
         yield
     except CheckpointError:

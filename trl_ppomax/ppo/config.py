@@ -31,6 +31,8 @@ VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 
+#: The tricks beyond the paper, off in the paper's and trl's presets.
+_BEYOND_PAPER_OFF = {"reward_norm_freeze": False, "reward_winsorize": None, "lam_critic": None, "lam_alpha": None}
 # Defaults that differ between the paper's PPO-max, trl 1.12's PPO and our robust PPO-max; the rest have one default.
 PRESETS: dict[str, dict[str, Any]] = {
     "ppo_max": {
@@ -45,10 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.1,
         "logprob_temperature": 1.0,
         "vllm_importance_sampling_correction": True,
-        "reward_norm_freeze": False,
-        "reward_winsorize": None,
-        "lam_critic": None,
-        "lam_alpha": None,
+        **_BEYOND_PAPER_OFF,
     },
     "vanilla": {
         "reward_norm": "none",
@@ -62,10 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.0,
         "logprob_temperature": None,
         "vllm_importance_sampling_correction": False,
-        "reward_norm_freeze": False,
-        "reward_winsorize": None,
-        "lam_critic": None,
-        "lam_alpha": None,
+        **_BEYOND_PAPER_OFF,
     },
 }
 #: Beyond the paper: PPO-max plus frozen, winsorised reward moments and decoupled, length-adaptive GAE, the combination
@@ -95,10 +91,15 @@ class _FromPreset:
 FROM_PRESET = _FromPreset()
 
 
+def _field(default: Any, text: str) -> Any:
+    """A dataclass field with the help text ``text`` (``--help`` and the docstring)."""
+    return field(default=default, metadata={"help": text})
+
+
 def _preset_field(name: str, text: str, none_is_a_value: bool = False) -> Any:
     """A field whose default comes from the preset; unset: ``None``, or :data:`FROM_PRESET` if ``None`` means "off"."""
     defaults = ", ".join(f"`{PRESETS[p][name]!r}` with preset={p!r}" for p in PRESETS)
-    return field(default=FROM_PRESET if none_is_a_value else None, metadata={"help": f"{text} Default: {defaults}."})
+    return _field(FROM_PRESET if none_is_a_value else None, f"{text} Default: {defaults}.")
 
 
 #: The tests behind the allowed values a range rule names.
@@ -120,21 +121,13 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("gamma", "in [0, 1]", "The discount factor of GAE; RLHF uses 1.0."),
     ("lam", "in [0, 1]", "The λ of GAE; the paper uses 0.9, trl 1.12 0.95."),
     ("vf_coef", "≥ 0", "A negative weight trains the critic away from the returns; the usual weight is 0.1."),
-    (
-        "total_episodes",
-        "> 0, or None",
-        "Responses to train on; None: num_train_epochs × dataset size × samples per prompt.",
-    ),
+    ("total_episodes", "> 0, or None", "None: num_train_epochs × dataset size × samples per prompt."),
     ("num_train_epochs", "> 0", "Passes over the prompts when total_episodes is None."),
     ("missing_eos_penalty", "≥ 0, or None", "Subtracted from the score of a response without the stop token."),
     ("temperature", "> 0", "The sampling temperature; 1.0 samples the model as it is."),
     ("logprob_temperature", "> 0, or None", "None uses the sampling temperature; 1.0 the model's raw logits."),
     ("top_p", "in (0, 1]", "The nucleus-sampling threshold; 1.0 disables it."),
-    (
-        "repetition_penalty",
-        "> 0",
-        "CTRL's penalty θ on tokens already generated (> 1 discourages repeats); 1.0 disables it, the release used 1.1.",
-    ),
+    ("repetition_penalty", "> 0", "CTRL's θ on tokens already generated (> 1 discourages repeats); 1.0 disables it."),
     ("critic_adam_epsilon", "> 0, or None", "None uses adam_epsilon; the release used 1e-8 for the critic."),
     ("max_skipped_iterations", "≥ 1", "Consecutive skipped iterations before the run stops with an error."),
     ("stop_token_id", "≥ 0, or None", "A token id of the tokenizer; None uses stop_token."),
@@ -171,10 +164,9 @@ def _check_range(name: str, value: Any, allowed: str, hint: str) -> None:
 
 
 def _is_int_type(hint: Any) -> bool:
-    """Whether a field's type is ``int`` or ``int | None`` (not ``bool``, ``float``, ``int | float`` or ``int | str``)."""
-    if hint is int:
-        return True
-    return get_origin(hint) in (typing.Union, types.UnionType) and set(get_args(hint)) == {int, type(None)}
+    """Whether a field's type is ``int`` or ``int | None`` (not ``bool``, ``float``, ``int | float``, ``int | str``)."""
+    union = get_origin(hint) in (typing.Union, types.UnionType)
+    return hint is int or (union and set(get_args(hint)) == {int, type(None)})
 
 
 @functools.cache
@@ -198,10 +190,9 @@ def _whole_number_hint(name: str, value: Any) -> str:
 
 
 def check_int_fields(config: Any) -> None:
-    """A ``ValueError`` for the first ``int`` field of the dataclass ``config`` that holds anything but a whole number
-    (a float such as ``2.0`` from YAML, a bool, a string), naming the field, the value and what to write: a float
-    there passed every check and failed deep in training (``torch.manual_seed`` "expected a long"). Called in
-    ``__post_init__`` on what the user passed, before the base classes set fields of their own."""
+    """A ``ValueError`` for the first ``int`` field of the dataclass ``config`` holding no whole number (``2.0`` from
+    YAML, a bool, a string), naming the value and what to write: a float used to fail deep in training
+    (``torch.manual_seed`` "expected a long"). Call it in ``__post_init__``, before the base classes set fields."""
     for name, none_allowed in _int_fields(type(config)):
         value = getattr(config, name)
         if (value is None and none_allowed) or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
@@ -223,23 +214,17 @@ class PPOMaxConfig(TrainingArguments):
     """
 
     # ---- preset ---------------------------------------------------------------------------------------------------
-    preset: Preset = field(
-        default="ppo_max",
-        metadata={
-            "help": "Defaults to start from: 'ppo_max' (the paper's PPO-max), 'vanilla' (trl 1.12's PPO maths, for "
-            "ablations) or 'ppo_max_robust' (beyond the paper: PPO-max with frozen, winsorised reward moments and "
-            "decoupled, length-adaptive GAE; benchmarks/README.md). Fields set explicitly override the preset."
-        },
+    preset: Preset = _field(  # noqa: RUF009
+        "ppo_max",
+        "Defaults to start from: 'ppo_max' (the paper's PPO-max), 'vanilla' (trl 1.12's PPO maths, for ablations) or "
+        "'ppo_max_robust' (beyond the paper: PPO-max with frozen, winsorised reward moments and decoupled, "
+        "length-adaptive GAE; benchmarks/README.md). Fields set explicitly override the preset.",
     )
 
     # ---- TrainingArguments overrides (as in TRL) ------------------------------------------------------------------
-    learning_rate: float = field(default=3e-6, metadata={"help": "Learning rate of the policy (AdamW)."})
-    logging_steps: float = field(
-        default=10, metadata={"help": "Log every X PPO iterations (a float in (0, 1) is a ratio of all iterations)."}
-    )
-    bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision; default: True on a GPU supporting it, unless fp16."}
-    )
+    learning_rate: float = _field(3e-6, "Learning rate of the policy (AdamW).")
+    logging_steps: float = _field(10, "Log every X PPO iterations (a float in (0, 1) is a ratio of all iterations).")
+    bf16: bool | None = _field(None, "bf16 mixed precision; default: True on a GPU supporting it, unless fp16.")
     max_grad_norm: float | None = _preset_field(
         "max_grad_norm",
         "Global gradient clipping (App. C.2 of the paper), applied separately to the policy's and the critic's "
@@ -247,47 +232,32 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     # ---- trl 1.12 PPOConfig fields --------------------------------------------------------------------------------
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to prepare the dataset."})
-    num_mini_batches: int = field(default=1, metadata={"help": "Minibatches each rollout batch is split into."})
-    total_episodes: int | None = field(
-        default=None,
-        metadata={
-            "help": "Episodes (responses) to train on; default num_train_epochs × dataset size × samples per prompt."
-        },
+    dataset_num_proc: int | None = _field(None, "Processes used to prepare the dataset.")
+    num_mini_batches: int = _field(1, "Minibatches each rollout batch is split into.")
+    total_episodes: int | None = _field(
+        None, "Episodes (responses) to train on; default num_train_epochs × dataset size × samples per prompt."
     )
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Per-process batch size of the no-grad forwards and generation in rollouts."}
+    local_rollout_forward_batch_size: int = _field(64, "Per-process batch of rollout generation and no-grad forwards.")
+    num_samples_per_prompt: int = _field(
+        1,
+        "Responses sampled per prompt (TRL GRPO's num_generations, OpenRLHF's n_samples_per_prompt): each prompt is "
+        "encoded once and sampled n times. Batch sizes and total_episodes count responses, so a rollout batch holds "
+        "batch_size / n prompts.",
     )
-    num_samples_per_prompt: int = field(
-        default=1,
-        metadata={
-            "help": "Responses sampled per prompt (TRL GRPO's num_generations, OpenRLHF's n_samples_per_prompt): each "
-            "prompt is encoded once and sampled n times. Batch sizes and total_episodes count responses, so a rollout "
-            "batch holds batch_size / n prompts."
-        },
+    max_tokens_per_microbatch: int | None = _field(
+        None,
+        "Token budget (rows × padded prompt + response width, per process) of each no-grad forward and update "
+        "micro-batch: sequences are sorted by length and packed under it; a longer sequence goes alone. The update's "
+        "loss and gradients are those of the row split (per-token weights). None: split by rows.",
     )
-    max_tokens_per_microbatch: int | None = field(
-        default=None,
-        metadata={
-            "help": "Token budget (rows × padded prompt + response width, per process) of each no-grad forward and "
-            "update micro-batch: sequences are sorted by length and packed under it; a longer sequence goes alone. "
-            "The update's loss and gradients are those of the row split (per-token weights). None: split by rows."
-        },
+    num_sample_generations: int = _field(10, "Number of `generate_completions` sample tables printed during training.")
+    response_length: int = _field(53, "Maximum number of generated response tokens.")
+    stop_token: Literal["eos"] | None = _field(
+        None, "'eos' to stop responses at the tokenizer's eos token; exclusive with `stop_token_id`."
     )
-    num_sample_generations: int = field(
-        default=10, metadata={"help": "Number of `generate_completions` sample tables printed during training."}
-    )
-    response_length: int = field(default=53, metadata={"help": "Maximum number of generated response tokens."})
-    stop_token: Literal["eos"] | None = field(
-        default=None,
-        metadata={"help": "'eos' to stop responses at the tokenizer's eos token; exclusive with `stop_token_id`."},
-    )
-    stop_token_id: int | None = field(
-        default=None, metadata={"help": "Token id that ends a response; exclusive with `stop_token`."}
-    )
+    stop_token_id: int | None = _field(None, "Token id that ends a response; exclusive with `stop_token`.")
     temperature: float | None = _preset_field(
-        "temperature",
-        "Sampling temperature (§5.4). The log-probs of KL, ratio and entropy use `logprob_temperature`.",
+        "temperature", "Sampling temperature (§5.4). The log-probs of KL, ratio and entropy use `logprob_temperature`."
     )
     logprob_temperature: float | None = _preset_field(
         "logprob_temperature",
@@ -296,113 +266,64 @@ class PPOMaxConfig(TrainingArguments):
         "(ppo_trainer.py), so KL and ratio measure the model itself rather than its tempered sampling distribution.",
         none_is_a_value=True,
     )
-    missing_eos_penalty: float | None = field(
-        default=None, metadata={"help": "Subtracted from the score of a response without the stop token (≥ 0)."}
-    )
-    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the SFT model."})
-    reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path of the reward model."})
-    model_adapter_name: str | None = field(
-        default=None, metadata={"help": "PEFT adapter trained as the policy, when the model has several."}
-    )
-    ref_adapter_name: str | None = field(
-        default=None, metadata={"help": "PEFT adapter used as the reference; default: adapters disabled."}
-    )
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={"help": "Whiten the token rewards per batch without removing their mean, (r − μ)/σ + μ (trl 1.12)."},
-    )
-    kl_coef: float = field(
-        default=0.05, metadata={"help": "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19)."}
-    )
-    kl_estimator: KLEstimator = field(
-        default="k1", metadata={"help": "KL estimator in the reward: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2)."}
-    )
-    cliprange: float | None = field(
-        default=0.2, metadata={"help": "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping."}
-    )
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
-    cliprange_value: float | None = field(
-        default=0.2, metadata={"help": "ε_v of the clipped value loss (§3.2.3); None disables value clipping."}
-    )
-    advantage_estimator: str = field(
-        default="gae",
-        metadata={
-            "help": "How advantages are estimated: a name of trl_ppomax.ppo.advantages.ESTIMATORS; 'gae' (§3.2.2)."
-        },
-    )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE (§3.2.2)."})
+    missing_eos_penalty: float | None = _field(None, "Score penalty (≥ 0) of a response without the stop token.")
+    sft_model_path: str = _field("EleutherAI/pythia-160m", "Path of the SFT model.")
+    reward_model_path: str = _field("EleutherAI/pythia-160m", "Path of the reward model.")
+    model_adapter_name: str | None = _field(None, "PEFT adapter trained as the policy, when the model has several.")
+    ref_adapter_name: str | None = _field(None, "PEFT adapter used as the reference; default: adapters disabled.")
+    num_ppo_epochs: int = _field(4, "Passes over each rollout batch.")
+    whiten_rewards: bool = _field(False, "Whiten token rewards per batch keeping the mean, (r − μ)/σ + μ (trl 1.12).")
+    kl_coef: float = _field(0.05, "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19).")
+    kl_estimator: KLEstimator = _field("k1", "KL estimator: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2).")  # noqa: RUF009
+    cliprange: float | None = _field(0.2, "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping.")
+    vf_coef: float = _field(0.1, "Weight of the value loss.")
+    cliprange_value: float | None = _field(0.2, "ε_v of the clipped value loss (§3.2.3); None disables it.")
+    advantage_estimator: str = _field("gae", "A key of trl_ppomax.ppo.advantages.ESTIMATORS; 'gae' (§3.2.2).")
+    gamma: float = _field(1.0, "Discount factor γ of GAE (§3.2.2).")
     lam: float | None = _preset_field(
         "lam",
         "λ of GAE (§3.2.2); the paper uses 0.9 in all its experiments (App. C.3), trl 1.12 and the release 0.95.",
     )
-    ds3_gather_for_generation: bool = field(
-        default=True,
-        metadata={"help": "Under DeepSpeed ZeRO-3, gather the policy's weights for generation (faster, more memory)."},
-    )
+    ds3_gather_for_generation: bool = _field(True, "ZeRO-3: gather the policy for generation (faster, more memory).")
 
     # ---- prompts and evaluation ----------------------------------------------------------------------------------
-    max_prompt_length: int | None = field(
-        default=None, metadata={"help": "Longest prompt in tokens; None: the policy's context minus response_length."}
+    max_prompt_length: int | None = _field(None, "Prompt token limit; None: the policy's context − response_length.")
+    truncate_long_prompts: bool = _field(
+        True,
+        "A prompt over max_prompt_length after dropping oldest turns is never cut: True keeps it if it fits the "
+        "context with response_length, else skips it (counted in a warning), as MOSS-RLHF; False raises.",
     )
-    truncate_long_prompts: bool = field(
-        default=True,
-        metadata={
-            "help": "A prompt over max_prompt_length after dropping oldest turns is never cut: True keeps it if it "
-            "fits the context with response_length, else skips it (counted in a warning), as MOSS-RLHF; False raises."
-        },
-    )
-    eval_do_sample: bool = field(
-        default=False, metadata={"help": "Evaluation responses: sampled like rollouts (True) or greedy (False)."}
-    )
+    eval_do_sample: bool = _field(False, "Evaluation responses: sampled like rollouts (True) or greedy (False).")
 
     # ---- safety: reusing folders, resuming, bad numbers ------------------------------------------------------------
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Start afresh in an output_dir holding checkpoints (deleted first); else it is refused."},
+    overwrite_output_dir: bool = _field(
+        False, "Start afresh in an output_dir holding checkpoints (deleted first); else it is refused."
     )
-    resume_weights_only: bool = field(
-        default=False,
-        metadata={
-            "help": "Resume without optimizer, scheduler or RNG states (fresh Adam and schedule); else refused."
-        },
+    resume_weights_only: bool = _field(
+        False, "Resume without optimizer, scheduler or RNG states (fresh Adam and schedule); else refused."
     )
-    resume_allow_changes: bool = field(
-        default=False,
-        metadata={
-            "help": "Resume even if settings that define the run (batch sizes, episodes, seed, dataset size, preset, "
-            "models) differ from the checkpoint's; otherwise the differences are listed and the resume refused."
-        },
+    resume_allow_changes: bool = _field(
+        False,
+        "Resume even if settings that define the run (batch sizes, episodes, seed, dataset size, preset, models) "
+        "differ from the checkpoint's; otherwise the differences are listed and the resume refused.",
     )
-    max_skipped_iterations: int = field(
-        default=3,
-        metadata={"help": "Stop with an error after this many consecutive iterations skipped for non-finite numbers."},
-    )
-    reward_weights: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "Weights of the reward sources (reward_model / reward_funcs as a list), one per source, as in "
-            "TRL's GRPOConfig; the weighted sum is the score PPO-max normalises. Default: all 1."
-        },
+    max_skipped_iterations: int = _field(3, "Fail after this many iterations in a row skipped for non-finite numbers.")
+    reward_weights: list[float] | None = _field(  # noqa: RUF009
+        None,
+        "Weights of the reward sources (reward_model / reward_funcs as a list), one per source, as in TRL's "
+        "GRPOConfig; the weighted sum is the score PPO-max normalises. Default: all 1.",
     )
 
     # ---- derived sizes (trl 1.12 names), filled in __post_init__ --------------------------------------------------
-    num_total_batches: int | None = field(
-        default=None, metadata={"help": "Derived: PPO iterations, from total_episodes (written back as trl 1.12 did)."}
+    num_total_batches: int | None = _field(None, "Derived: PPO iterations, from total_episodes (as in trl 1.12).")
+    micro_batch_size: int | None = _field(None, "Derived: per_device_train_batch_size × world_size.")
+    local_batch_size: int | None = _field(
+        None, "Derived: per-process rollout batch = per_device × grad_accumulation × num_mini_batches."
     )
-    micro_batch_size: int | None = field(
-        default=None, metadata={"help": "Derived: per_device_train_batch_size × world_size."}
-    )
-    local_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Derived: per-process rollout batch = per_device × grad_accumulation × num_mini_batches."},
-    )
-    batch_size: int | None = field(default=None, metadata={"help": "Derived: rollout batch over all processes."})
-    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch per process."})
-    mini_batch_size: int | None = field(default=None, metadata={"help": "Derived: minibatch over all processes."})
-    local_prompt_batch_size: int | None = field(
-        default=None, metadata={"help": "Derived: prompts per process in a rollout batch (÷ num_samples_per_prompt)."}
-    )
+    batch_size: int | None = _field(None, "Derived: rollout batch over all processes.")
+    local_mini_batch_size: int | None = _field(None, "Derived: minibatch per process.")
+    mini_batch_size: int | None = _field(None, "Derived: minibatch over all processes.")
+    local_prompt_batch_size: int | None = _field(None, "Derived: prompts per process per rollout batch.")
 
     # ---- PPO-max: sampling (§5.4) ---------------------------------------------------------------------------------
     top_p: float | None = _preset_field("top_p", "Nucleus sampling threshold for rollouts (§5.4).")
@@ -425,51 +346,35 @@ class PPOMaxConfig(TrainingArguments):
         "no star; App. B.1, Fig. 14: with reward normalisation and value clipping it is the first run to collapse); "
         "trl 1.12 always whitened.",
     )
-    advantage_clip: float | None = field(
-        default=None,
-        metadata={
-            "help": "Clip whitened advantages to [−c, c] (§5.3.1; the release's option, off in its scripts, is 0.5); "
-            "None disables it. App. B.1: advantage clipping together with value clipping did not converge."
-        },
+    advantage_clip: float | None = _field(
+        None,
+        "Clip whitened advantages to [−c, c] (§5.3.1; the release's option, off in its scripts, is 0.5); None "
+        "disables it. App. B.1: advantage clipping together with value clipping did not converge.",
     )
-    advantage_whitening_scope: AdvantageScope = field(
-        default="batch",
-        metadata={
-            "help": "Whiten (and clip) advantages over the whole rollout batch ('batch', trl 1.12) or over each "
-            "minibatch before its optimizer step ('minibatch', §5.3.1 and the release's option); global over processes."
-        },
+    advantage_whitening_scope: AdvantageScope = _field(  # noqa: RUF009
+        "batch",
+        "Whiten (and clip) advantages over the whole rollout batch ('batch', trl 1.12) or over each minibatch before "
+        "its optimizer step ('minibatch', §5.3.1 and the release's option); global over processes.",
     )
 
     # ---- PPO-max: policy constraints and critic (§5.3.2, §5.3.3) --------------------------------------------------
-    importance_sampling: ImportanceSampling = field(
-        default="old_policy",
-        metadata={"help": "PPO ratio's denominator: the rollout ('old') policy or the reference model (§5.3.2)."},
+    importance_sampling: ImportanceSampling = _field(  # noqa: RUF009
+        "old_policy", "PPO ratio's denominator: the rollout ('old') policy or the reference model (§5.3.2)."
     )
-    critic_learning_rate: float | None = field(
-        default=None,
-        metadata={"help": "Critic learning rate (§5.4; the paper used ~3× the policy's); None = learning_rate."},
-    )
+    critic_learning_rate: float | None = _field(None, "Critic LR (§5.4: ~3× the policy's); None = learning_rate.")
     critic_warmup_steps: int | None = _preset_field(
-        "critic_warmup_steps",
-        "PPO iterations at the start that train only the critic (critic pre-training, §5.3.3).",
+        "critic_warmup_steps", "PPO iterations at the start that train only the critic (critic pre-training, §5.3.3)."
     )
-    critic_warmup_replaces_lr_warmup: bool = field(
-        default=True,
-        metadata={
-            "help": "With critic_warmup_steps > 0: the critic's learning rate skips the LR warm-up (the critic "
-            "pre-training replaces it, §5.3.3) and the policy's schedule starts when the policy starts training."
-        },
+    critic_warmup_replaces_lr_warmup: bool = _field(
+        True,
+        "With critic_warmup_steps > 0: the critic's learning rate skips the LR warm-up (the critic pre-training "
+        "replaces it, §5.3.3) and the policy's schedule starts when the policy starts training.",
     )
-    critic_adam_epsilon: float | None = field(
-        default=None,
-        metadata={"help": "Adam ε of the critic; None = adam_epsilon (the release: 1e-6 policy, 1e-8 critic)."},
-    )
-    grad_clip_scope: GradClipScope = field(
-        default="per_model",
-        metadata={
-            "help": "max_grad_norm clips the policy's and the critic's gradients separately ('per_model') or as one "
-            "vector ('joint', the release's single DeepSpeed engine). Under DeepSpeed the engine always clips jointly."
-        },
+    critic_adam_epsilon: float | None = _field(None, "Critic's Adam ε; None = adam_epsilon (the release's: 1e-8).")
+    grad_clip_scope: GradClipScope = _field(  # noqa: RUF009
+        "per_model",
+        "max_grad_norm clips the policy's and the critic's gradients separately ('per_model') or as one vector "
+        "('joint', the release's single DeepSpeed engine). Under DeepSpeed the engine always clips jointly.",
     )
 
     # ---- beyond the paper: robust reward normalisation and a better critic (preset "ppo_max_robust") -----------------
@@ -500,69 +405,40 @@ class PPOMaxConfig(TrainingArguments):
     )
 
     # ---- PPO-max: auxiliary losses (§3.2.3, §5.4, App. B.3) -------------------------------------------------------
-    ptx_coef: float = field(
-        default=0.0,
-        metadata={"help": "λ_ptx of PPO-ptx: weight of the LM loss on ptx_dataset (needed; §3.2.3 eq. 17, §5.4)."},
+    ptx_coef: float = _field(0.0, "λ_ptx: weight of the PPO-ptx LM loss on ptx_dataset (needed; §3.2.3 eq. 17, §5.4).")
+    ptx_assistant_only: bool = _field(
+        True,
+        "For a conversational ptx_dataset ('messages'), the LM loss counts only assistant turns, as the release masks "
+        "it (ppo_datahelper.py); needs a chat template that marks the assistant turns as generation blocks (see "
+        "transformers' return_assistant_tokens_mask).",
     )
-    ptx_assistant_only: bool = field(
-        default=True,
-        metadata={
-            "help": "For a conversational ptx_dataset ('messages'), the LM loss counts only assistant turns, as the "
-            "release masks it (ppo_datahelper.py); needs a chat template that marks the assistant turns as generation "
-            "blocks (see transformers' return_assistant_tokens_mask)."
-        },
-    )
-    entropy_coef: float = field(
-        default=0.0, metadata={"help": "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default)."}
-    )
-    entropy_target: float | None = field(
-        default=None,
-        metadata={"help": "With entropy_coef > 0: None = bonus −H; H* = the release's clipped |H − H*| (App. B.3)."},
-    )
+    entropy_coef: float = _field(0.0, "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default).")
+    entropy_target: float | None = _field(None, "None: bonus −H; H*: the release's clipped |H − H*| (App. B.3).")
 
     # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate the rollouts with vLLM (the other forwards stay in the trainer); needs `vllm`."},
+    use_vllm: bool = _field(False, "Generate rollouts with vLLM (other forwards stay in the trainer); needs `vllm`.")
+    vllm_mode: VLLMMode = _field(  # noqa: RUF009
+        "colocate",
+        "'colocate': a vLLM engine in every training process, sharing its GPU; 'server': a separate `trl vllm-serve` "
+        "server (weights are pushed over NCCL: needs CUDA).",
     )
-    vllm_mode: VLLMMode = field(
-        default="colocate",
-        metadata={
-            "help": "'colocate': a vLLM engine in every training process, sharing its GPU; 'server': a separate "
-            "`trl vllm-serve` server (weights are pushed over NCCL: needs CUDA)."
-        },
-    )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "colocate: share of the GPU's memory vLLM may take (weights and KV cache)."}
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "colocate: GPUs per vLLM engine (must divide the number of processes)."}
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "colocate: free vLLM's memory between rollouts (slower wake-up)."}
-    )
-    vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "colocate: vLLM's context (prompt + response); None: the model's."}
-    )
-    vllm_model_impl: str = field(
-        default="vllm", metadata={"help": "vLLM's model implementation: 'vllm' or 'transformers'."}
-    )
-    vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "server: its URL, e.g. http://localhost:8000 (overrides host and port)."}
-    )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "server: host."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "server: port."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "server: seconds to wait for it to be up."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "server: port of the weight-update group."})
+    vllm_gpu_memory_utilization: float = _field(0.3, "colocate: share of GPU memory vLLM may use (weights, KV cache).")
+    vllm_tensor_parallel_size: int = _field(1, "colocate: GPUs per vLLM engine (must divide the number of processes).")
+    vllm_enable_sleep_mode: bool = _field(False, "colocate: free vLLM's memory between rollouts (slower wake-up).")
+    vllm_max_model_length: int | None = _field(None, "colocate: vLLM's context, prompt + response; None: the model's.")
+    vllm_model_impl: str = _field("vllm", "vLLM's model implementation: 'vllm' or 'transformers'.")
+    vllm_server_base_url: str | None = _field(None, "server: URL, e.g. http://localhost:8000 (overrides host, port).")
+    vllm_server_host: str = _field("0.0.0.0", "server: host.")
+    vllm_server_port: int = _field(8000, "server: port.")
+    vllm_server_timeout: float = _field(240.0, "server: seconds to wait for it to be up.")
+    vllm_group_port: int = _field(51216, "server: port of the weight-update group.")
     vllm_importance_sampling_correction: bool | None = _preset_field(
         "vllm_importance_sampling_correction",
         "With use_vllm: multiply each token's policy loss by the truncated importance weight min(π_HF / π_vLLM, "
         "`vllm_importance_sampling_clip_max`), correcting for vLLM sampling from a slightly different distribution "
         "than the HF forward (TRL GRPO's token_truncate).",
     )
-    vllm_importance_sampling_clip_max: float = field(
-        default=3.0, metadata={"help": "The cap C of the truncated importance weights (TRL GRPO's default)."}
-    )
+    vllm_importance_sampling_clip_max: float = _field(3.0, "Cap C of truncated importance weights, as in TRL GRPO.")
 
     def __post_init__(self) -> None:
         self._skip_critic_warmup_without_critic()
@@ -620,8 +496,8 @@ class PPOMaxConfig(TrainingArguments):
         self._validate_sampling_and_packing()
         if self.advantage_estimator not in advantages.ESTIMATORS:
             raise ValueError(
-                f"advantage_estimator must be one of {tuple(advantages.ESTIMATORS)}, got {self.advantage_estimator!r}; register "
-                "another in trl_ppomax.ppo.advantages.ESTIMATORS."
+                f"advantage_estimator must be one of {tuple(advantages.ESTIMATORS)}, got {self.advantage_estimator!r}; "
+                "register another in trl_ppomax.ppo.advantages.ESTIMATORS."
             )
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
@@ -750,13 +626,9 @@ class PPOMaxConfig(TrainingArguments):
 def render_field_docs(cls: type, base: type, always: tuple[str, ...] = ()) -> str:
     """The "Fields" section of a config's docstring, from each field's help text: the fields ``cls`` adds to
     ``base``, plus the ``always`` fields it re-defaults. Keeps the docstring and ``--help`` from drifting apart."""
-    lines = ["", f"    Fields (beyond ``{base.__name__}``):"]
-    inherited = {f.name for f in fields(base)}
-    for f in fields(cls):
-        if f.name in inherited and f.name not in always:
-            continue
-        lines.append(f"        {f.name}: {f.metadata.get('help', '')}")
-    return "\n".join(lines)
+    inherited = {f.name for f in fields(base)} - set(always)
+    lines = [f"        {f.name}: {f.metadata.get('help', '')}" for f in fields(cls) if f.name not in inherited]
+    return "\n".join(["", f"    Fields (beyond ``{base.__name__}``):", *lines])
 
 
 PPOMaxConfig.__doc__ = (PPOMaxConfig.__doc__ or "") + render_field_docs(

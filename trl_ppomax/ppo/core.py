@@ -3,8 +3,7 @@
 No trainer state lives here: every function takes tensors and plain numbers, returns new tensors and never edits its
 inputs. Shapes use ``B`` for the batch and ``T`` for the response width. A ``mask`` is 1 (or True) on real response
 tokens and 0 on padding. Cross-process statistics take an optional ``reduce`` callable that sums a tensor over all
-processes (for example ``lambda t: accelerator.reduce(t, "sum")``); ``None`` means a single process.
-"""
+processes (for example ``lambda t: accelerator.reduce(t, "sum")``); ``None`` means a single process."""
 
 from __future__ import annotations
 
@@ -19,20 +18,15 @@ KLEstimator = Literal["k1", "k2", "k3"]
 RewardNorm = Literal["none", "running", "scale"]
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 # -- Masked statistics -------------------------------------------------------------------------------------------------
 def masked_sum_and_count(
     x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ x·m, Σ m)`` over all elements (and over processes when ``reduce`` is given). Both are 0-d float64."""
-    reduce = reduce or _identity
     mask = torch.broadcast_to(mask, x.shape).bool()
     masked = torch.where(mask, x.to(torch.float64), 0.0)  # not x·m: inf or NaN on padding must not leak
     totals = torch.stack([masked.sum(), mask.sum().to(torch.float64)])
-    totals = reduce(totals)
+    totals = reduce(totals) if reduce is not None else totals
     return totals[0], totals[1]
 
 
@@ -43,10 +37,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = Non
 
 
 def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``Σ x·m / max(Σ m, 1)`` (0-d, dtype of ``x``): :func:`masked_mean` for a loss, except that an empty mask gives 0
-    with a zero gradient instead of NaN — a micro-batch whose samples were all dropped (non-finite rewards) then adds
-    nothing to the update instead of poisoning it. With ``loss_weights`` (B, T): ``Σ x·w·m``, the weights carrying the
-    normalisation (:func:`row_split_loss_weights`)."""
+    """``Σ x·m / max(Σ m, 1)`` (0-d, dtype of ``x``): an empty mask (all samples dropped) gives 0 with a zero gradient,
+    not NaN. With ``loss_weights`` (B, T): ``Σ x·w·m`` (:func:`row_split_loss_weights`)."""
     if loss_weights is not None:
         return masked_sum_and_count(x * loss_weights, mask)[0].to(x.dtype)
     total, count = masked_sum_and_count(x, mask)
@@ -65,34 +57,25 @@ def row_split_loss_weights(mask: torch.Tensor, rows_per_micro_batch: int) -> tor
 def masked_var(
     x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce | None = None
 ) -> torch.Tensor:
-    """Variance of ``x`` over masked positions, two-pass: ``Σ m·(x − μ)² / (n − 1)`` (``/ n`` when not unbiased).
-
-    Raises ``ValueError`` when ``unbiased`` and the mask holds fewer than two elements.
-    """
+    """Variance of ``x`` over masked positions, two-pass: ``Σ m·(x − μ)² / (n − 1)`` (``/ n`` when not unbiased);
+    ``ValueError`` when ``unbiased`` and the mask holds fewer than two elements."""
     mean = masked_mean(x, mask, reduce)
     sq_dev, count = masked_sum_and_count((x - mean) ** 2, mask, reduce)
-    if unbiased:
-        if count < 2:
-            raise ValueError(f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}.")
-        return (sq_dev / (count - 1)).to(x.dtype)
-    return (sq_dev / count).to(x.dtype)
+    if unbiased and count < 2:
+        raise ValueError(f"masked_var(unbiased=True) needs at least 2 masked elements, got {int(count)}.")
+    return (sq_dev / (count - 1 if unbiased else count)).to(x.dtype)
 
 
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce: Reduce | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the masked (global when ``reduce``) mean and unbiased variance.
-
-    With ``shift_mean=False`` the mean is added back afterwards: ``(x − μ) / sqrt(σ² + eps) + μ``. Masked-out positions are returned as 0. Shapes: any, ``mask`` broadcastable to ``x``.
-
-    With fewer than two masked elements (globally) there is no spread to divide by: the masked positions are returned
-    centred (0) with ``shift_mean``, else unchanged — e.g. a minibatch whose samples were all dropped for non-finite
-    rewards gives zeros instead of an error.
-    """
+    """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the masked (global when ``reduce``) mean and unbiased variance; with
+    ``shift_mean=False``, ``+ μ`` afterwards. Masked-out positions are 0. Shapes: any, ``mask`` broadcastable to ``x``.
+    With fewer than two masked elements (globally) there is no spread: masked positions come back centred (0) with
+    ``shift_mean``, else unchanged (an all-dropped minibatch gives zeros, not an error)."""
     total, count = masked_sum_and_count(x, mask, reduce)
     if count < 2:
-        kept = torch.broadcast_to(mask, x.shape).bool()
-        return torch.zeros_like(x) if shift_mean else torch.where(kept, x, torch.zeros_like(x))
+        return torch.zeros_like(x) if shift_mean else torch.where(torch.broadcast_to(mask, x.shape).bool(), x, 0)
     mean = (total / count).to(x.dtype)
     var = masked_var(x, mask, unbiased=True, reduce=reduce)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -107,14 +90,10 @@ class RunningMoments:
 
     Batches are merged with the parallel-variance formula (Chan et al.): for the stored ``(n, μ, M2)`` and a batch
     ``(n_b, μ_b, M2_b)``, ``δ = μ_b − μ``, ``n' = n + n_b``, ``μ' = μ + δ·n_b/n'``, ``M2' = M2 + M2_b + δ²·n·n_b/n'``;
-    ``std = sqrt(M2 / (n − 1))``. With ``reduce`` the batch moments are global over processes, so every rank holds the
-    same statistics as a single process that saw the union of the data.
-    """
+    ``std = sqrt(M2 / (n − 1))``. With ``reduce`` the batch moments are global, as one process seeing all data."""
 
     def __init__(self) -> None:
-        self.count = 0.0
-        self.mean = 0.0
-        self.m2 = 0.0
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
 
     @property
     def var(self) -> float:
@@ -155,10 +134,8 @@ class RunningMoments:
 
 # -- Log-probabilities, entropy, sequence lengths ----------------------------------------------------------------------
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32.
-
-    Rows are processed one at a time so only one ``(T, V)`` float32 copy exists at once.
-    """
+    """``log softmax(logits / temperature)[tokens]``: ``(B, T, V)``, ``(B, T)`` → ``(B, T)`` in float32, one row at a
+    time (one ``(T, V)`` float32 copy at once)."""
     rows = []
     for row_logits, row_tokens in zip(logits, tokens, strict=True):
         row_logits = row_logits.float() / temperature
@@ -178,10 +155,8 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
-    """Mask (B, T) of real response tokens: everything up to and including the first ``stop_token_id``.
-
-    With ``stop_token_id=None`` every token is real. Tokens after the stop token are not part of the response.
-    """
+    """Mask (B, T) of real response tokens: everything up to and including the first ``stop_token_id`` (every token
+    with ``stop_token_id=None``)."""
     if stop_token_id is None:
         return torch.ones_like(responses, dtype=torch.bool)
     is_stop = responses == stop_token_id
@@ -196,22 +171,16 @@ def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: i
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index (B,) of the last 1 in each row of a right-padded mask (B, T); 0 for an empty row."""
-    lengths = mask.long().sum(dim=1)
-    return (lengths - 1).clamp(min=0)
+    return (mask.long().sum(dim=1) - 1).clamp(min=0)
 
 
 # -- Reward shaping (§5.3.1, §5.3.2) -----------------------------------------------------------------------------------
 def normalize_scores(
     scores: torch.Tensor, mean: float, std: float, mode: RewardNorm, clip: float | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """Reparameterise sequence scores (B,) with historical moments, then clip (§5.3.1, eq. 18).
-
-    - ``"running"``: ``r̃ = (r − μ_hist) / (σ_hist + eps)`` (PPO-max);
-    - ``"scale"``: ``r̃ = r / (σ_hist + eps)`` (reward scaling, no mean shift);
-    - ``"none"``: ``r̃ = r``.
-
-    ``clip=δ`` then applies ``clip(r̃, −δ, δ)``; ``None`` leaves it unclipped.
-    """
+    """Reparameterise sequence scores (B,) with historical moments, then clip (§5.3.1, eq. 18): ``"running"``:
+    ``r̃ = (r − μ_hist) / (σ_hist + eps)`` (PPO-max); ``"scale"``: ``r̃ = r / (σ_hist + eps)`` (no mean shift);
+    ``"none"``: ``r̃ = r``. ``clip=δ`` then applies ``clip(r̃, −δ, δ)``; ``None`` leaves it unclipped."""
     scores = scores.clone()
     if mode == "running":
         scores = (scores - mean) / (std + eps)
@@ -225,8 +194,8 @@ def normalize_scores(
 
 
 def _median(values: torch.Tensor) -> torch.Tensor:
-    """The median of ``values`` (N,): the middle value, or the mean of the two middle values for an even N
-    (``torch.median`` takes the lower one); NaN when N is 0 or a value is NaN, as ``torch.median``."""
+    """The median of ``values`` (N,), the mean of the two middle values for an even N (``torch.median`` takes the
+    lower one); NaN when N is 0 or a value is NaN."""
     if values.numel() == 0 or values.isnan().any():
         return values.new_tensor(float("nan"))
     ordered = values.sort().values
@@ -235,9 +204,8 @@ def _median(values: torch.Tensor) -> torch.Tensor:
 
 
 def robust_location_scale(values: torch.Tensor) -> tuple[float, float]:
-    """``(median, 1.4826·MAD)`` of ``values`` (N,): a location and a scale that a few extreme values cannot move
-    (1.4826·MAD is σ for normal data). Both are true medians: for an even N the mean of the two middle values. When
-    more than half the values are equal (MAD = 0) the scale is their std."""
+    """``(median, 1.4826·MAD)`` of ``values`` (N,): a location and scale that a few extreme values cannot move
+    (1.4826·MAD is σ for normal data; true medians, :func:`_median`). With MAD = 0 the scale is the std."""
     values = values.detach().to(torch.float64).flatten()
     median = _median(values)
     scale = 1.4826 * _median((values - median).abs())
@@ -247,17 +215,14 @@ def robust_location_scale(values: torch.Tensor) -> tuple[float, float]:
 
 
 def winsorize(scores: torch.Tensor, center: float, scale: float, k: float) -> torch.Tensor:
-    """``clip(r, c − k·s, c + k·s)``: scores (B,) beyond ``k`` scales of the center set to the bound (winsorising).
-    Applied to the raw score before it enters the running moments, it keeps a few heavy-tailed scores from inflating
-    σ, which would shrink every ordinary normalised reward (beyond the paper: its clip acts after normalisation)."""
+    """``clip(r, c − k·s, c + k·s)`` of scores (B,) (winsorising). On the raw score, before the running moments, it
+    keeps heavy-tailed scores from inflating σ (beyond the paper: its clip acts after normalisation)."""
     return scores.clamp(center - k * scale, center + k * scale)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (http://joschu.net/blog/kl-approx.html), (B, T).
-
-    With ``r = log π_ref − log π_θ``: ``k1 = −r``, ``k2 = r²/2``, ``k3 = (eʳ − 1) − r``.
-    """
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (http://joschu.net/blog/kl-approx.html), (B, T):
+    with ``r = log π_ref − log π_θ``, ``k1 = −r``, ``k2 = r²/2``, ``k3 = (eʳ − 1) − r``."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
         return -logr
@@ -272,16 +237,12 @@ def token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level rewards (§5.3.2, eq. 19): ``r_t = −η·KL_t`` on every real token, plus the sequence score at the
-    **last real token** of each response (its stop token when it has one).
-
-    Shapes: ``scores`` (B,), ``kl`` and ``mask`` (B, T) right-padded. Returns ``(rewards, non_score_rewards)``, both
-    (B, T) and 0 on padding.
-    """
+    **last real token** of each response. Shapes: ``scores`` (B,), ``kl`` and ``mask`` (B, T) right-padded. Returns
+    ``(rewards, non_score_rewards)``, both (B, T) and 0 on padding."""
     mask = mask.to(kl.dtype)
     non_score = -kl_coef * kl * mask
-    last = last_token_index(mask)
     score_at_last = torch.zeros_like(non_score)
-    score_at_last[torch.arange(len(scores), device=scores.device), last] = scores.to(non_score.dtype)
+    score_at_last[torch.arange(len(scores), device=scores.device), last_token_index(mask)] = scores.to(non_score.dtype)
     return non_score + score_at_last * mask, non_score
 
 
@@ -289,12 +250,10 @@ def token_rewards(
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over right-padded responses, (B, T) each.
-
-    ``δ_t = r_t + γ·V_{t+1} − V_t`` and ``A_t = δ_t + γλ·A_{t+1}``, where ``V_{t+1}`` and ``A_{t+1}`` are 0 past the
-    last real token (no bootstrap past the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0. ``lam``
-    is one number or one per response, (B,) (:func:`length_adaptive_lam`).
-    """
+    """Generalised advantage estimation over right-padded responses, (B, T) each: ``δ_t = r_t + γ·V_{t+1} − V_t`` and
+    ``A_t = δ_t + γλ·A_{t+1}``, where ``V_{t+1}`` and ``A_{t+1}`` are 0 past the last real token (no bootstrap past
+    the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0. ``lam`` is one number or one per response,
+    (B,) (:func:`length_adaptive_lam`)."""
     mask = mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = lam.to(values.dtype) if torch.is_tensor(lam) else lam
@@ -313,9 +272,8 @@ def compute_gae(
 
 def length_adaptive_lam(mask: torch.Tensor, alpha: float) -> torch.Tensor:
     """The policy's GAE λ per response (B,) from its length ``l`` (real tokens of ``mask``, (B, T)):
-    ``λ = clip(1 − 1/(α·l), 0, 1)`` (VAPO, arXiv 2504.05118, "length-adaptive GAE"): long responses bootstrap less, so the TD errors
-    of every response carry a similar share of its score; ``α`` (0.05 there) sets the length at which λ reaches 0.5,
-    ``l = 2/α``. Responses of ``l ≤ 1/α`` get λ = 0 (one-step TD)."""
+    ``λ = clip(1 − 1/(α·l), 0, 1)`` (VAPO, arXiv 2504.05118, "length-adaptive GAE"): long responses bootstrap less.
+    λ = 0.5 at ``l = 2/α`` (α = 0.05 there); ``l ≤ 1/α`` gives λ = 0 (one-step TD)."""
     lengths = mask.sum(dim=1).to(torch.float32).clamp(min=1.0)
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
 
@@ -353,19 +311,13 @@ def normalize_advantages(
     return advantages * mask
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Losses (§3.2.3, App. B.3); each returns (loss, stats) with 0-d detached stats. An empty mask (every sample of the
-# micro-batch dropped) gives a zero loss with a zero gradient, and NaN stats.
-# --------------------------------------------------------------------------------------------------------------------
+# -- Losses (§3.2.3, App. B.3): (loss, 0-d detached stats); an empty mask gives a zero loss and gradient, NaN stats --
 def nucleus_threshold(probs: torch.Tensor, top_p: float, top_k: int | None = 256) -> torch.Tensor:
     """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). The nucleus is
-    every token with ``p ≥ τ``, where τ is the last of the sorted probabilities whose preceding mass is below
-    ``top_p``: the smallest set of most likely tokens whose mass reaches ``top_p`` (tokens tied with τ all kept).
+    every token with ``p ≥ τ``, τ the last sorted probability whose preceding mass is below ``top_p`` (ties kept).
 
-    Sorts only the ``top_k`` largest probabilities of a row (``topk``, O(V + k log k)) when the mass before the k-th
-    reaches ``top_p``, so that the nucleus lies inside them; rows where it does not are sorted whole, so the result is
-    the full sort's in every case (``top_k=None`` always sorts whole). Deciding that costs one host sync per call.
-    """
+    Sorts only the ``top_k`` largest of a row (O(V + k log k)) when the nucleus lies inside them, else the whole row,
+    so the result is always the full sort's (``top_k=None``: always whole); one host sync per call."""
     vocab = probs.shape[-1]
     k = vocab if top_k is None else min(top_k, vocab)
     threshold, inside = _last_kept(probs.topk(k, dim=-1).values, top_p)
@@ -420,14 +372,12 @@ def clipped_policy_loss(
     the weighted sum instead of the mean (:func:`row_split_loss_weights`).
 
     ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
-    tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``.
-    """
+    tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``."""
     logratio = logprobs - old_logprobs
     ratio = torch.exp(logratio)
     pg_losses = -advantages * ratio
     if cliprange is None:
-        pg_max = pg_losses
-        clipped = torch.zeros_like(pg_losses)
+        pg_max, clipped = pg_losses, torch.zeros_like(pg_losses)
     else:
         pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
         pg_max = torch.max(pg_losses, pg_losses_clipped)
@@ -451,16 +401,12 @@ def clipped_value_loss(
     cliprange_value: float | None,
     loss_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped critic loss: masked mean (or ``loss_weights`` sum) of ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) −
-    R)²)``.
-
-    ``cliprange_value=None`` gives ``½·(V − R)²``. Inputs (B, T). Stats: ``clipfrac``, ``values`` and ``error``
-    (the unclipped mean squared error ``mean((V − R)²)``).
-    """
+    """Clipped critic loss: masked mean (or ``loss_weights`` sum) of
+    ``½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²)``; ``cliprange_value=None`` gives ``½·(V − R)²``.
+    Inputs (B, T). Stats: ``clipfrac``, ``values`` and ``error`` (unclipped ``mean((V − R)²)``)."""
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
-        worst = unclipped
-        clipped = torch.zeros_like(unclipped)
+        worst, clipped = unclipped, torch.zeros_like(unclipped)
     else:
         values_clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
         clipped_losses = (values_clipped - returns) ** 2
@@ -479,16 +425,11 @@ def clipped_value_loss(
 def entropy_loss(
     entropy: torch.Tensor, mask: torch.Tensor, target: float | None = None, loss_weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Entropy regulariser to be *added* to the loss (App. B.3), from per-token entropy (B, T).
-
-    ``target=None``: the plain bonus ``−mean(H)`` (maximises entropy; ``−Σ w·H`` with ``loss_weights``).
-    ``target=H*``: the release's clipped form ``|mean(H) − H*|``, which pulls entropy towards ``H*`` instead of growing
-    it without bound (not a per-token sum: no ``loss_weights``).
-    """
+    """Entropy regulariser to be *added* to the loss (App. B.3), from per-token entropy (B, T). ``target=None``: the
+    plain bonus ``−mean(H)`` (``−Σ w·H`` with ``loss_weights``). ``target=H*``: the release's clipped form
+    ``|mean(H) − H*|``, pulling entropy towards ``H*`` instead of growing it without bound (no ``loss_weights``)."""
     if target is not None and loss_weights is not None:
-        raise ValueError(
-            "entropy_loss: the entropy target |mean(H) − H*| cannot be split into per-token loss weights."
-        )
+        raise ValueError("entropy_loss: an entropy target |mean(H) − H*| cannot be split into per-token weights.")
     mean_entropy = _masked_loss_mean(entropy, mask, loss_weights)
     loss = -mean_entropy if target is None else (mean_entropy - target).abs()
     return loss, {"entropy": masked_mean(entropy.detach(), mask)}
@@ -499,8 +440,7 @@ def lm_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token cross-entropy (PPO-ptx §3.2.3 eq. 17; the reward model's imitation loss §3.1 eq. 2): logits
     (B, L, V) at position ``i`` predict ``labels[:, i+1]``; ``mask`` (B, L) marks the label tokens that count.
-    Stats: ``perplexity`` = ``exp(loss)`` and ``accuracy`` (share of label tokens that are the argmax).
-    """
+    Stats: ``perplexity`` = ``exp(loss)`` and ``accuracy`` (share of label tokens that are the argmax)."""
     logprobs = logprobs_from_logits(logits[:, :-1], labels[:, 1:])
     loss = -masked_mean(logprobs, mask[:, 1:])
     with torch.no_grad():

@@ -19,12 +19,10 @@ from trl_ppomax.rewards import decode_texts
 
 
 class EvaluationMixin:
-    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it).
-
-    The contract with the trainer (besides ``transformers.Trainer``'s own attributes), its public hooks only:
-    ``rollout_rows(dataset, rows, sampling, scores_only)`` → :class:`~trl_ppomax.ppo.experience.Rollout`,
-    ``experience_maker`` (``shape_scores``, ``response_metrics``) and ``reduce_sum``; it changes nothing but the log
-    and the callbacks' control."""
+    """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it). Besides
+    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout_rows(dataset, rows,
+    sampling, scores_only)`` → :class:`~trl_ppomax.ppo.experience.Rollout`, ``experience_maker`` (``shape_scores``,
+    ``response_metrics``) and ``reduce_sum``; it changes nothing but the log and the callbacks' control."""
 
     @torch.no_grad()
     def evaluate(
@@ -33,16 +31,14 @@ class EvaluationMixin:
         ignore_keys=None,
         metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
-        """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the mean
-        raw and normalised reward, KL, perplexity of policy and reference, and response length (``eval_…``). The
-        torch random state is restored afterwards, so evaluating does not change what training samples next. A
-        dataset passed here is prepared as the training prompts are (tokenized, cut to the same prompt budget, ids
-        checked); a dict of datasets (here or the trainer's) is evaluated one by one, logged as
+        """Generate on every evaluation prompt (greedy, or sampled with ``eval_do_sample``) and report the means of the
+        per-response metrics (``eval_…``); torch's random state is restored afterwards. A dataset passed here is
+        prepared as the training prompts are; a dict of datasets (here or the trainer's) is evaluated one by one as
         ``eval_<name>_<metric>``; a name (as the Trainer passes it) picks one of the trainer's datasets."""
-        datasets = self.eval_dataset if eval_dataset is None else eval_dataset
-        if isinstance(datasets, dict):
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, dict):
             metrics = {}
-            for name, part in datasets.items():  # the trainer's own datasets by name: they are prepared already
+            for name, part in dataset.items():  # the trainer's own datasets by name: they are prepared already
                 part = name if eval_dataset is None else part
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
@@ -52,20 +48,13 @@ class EvaluationMixin:
             dataset = self.eval_dataset[eval_dataset]
         elif eval_dataset is not None:
             dataset = prepare_eval_prompts(self, eval_dataset)
-        else:
-            dataset = self.eval_dataset
         if not isinstance(dataset, Dataset):
             raise ValueError("evaluate() needs an eval_dataset of prompts, passed here or to the trainer.")
         with self._own_random_stream():
             totals = self._evaluation_sums(dataset)
-        names = list(totals)
-        sums = self.reduce_sum(torch.stack([totals[n] for n in names]))
-        count = sums[names.index("count")]
-        metrics = {
-            M.eval_name(n, metric_key_prefix): (v / count).item()
-            for n, v in zip(names, sums, strict=True)
-            if n != "count"
-        }
+        sums = dict(zip(totals, self.reduce_sum(torch.stack(list(totals.values()))), strict=True))
+        count = sums.pop("count")
+        metrics = {M.eval_name(name, metric_key_prefix): (value / count).item() for name, value in sums.items()}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -75,20 +64,14 @@ class EvaluationMixin:
         device, chunk = self.accelerator.device, self.args.local_rollout_forward_batch_size
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         rows, weights = rows_of_this_process(len(dataset), self.accelerator)
-        bar = tqdm(
-            total=len(rows),
-            desc="Evaluating",
-            unit="prompt",
-            leave=False,
-            disable=self.args.disable_tqdm or not self.accelerator.is_local_main_process or len(rows) <= chunk,
-        )
+        quiet = self.args.disable_tqdm or not self.accelerator.is_local_main_process or len(rows) <= chunk
+        bar = tqdm(total=len(rows), desc="Evaluating", unit="prompt", leave=False, disable=quiet)
+        maker = self.experience_maker
         for start in range(0, len(rows), chunk):
             bar.update(len(rows[start : start + chunk]))
             rollout = self.rollout_rows(dataset, rows[start : start + chunk], self.args.eval_do_sample)
             weight = torch.tensor(weights[start : start + chunk], device=device)
-            for name, values in self.experience_maker.response_metrics(
-                rollout, *self.experience_maker.shape_scores(rollout)
-            ).items():
+            for name, values in maker.response_metrics(rollout, *maker.shape_scores(rollout)).items():
                 totals[name] += (values.float() * weight).sum()
             totals["count"] += weight.sum()
         bar.close()
@@ -105,16 +88,13 @@ class EvaluationMixin:
         tokenizer = self.processing_class
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
-        rows = [
-            {"query": q, "response": r, "score": s}
-            for q, r, s in zip(queries, responses, rollout.scores.tolist(), strict=True)
-        ]
+        rows = zip(queries, responses, rollout.scores.tolist(), strict=True)
+        rows = [{"query": q, "response": r, "score": s} for q, r, s in rows]
         rows = [row for part in gather_object([rows]) for row in part]
         if self.accelerator.is_main_process:
             scores = {"score": [row["score"] for row in rows]}
             queries, responses = [row["query"] for row in rows], [row["response"] for row in rows]
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
-            # to wandb / trackio / TensorBoard (as text), when reported to
             log_table(self.args, "completions", rows, self.state.global_step, self.callback_handler.callbacks)
         return rows
 

@@ -1,9 +1,5 @@
-"""Rollouts and experience: the tensors one rollout batch produces, and phase 2 of an iteration that turns them into
-training targets (:class:`ExperienceMaker`).
-
-Sequences are laid out as ``[query (left-padded, width L) | response (right-padded, width T)]``; how logits, values
-and scores are read from that layout is in :mod:`trl_ppomax.models`.
-"""
+"""The tensors of one rollout batch, and phase 2, which turns them into training targets (:class:`ExperienceMaker`).
+Sequences are ``[query (left-padded, width L) | response (right-padded, width T)]`` (see ``trl_ppomax.models``)."""
 
 from __future__ import annotations
 
@@ -77,14 +73,11 @@ class Experience:
 
 # -- Non-finite samples: the experience phase's guard ------------------------------------------------------------------
 def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Tensor, int, str | None]:
-    """Mask out the samples whose score is NaN (a reward function's None) or ±inf: their response mask is zeroed and their score, log-probs and
-    values set to 0, so that they add nothing to the running reward moments, advantages, losses or metrics.
-
-    Returns ``(rollout, keep, dropped, problem)``: ``keep`` (B,) marks the samples kept on this process, ``dropped``
-    counts the samples dropped on every process, and ``problem`` says why the whole batch must be skipped — no finite
-    score left on any process, or a non-finite log-prob or value — else None. One reduction; ``dropped`` and
-    ``problem`` are the same on every process.
-    """
+    """Mask out the samples whose score is NaN (a reward function's None) or ±inf: response mask, score, log-probs
+    and values zeroed, so they add nothing to the reward moments, advantages, losses or metrics. Returns ``(rollout,
+    keep, dropped, problem)``: ``keep`` (B,) marks this process's kept samples, ``dropped`` counts the samples dropped
+    on every process, ``problem`` says why the whole batch must be skipped (no finite score left, or a non-finite
+    log-prob or value), else None. One reduction; ``dropped`` and ``problem`` agree on every process."""
     keep = torch.isfinite(rollout.scores)
     checked = {"policy log-probs": rollout.logprobs, "reference log-probs": rollout.ref_logprobs}
     checked["values"] = rollout.values
@@ -98,14 +91,10 @@ def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Te
         logger.warning("Dropped %d of %d samples from the batch: their rewards were None, NaN or inf.", dropped, total)
     if problem is None and not keep.all():
         row = keep[:, None]
-        zero_rows = {name: torch.where(row, getattr(rollout, name), 0.0) for name in ("logprobs", "ref_logprobs")}
-        rollout = dataclasses.replace(
-            rollout,
-            **zero_rows,
-            values=torch.where(row, rollout.values, 0.0),
-            scores=torch.where(keep, rollout.scores, 0.0),
-            response_mask=rollout.response_mask * row.to(rollout.response_mask.dtype),
-        )
+        zeroed = {f: torch.where(row, getattr(rollout, f), 0.0) for f in ("logprobs", "ref_logprobs", "values")}
+        mask = rollout.response_mask * row.to(rollout.response_mask.dtype)
+        scores = torch.where(keep, rollout.scores, 0.0)
+        rollout = dataclasses.replace(rollout, **zeroed, scores=scores, response_mask=mask)
     return rollout, keep, dropped, problem
 
 
@@ -128,15 +117,13 @@ def process_sum(accelerator) -> Reduce:
 
 
 class ExperienceMaker:
-    """Phase 2, rewards and advantages (§5.3): the scores normalised and clipped with the running moments
-    (``ppo_state.running_reward``), the token-level KL penalty, the ``advantage_estimator``'s advantages and returns
-    (:mod:`~trl_ppomax.ppo.advantages`), whitened over the batch, and the rollout's metrics. ``rollout_metrics``: the
-    user's per-response measurements; ``stop_id``: the token the length metrics look for."""
+    """Phase 2, rewards and advantages (§5.3): scores normalised and clipped with the running moments, the token KL
+    penalty, the ``advantage_estimator``'s advantages and returns (:mod:`~trl_ppomax.ppo.advantages`), whitened, and
+    the rollout's metrics (``rollout_metrics``: the user's; ``stop_id``: the token the length metrics look for)."""
 
     def __init__(self, args, ppo_state, accelerator, tokenizer, reward_sources, rollout_metrics, stop_id) -> None:
         self.args, self.ppo_state, self.gather = args, ppo_state, accelerator.gather
-        self.reduce = process_sum(accelerator)
-        self.reward_sources, self.tokenizer = reward_sources, tokenizer
+        self.reduce, self.reward_sources, self.tokenizer = process_sum(accelerator), reward_sources, tokenizer
         self.rollout_metrics, self.stop_id = rollout_metrics, stop_id
 
     def make(self, rollout: Rollout, step: int) -> tuple[Experience | None, dict[str, float], str | None]:
@@ -174,23 +161,19 @@ class ExperienceMaker:
 
     def winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The raw scores (B,), with ``reward_winsorize`` k clipped to μ ± k·σ of the moments; while those are empty,
-        to the kept batch's median ± k·1.4826·MAD over every process when ``keep`` is given (the batch that seeds
-        them), else left as they are."""
+        to the kept batch's global median ± k·1.4826·MAD when ``keep`` is given, else unchanged."""
         moments, k = self.ppo_state.running_reward, self.args.reward_winsorize
-        if k is None:
+        if k is None or (keep is None and moments.count <= 1):
             return scores
         if moments.count > 1:
             return core.winsorize(scores, moments.mean, moments.std, k)
-        if keep is None:
-            return scores
         center, scale = core.robust_location_scale(kept_gather(keep, self.gather)(scores))
         return core.winsorize(scores, center, scale, k)
 
     def whitened(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Advantages whitened (``whiten_advantages``) and clipped (``advantage_clip``) over every process's rows."""
-        return core.normalize_advantages(
-            advantages, mask, self.args.whiten_advantages, self.args.advantage_clip, self.reduce
-        )
+        args = self.args
+        return core.normalize_advantages(advantages, mask, args.whiten_advantages, args.advantage_clip, self.reduce)
 
     def response_metrics(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-response monitoring values (B,): the user's ``rollout_metrics`` and :data:`metrics.PER_RESPONSE`."""
@@ -201,8 +184,7 @@ class ExperienceMaker:
         }
 
     def _moments_frozen(self, step: int) -> bool:
-        """With ``reward_norm_freeze``: the moments stop learning after the first ``max(critic_warmup_steps, 1)``
-        iterations, whose samples come from the starting policy."""
+        """With ``reward_norm_freeze`` only the first ``max(critic_warmup_steps, 1)`` iterations update the moments."""
         return bool(self.args.reward_norm_freeze) and step >= max(self.args.critic_warmup_steps, 1)
 
     def _estimate(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor):
@@ -224,8 +206,7 @@ class ExperienceMaker:
             metrics.pop(M.VALUES)
         if isinstance(estimate.lam_policy, torch.Tensor):
             metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], self.reduce)
-        if self.args.num_samples_per_prompt > 1:
-            n = self.args.num_samples_per_prompt
+        if (n := self.args.num_samples_per_prompt) > 1:
             metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, self.reduce)
         if self.args.reward_winsorize is not None:
             clipped = self.winsorized(rollout.scores) != rollout.scores

@@ -1,11 +1,10 @@
-"""Every metric name trl-ppomax logs, in one place.
-
-The trainer logs them; :class:`~trl_ppomax.CollapseMonitor`, plotting, the toy world and the benchmarks read them
-through these constants, so a rename cannot leave a reader behind (a test checks it). Evaluation adds the ``eval_``
-prefix (:func:`eval_name`). The glossary is the "Metrics" section of docs/reference.md.
-"""
+"""Every metric name trl-ppomax logs, in one place: the trainer logs them and every reader (the monitor, plotting, the
+toy world, the benchmarks) uses these constants, so a rename cannot leave a reader behind (a test checks it).
+Evaluation adds the ``eval_`` prefix (:func:`eval_name`). Glossary: the "Metrics" section of docs/reference.md."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -78,27 +77,15 @@ VLLM_GENERATION_SECONDS = "vllm/generation_seconds"
 COLLAPSE_ANY = "collapse/any"
 
 # ---- not logged by the trainer itself ----------------------------------------------------------------------------------
-# A known gold reward passed as a ``rollout_metrics`` entry under this name (the toy world does) is logged as such (and
-# as eval_<name>) like any rollout metric; plotting draws it on its own panel when present.
-GOLD_REWARD = "gold/reward"
-# Logged by trl_ppomax.judging.WinRateCallback (the paper's Fig. 4): the share of fixed prompts on which the policy's
-# answer beats the SFT model's, by the trainer's reward model or a scoring judge (ties and losses beside it).
+GOLD_REWARD = "gold/reward"  # a known gold reward passed as this ``rollout_metrics`` entry (the toy world does)
+# By trl_ppomax.judging.WinRateCallback (Fig. 4): share of fixed prompts where the policy's answer beats the SFT's
 WIN_RATE_VS_SFT = "eval/win_rate_vs_sft"
 TIE_RATE_VS_SFT = "eval/tie_rate_vs_sft"
 LOSE_RATE_VS_SFT = "eval/lose_rate_vs_sft"
 
 #: Logged by the trainer for every rollout batch (and, with the eval_ prefix, by evaluate()).
-PER_RESPONSE = (
-    KL,
-    NON_SCORE_REWARD,
-    RLHF_REWARD,
-    SCORES,
-    SCORES_NORMALIZED,
-    POLICY_PERPLEXITY,
-    REF_PERPLEXITY,
-    RESPONSE_LENGTH,
-    STOP_TOKEN_MISSING,
-)
+PER_RESPONSE = (KL, NON_SCORE_REWARD, RLHF_REWARD, SCORES, SCORES_NORMALIZED, POLICY_PERPLEXITY, REF_PERPLEXITY)
+PER_RESPONSE += (RESPONSE_LENGTH, STOP_TOKEN_MISSING)
 
 
 def eval_name(name: str, prefix: str = "eval") -> str:
@@ -106,7 +93,7 @@ def eval_name(name: str, prefix: str = "eval") -> str:
     return f"{prefix}_{name}"
 
 
-# -- Computing them (injected cross-process reductions: ``reduce`` sums a tensor over processes, ``gather`` concatenates) ----
+# -- Computing them (``reduce`` sums a tensor over processes, ``gather`` concatenates) --------------------------------
 def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
     """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the
     normalised scores, ``kl`` (B, T) the per-token KL."""
@@ -161,8 +148,6 @@ def within_prompt_std(scores: torch.Tensor, keep: torch.Tensor, samples_per_prom
 
 def schedule_metrics(state, lr_scheduler, start: tuple[float, int]) -> dict[str, float]:
     """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
-    import time
-
     lrs = lr_scheduler.get_last_lr()
     metrics = {
         EPISODE: float(state.episode),

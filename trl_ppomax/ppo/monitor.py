@@ -1,9 +1,6 @@
-"""Early warning of pattern collapse (PPO-max §5.2, Fig. 4) from the metrics the trainer logs.
-
-A rising reward does not mean the policy is getting better: an over-optimised policy learns to cheat the reward
-model. :class:`CollapseMonitor` watches the paper's early-warning signals on every training log and warns (and, if
-asked, stops the run) before the collapse has spoiled many checkpoints.
-"""
+"""Early warning of pattern collapse (PPO-max §5.2, Fig. 4) from the metrics the trainer logs: an over-optimised
+policy cheats the reward model while the reward rises; :class:`CollapseMonitor` warns (and, if asked, stops the run)
+before the collapse has spoiled many checkpoints."""
 
 from __future__ import annotations
 
@@ -33,41 +30,29 @@ class CollapseMonitor(TrainerCallback, ExportableState):
     """Warn when the training metrics show the early signs of pattern collapse (PPO-max §5.2).
 
     Only training logs are watched: a log without ``objective/kl`` (an evaluation log, the end-of-training summary)
-    is ignored. The first ``warmup_logs`` training logs set the reference values (the mean of each metric over
-    them); nothing is checked before. From then on every training log is checked against these thresholds:
+    is ignored. The first ``warmup_logs`` (3) training logs set the reference values (the mean of each metric over
+    them); nothing is checked before. From then on each signal holds on a training log when (defaults in brackets):
 
-    ===============  ========================  =========  ==================================================
-    signal           argument                  default    holds when
-    ===============  ========================  =========  ==================================================
-    ``kl``           ``max_kl``                ``20.0``   ``objective/kl`` (mean per-response KL sum, nats)
-                                                          is above it, **or**
-    ``kl``           ``max_kl_rise``           ``5.0``    ``objective/kl`` rose by more than it (nats)
-                     ``window``                ``5``      over the last ``window`` logs
-    ``perplexity``   ``min_perplexity_ratio``  ``0.5``    ``policy/perplexity`` < ratio × reference
-    ``length``       ``max_length_ratio``      ``2.0``    ``response/length`` > ratio × reference, **or**
-    ``length``       ``min_length_ratio``      ``0.5``    ``response/length`` < ratio × reference
-    ``reward_tail``  ``max_tail_ratio``        ``3.0``    tail = ``objective/scores_p95 − objective/scores``
-                                                          > ratio × max(reference tail, 1e-6), **and**
-    ``reward_tail``  ``min_tail_growth``       ``0.5``    tail − reference tail > it (reward units; guards
-                                                          against a reference tail near zero)
-    (all)            ``patience``              ``2``      a signal fires once it holds on this many
-                                                          consecutive training logs
-    (all)            ``warmup_logs``           ``3``      training logs averaged into the reference values
-    (all)            ``stop_training``         ``False``  stop the run when a signal fires
-    ===============  ========================  =========  ==================================================
+    - ``kl``: ``objective/kl`` (mean per-response KL sum, nats) > ``max_kl`` (20.0), or it rose by more than
+      ``max_kl_rise`` (5.0) over the last ``window`` (5) logs;
+    - ``perplexity``: ``policy/perplexity`` < ``min_perplexity_ratio`` (0.5) × reference;
+    - ``length``: ``response/length`` > ``max_length_ratio`` (2.0) × reference, or < ``min_length_ratio`` (0.5) × it;
+    - ``reward_tail``: tail = ``objective/scores_p95 − objective/scores`` > ``max_tail_ratio`` (3.0) × max(reference
+      tail, 1e-6), and tail − reference tail > ``min_tail_growth`` (0.5, reward units: guards a tail near zero).
 
-    When a signal fires, the monitor logs a warning (the signal, its value, the threshold, what to do), appends
+    A signal fires once it holds on ``patience`` (2) consecutive training logs; ``stop_training`` (False) then stops
+    the run.
+
+    When a signal fires, the monitor logs a warning (signal, value, threshold, what to do), appends
     ``{"step", "signal", "value", "threshold", "since_step", "message"}`` to :attr:`events` (``since_step``: the first
     log of the streak), sets :attr:`last_healthy_checkpoint` on the first event (the newest ``checkpoint-N`` in
-    ``args.output_dir`` with ``N < since_step``, or None) and, with ``stop_training``, stops the run.
+    ``args.output_dir`` with ``N < since_step``, or None) and, with ``stop_training``, stops the run. A signal stays
+    active, without a new event, while it keeps holding.
 
-    A signal stays active, without a new event, while it keeps holding. After the warm-up every training log gains
-    ``collapse/any`` (1.0 while any signal is active, else 0.0) and ``collapse/<signal> = 1.0`` per active signal, in
-    the ``logs`` dict (seen by the callbacks after the monitor) and in ``state.log_history``; :meth:`attach` puts the
-    monitor before the ``report_to`` integrations so that they report these keys too.
-
-    State (:meth:`state_dict`, ``ExportableState``'s :meth:`state`) is kept in ``state.stateful_callbacks`` at every
-    log, so checkpoints carry it and a resumed run restores it, keeping its own thresholds.
+    After the warm-up every training log (``logs`` and ``state.log_history``) gains ``collapse/any`` (1.0 while any
+    signal is active, else 0.0) and ``collapse/<signal> = 1.0`` per active signal; :meth:`attach` puts the monitor
+    before the ``report_to`` integrations so that they report these keys too. Its state is kept in
+    ``state.stateful_callbacks`` at every log, so checkpoints carry it and a resume restores it (thresholds kept).
 
     Example::
 
@@ -102,13 +87,9 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         for name, value in (("window", window), ("patience", patience), ("warmup_logs", warmup_logs)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        for name, value in (
-            ("max_kl", max_kl),
-            ("max_kl_rise", max_kl_rise),
-            ("min_perplexity_ratio", min_perplexity_ratio),
-            ("max_length_ratio", max_length_ratio),
-            ("max_tail_ratio", max_tail_ratio),
-        ):
+        positive = dict(max_kl=max_kl, max_kl_rise=max_kl_rise, min_perplexity_ratio=min_perplexity_ratio)
+        positive.update(max_length_ratio=max_length_ratio, max_tail_ratio=max_tail_ratio)
+        for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}.")
         if not 0 <= min_length_ratio < max_length_ratio:
@@ -158,8 +139,7 @@ class CollapseMonitor(TrainerCallback, ExportableState):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; the thresholds of this instance are kept."""
-        unknown = set(state_dict) - set(self._STATE_KEYS)
-        if unknown:
+        if unknown := set(state_dict) - set(self._STATE_KEYS):
             raise KeyError(f"Unknown CollapseMonitor state keys: {sorted(unknown)}.")
         for key, value in state_dict.items():
             setattr(self, key, copy.deepcopy(value))
@@ -173,9 +153,7 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         if state.global_step > 0 and self._logs_seen == 0 and isinstance(stored, dict) and "attributes" in stored:
             self.load_state_dict(stored["attributes"])
             logger.info(
-                "CollapseMonitor: restored %d logs of history and %d event(s) from the checkpoint.",
-                self._logs_seen,
-                len(self.events),
+                "CollapseMonitor restored %d logs, %d event(s) from checkpoint.", self._logs_seen, len(self.events)
             )
         self._export(state)
 
@@ -192,9 +170,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         if self.reference is None:
             for name, value in zip(REFERENCE_METRICS, (perplexity, length, tail), strict=True):
                 if value is not None:
-                    total = self._warmup.setdefault(name, [0.0, 0])
-                    total[0] += value
-                    total[1] += 1
+                    total, count = self._warmup.get(name, [0.0, 0])
+                    self._warmup[name] = [total + value, count + 1]
             if self._logs_seen >= self.warmup_logs:
                 self.reference = {
                     name: (self._warmup[name][0] / self._warmup[name][1] if name in self._warmup else None)
@@ -269,10 +246,8 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         threshold = max(self.max_tail_ratio * max(reference, 1e-6), reference + self.min_tail_growth)
         if tail <= threshold:
             return None
-        formula = (
-            f"{self._formula('max_tail_ratio', reference)}, and at least min_tail_growth {self.min_tail_growth:g}"
-        )
-        description = f"{metrics.SCORES_P95} − {metrics.SCORES} = {tail:.4g} > {threshold:.4g} ({formula} above it)"
+        formula = f"{self._formula('max_tail_ratio', reference)}, min_tail_growth {self.min_tail_growth:g} above it"
+        description = f"{metrics.SCORES_P95} − {metrics.SCORES} = {tail:.4g} > {threshold:.4g} ({formula})"
         return tail, threshold, f"{description}: a long tail of high rewards"
 
     def _fire(self, signal: str, value: float, threshold: float, description: str, args, state, control) -> None:

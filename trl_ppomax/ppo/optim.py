@@ -20,16 +20,15 @@ def param_groups(wrapper: nn.Module, decay: set[str], args) -> list[dict]:
     per model (own learning rate, §5.4; optional own Adam ``eps``, as the release's 1e-6 / 1e-8) and per decay or not
     (``decay`` = the parameter names that get weight decay)."""
     learning_rates = {"policy": args.learning_rate, "critic": args.effective_critic_learning_rate}
-    eps = {"critic": args.critic_adam_epsilon} if args.critic_adam_epsilon is not None else {}
-    weight_decay = args.weight_decay
     groups = []
     for model in MODELS:
         named = [(n, p) for n, p in wrapper.named_parameters() if n.startswith(f"{model}.") and p.requires_grad]
+        eps = {"eps": args.critic_adam_epsilon} if model == "critic" and args.critic_adam_epsilon is not None else {}
         for with_decay in (True, False):
             params = [p for n, p in named if (n in decay) == with_decay]
             if params:
-                group = {"params": params, "lr": learning_rates[model], "weight_decay": weight_decay * with_decay}
-                groups.append({**group, "model": model, **({"eps": eps[model]} if model in eps else {})})
+                group = {"params": params, "lr": learning_rates[model], "weight_decay": args.weight_decay * with_decay}
+                groups.append({**group, "model": model, **eps})
     return groups
 
 
@@ -102,10 +101,8 @@ def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):
     if not (args.critic_warmup_steps and isinstance(scheduler, LambdaLR)):
         return scheduler
     critic_steps = args.critic_warmup_steps * args.num_ppo_epochs * args.num_mini_batches
-    warmup_steps = args.get_warmup_steps(num_training_steps)
-    return after_critic_warmup(
-        scheduler, critic_steps, warmup_steps, replace_lr_warmup=args.critic_warmup_replaces_lr_warmup
-    )
+    warmup = args.get_warmup_steps(num_training_steps)
+    return after_critic_warmup(scheduler, critic_steps, warmup, args.critic_warmup_replaces_lr_warmup)
 
 
 def after_critic_warmup(

@@ -1,9 +1,7 @@
-"""Phase 1, second half: **score** what the generation engine wrote (a rollout is generate → score).
-
-The no-grad forwards of a rollout batch, in micro-batches (:func:`~trl_ppomax.ppo.batching.forward_groups`): the
-policy's and the reference's log-probs (the policy gathered under ZeRO-3, the critic left sharded), then the critic's
-values and the reward sources' scores, minus the missing-stop-token penalty. The same for every engine.
-"""
+"""Phase 1, second half: **score** what the generation engine wrote (a rollout is generate → score), the same for
+every engine: no-grad forwards in micro-batches (:func:`~trl_ppomax.ppo.batching.forward_groups`) of the policy's and
+reference's log-probs (the policy gathered under ZeRO-3, the critic left sharded), then the critic's values and the
+reward sources' scores, minus the missing-stop-token penalty."""
 
 from __future__ import annotations
 
@@ -18,10 +16,9 @@ from trl_ppomax.ppo.experience import Rollout, merge_rollouts, take_rows
 
 
 class Scorer:
-    """Scores rollouts for one trainer: ``args`` (a :class:`~trl_ppomax.PPOMaxConfig`), the ``accelerator``, the
-    policy's ``tokenizer``, the :class:`~trl_ppomax.rewards.RewardSources`, the prepared ``ref_model`` (None: the PEFT
-    policy with its adapter off), the ``generation`` engine (its ``importance_weights`` when it has its own sampler)
-    and the token the missing-stop-token penalty looks for (``stop_id``)."""
+    """Scores rollouts for one trainer: the prepared ``ref_model`` (None: the PEFT policy with its adapter off), the
+    ``generation`` engine (its ``importance_weights`` when it has its own sampler) and ``stop_id``, the token the
+    missing-stop-token penalty looks for."""
 
     def __init__(self, args, accelerator, tokenizer, reward_sources, ref_model, generation, stop_id: int) -> None:
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
@@ -52,50 +49,38 @@ class Scorer:
         temperature = self.args.effective_logprob_temperature
         policy_logits = models.response_logits(wrapper.policy, inputs, width)
         logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
-        weights = (  # an engine with its own sampler (vLLM): the gap to the policy's forward, corrected if configured
-            None
-            if sampler_logprobs is None
-            else self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
-        )
+        weights = None
+        if sampler_logprobs is not None:  # an engine with its own sampler (vLLM): the gap to the policy's forward
+            weights = self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             ref_logits = models.response_logits(reference, inputs, width)
             ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
-        return dict(
-            query_ids=query_ids,
-            query_mask=query_mask,
-            response_ids=responses,
-            response_mask=mask,
-            logprobs=logprobs,
-            ref_logprobs=ref_logprobs,
-            policy_perplexity=policy_perplexity,
-            ref_perplexity=ref_perplexity,
-            sampling_weights=weights,
-        )
+        fields = dict(query_ids=query_ids, query_mask=query_mask, response_ids=responses, response_mask=mask)
+        fields.update(logprobs=logprobs, ref_logprobs=ref_logprobs, sampling_weights=weights)
+        return dict(fields, policy_perplexity=policy_perplexity, ref_perplexity=ref_perplexity)
 
     def _values_and_rewards(self, critic: nn.Module | None, fields: dict, columns: dict) -> Rollout:
         responses, mask = fields["response_ids"], fields["response_mask"]
         query_ids, query_mask = forward_queries(fields["query_ids"], fields["query_mask"], self.args)
         inputs = models.sequence_inputs(query_ids, query_mask, responses, mask)
-        scores, source_scores = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
+        scores, source_scores = self._scores(inputs, query_mask, responses, mask, columns)
         if critic is None:  # a critic-free estimator
             values = torch.zeros_like(fields["logprobs"])
         else:
             values = models.token_values(critic, inputs, mask.shape[1]) * mask
+        return Rollout(**fields, source_scores=source_scores, values=values, scores=scores)
+
+    def _scores(self, inputs: dict, query_mask, responses, mask, columns) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward sources' scores (B,) after the missing-stop-token penalty, and each source's (B, S)."""
+        scores, source_scores = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
         penalty = self.args.missing_eos_penalty
-        return Rollout(
-            **fields,
-            source_scores=source_scores,
-            values=values,
-            scores=rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty),
-        )
+        return rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty), source_scores
 
     def sample_scores(self, query_ids, query_mask, responses, mask, columns) -> Rollout:
         """Responses and their scores alone (after the missing-stop-token penalty), for sample tables: a
         :class:`Rollout` without the log-prob and value forwards (those fields are None)."""
         inputs = models.sequence_inputs(query_ids, query_mask, responses, mask)
-        scores, _ = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
-        penalty = self.args.missing_eos_penalty
-        scores = rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty)
+        scores, _ = self._scores(inputs, query_mask, responses, mask, columns)
         unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
         return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
 

@@ -1,14 +1,6 @@
 """Set-up of :class:`~trl_ppomax.PPOMaxTrainer` (:func:`set_up`) and the checks of its inputs, run before anything
-expensive.
-
-Every fault visible in the arguments fails here, naming the argument and the fix, instead of as an ``IndexError`` deep
-in the first rollout or as silently wrong training (numeric settings: ``PPOMaxConfig._validate``).
-
-- :func:`check_inputs`: types, missing arguments, ptx dataset, tokenizer, stop token; loads models given as paths.
-- :func:`check_model_arguments`: none passed twice, one PEFT wrapping, no reference beside a PEFT policy.
-- :func:`prepare_and_check`: with the models built: vocabulary sizes, stop token id, score heads, prompt datasets
-  (prepared, ids checked against the policy's vocabulary), ``metric_for_best_model``.
-"""
+expensive: every fault visible in the arguments fails here, naming the argument and the fix, not as an ``IndexError``
+in the first rollout or as silently wrong training (numeric settings: ``PPOMaxConfig._validate``)."""
 
 from __future__ import annotations
 
@@ -29,13 +21,9 @@ from trl_ppomax.ppo.config import PPOMaxConfig
 
 logger = logging.getLogger(__name__)
 
+_CAUSAL_LM, _SCORER = (AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1})
 #: How a model argument given as a path or Hub id is loaded.
-MODEL_LOADERS = {
-    "model": (AutoModelForCausalLM, {}),
-    "ref_model": (AutoModelForCausalLM, {}),
-    "reward_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
-    "value_model": (AutoModelForSequenceClassification, {"num_labels": 1}),
-}
+MODEL_LOADERS = {"model": _CAUSAL_LM, "ref_model": _CAUSAL_LM, "reward_model": _SCORER, "value_model": _SCORER}
 
 _MISSING = {
     "model": "pass the policy to train: a causal LM (AutoModelForCausalLM.from_pretrained(...)) or its path / Hub id",
@@ -48,17 +36,15 @@ _MISSING = {
 
 def check_inputs(
     args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None
-) -> tuple:
+) -> tuple[object, dict]:
     """Check the constructor's arguments (``models``: ``model``, ``ref_model``, ``reward_model``, ``value_model`` as
-    passed) and load those given as paths. Returns ``(processing_class, model, ref_model, reward_model, value_model)``;
-    the tokenizer is loaded from ``model``'s path when ``processing_class`` is None."""
+    passed) and load those given as paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is
+    loaded from ``model``'s path when ``processing_class`` is None."""
     if not isinstance(args, PPOMaxConfig):
         raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
-    for name, value in (("model", models["model"]), ("reward_model", models["reward_model"])):
-        if value is None:
+    for name, value in {**models, "train_dataset": train_dataset}.items():
+        if name in _MISSING and value is None:
             raise ValueError(f"{name} is None: {_MISSING[name]}.")
-    if train_dataset is None:
-        raise ValueError(f"train_dataset is None: {_MISSING['train_dataset']}.")
     for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
         _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
@@ -80,7 +66,7 @@ def check_inputs(
     check_model_arguments(loaded, peft_config)
     for name in ("model", "ref_model"):
         check_generates(name, loaded[name])
-    return processing_class, loaded["model"], loaded["ref_model"], loaded["reward_model"], loaded["value_model"]
+    return processing_class, loaded
 
 
 def check_model_arguments(models: dict, peft_config=None) -> None:
@@ -102,8 +88,7 @@ def check_model_arguments(models: dict, peft_config=None) -> None:
 
 
 def check_generates(name: str, model) -> None:
-    """The policy (``model``) and its reference must be causal LMs: the rollout calls ``generate`` and reads the
-    next-token logits; a sequence classifier (a reward model passed as the policy) would fail there."""
+    """The policy (``model``) and its reference must be causal LMs with ``generate`` (not, e.g., a reward model)."""
     if model is None:
         return
     base = model.get_base_model() if modeling.is_peft(model) else model
@@ -140,7 +125,7 @@ def load_model(name: str, value):
 
 def check_model_path(name: str, value) -> None:
     """A ``FileNotFoundError`` naming the argument when ``value`` is meant as a local path (a ``Path``, or a string
-    :func:`~trl_ppomax.data.sources.looks_local` says is one) that does not exist: a typo, not a Hub id to look up."""
+    :func:`~trl_ppomax.data.sources.looks_local` says is one) that does not exist."""
     if not _is_path(value):
         return
     text = os.fspath(value)
@@ -148,9 +133,8 @@ def check_model_path(name: str, value) -> None:
     path = os.path.expanduser(text)
     if local and not os.path.exists(path):
         raise FileNotFoundError(
-            f"{name}={text!r} could not be loaded: the local path {os.path.abspath(path)} does not exist (no such "
-            "file or folder). Fix the path (relative paths start from the current folder, "
-            f"{os.getcwd()}); a Hub model is named 'org/name'."
+            f"{name}={text!r} could not be loaded: the local path {os.path.abspath(path)} does not exist. Fix the "
+            f"path (relative paths start from the current folder, {os.getcwd()}); a Hub model is named 'org/name'."
         )
 
 
@@ -181,9 +165,8 @@ def _check_stop_token(args, tokenizer) -> None:
         )
     if args.missing_eos_penalty is not None and args.stop_token_id is None and tokenizer.eos_token_id is None:
         raise ValueError(
-            f"missing_eos_penalty={args.missing_eos_penalty} needs a stop token, but stop_token_id is None and the "
-            "tokenizer has no eos token, so every response would be penalised. Set stop_token_id, or "
-            "missing_eos_penalty=None."
+            f"missing_eos_penalty={args.missing_eos_penalty} needs a stop token, but there is none (no stop_token_id, "
+            "no eos token): every response would be penalised. Set stop_token_id, or missing_eos_penalty=None."
         )
 
 
@@ -192,21 +175,17 @@ def prepare_and_check(
     args, tokenizer, built: dict[str, nn.Module | None], stop_token_id, train_dataset, eval_dataset, rollout_metrics
 ) -> tuple[Dataset, Dataset | dict[str, Dataset] | None]:
     """Check the built models (``built``: ``policy``, ``ref_model``, ``reward_model``, ``value_model``, the last
-    being the critic) and the stop token id, prepare the prompt datasets (:func:`data.prompt_preparer`) and check
-    their ids and ``metric_for_best_model``. Returns the prepared ``(train_dataset, eval_dataset)``."""
+    being the critic) and the stop token id, prepare the prompt datasets and check ``metric_for_best_model``.
+    Returns the prepared ``(train_dataset, eval_dataset)``."""
     policy = built["policy"]
     check_vocabularies(tokenizer, built)
     check_stop_token_id(stop_token_id, tokenizer, embedding_size(policy))
     for name, module in built.items():  # reward_model (reward_model[i] for several sources) and value_model
         if name.startswith(("reward_model", "value_model")) and isinstance(module, nn.Module):
             modeling.backbone_and_head(module)  # raises, naming the fix, for a model without a score head
-    prepare = data.prompt_preparer(args, tokenizer, policy)
-    vocab = embedding_size(policy)
 
     def prepared(dataset: Dataset, name: str) -> Dataset:
-        dataset = prepare(dataset, name=name)
-        check_prompt_ids(dataset, vocab, name)
-        return dataset
+        return prepared_prompts(args, tokenizer, policy, dataset, name)
 
     train_dataset = prepared(train_dataset, "train_dataset")
     if isinstance(eval_dataset, dict):
@@ -218,14 +197,18 @@ def prepare_and_check(
     return train_dataset, eval_dataset
 
 
-def prepare_eval_prompts(trainer, dataset: Dataset, name: str = "eval_dataset") -> Dataset:
-    """A dataset passed to ``evaluate()`` prepared exactly as the training prompts: tokenized, cut to the same prompt
-    budget, its ids checked."""
-    _check_dataset_type(name, dataset)
-    policy = trainer.accelerator.unwrap_model(trainer.model).policy
-    dataset = data.prompt_preparer(trainer.args, trainer.processing_class, policy)(dataset, name=name)
+def prepared_prompts(args, tokenizer, policy, dataset: Dataset, name: str) -> Dataset:
+    """A prompt dataset tokenized and cut to the prompt budget (:func:`data.prompt_preparer`), its ids checked."""
+    dataset = data.prompt_preparer(args, tokenizer, policy)(dataset, name=name)
     check_prompt_ids(dataset, embedding_size(policy), name)
     return dataset
+
+
+def prepare_eval_prompts(trainer, dataset: Dataset, name: str = "eval_dataset") -> Dataset:
+    """A dataset passed to ``evaluate()`` prepared exactly as the training prompts (:func:`prepared_prompts`)."""
+    _check_dataset_type(name, dataset)
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    return prepared_prompts(trainer.args, trainer.processing_class, policy, dataset, name)
 
 
 def embedding_size(model) -> int | None:
@@ -247,8 +230,8 @@ def embedding_size(model) -> int | None:
 
 
 def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
-    """Every model must read every id the policy can generate or the tokenizer can produce; the pad id must be one
-    the policy can read (padding is embedded too). Reward models with their own tokenizer are not in ``built``."""
+    """Every model must read every id the policy can generate or the tokenizer can produce, the policy the pad id
+    too. Reward models with their own tokenizer are not in ``built``."""
     policy_size, tokens = embedding_size(built["policy"]), len(tokenizer)
     if policy_size is not None and tokenizer.pad_token_id >= policy_size:
         raise ValueError(
@@ -259,9 +242,8 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
     if policy_size is not None and policy_size < tokens:  # not blamed on the reference, a copy when ref_model=None
         raise ValueError(
             f"The policy (model) has an embedding for {policy_size} token ids, fewer than the tokenizer's "
-            f"(processing_class) {tokens} tokens: prompts can hold ids up to {tokens - 1}, which the policy cannot "
-            "read (nor its reference, a copy of it when ref_model=None). Pass the policy's own tokenizer as "
-            f"processing_class, or resize the policy after adding tokens: model.resize_token_embeddings({tokens})."
+            f"(processing_class) {tokens} tokens: prompts can hold ids up to {tokens - 1}, which it cannot read. "
+            f"Pass the policy's tokenizer as processing_class, or resize it: model.resize_token_embeddings({tokens})."
         )
     for name in [name for name in built if name != "policy"]:
         size = embedding_size(built.get(name))
@@ -275,13 +257,11 @@ def check_vocabularies(tokenizer, built: dict[str, nn.Module | None]) -> None:
             )
         if size is not None and policy_size is not None and size < policy_size:
             logger.warning(
-                "%s reads %d token ids, the policy's embedding has %d rows (padded past the tokenizer's %d tokens, as "
-                "e.g. Qwen's are): should the policy ever sample one of the padding ids, %s cannot read it.",
+                "%s reads %d token ids, the policy's embedding has %d rows (padded past the tokenizer's tokens, as "
+                "e.g. Qwen's are): should the policy ever sample one of the padding ids, it cannot read it.",
                 name,
                 size,
                 policy_size,
-                tokens,
-                name,
             )
 
 
@@ -292,9 +272,8 @@ TOKENIZER_PROBE = "The quick brown fox paid 12.50 for 3 naïve cafés; 你好, w
 def own_tokenizer(model: nn.Module):
     """The tokenizer saved beside ``model`` (the local folder it was loaded from), or None."""
     folder = getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not folder or not os.path.isdir(folder):
-        return None
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    files = ("tokenizer.json", "tokenizer_config.json")
+    if not folder or not any(os.path.isfile(os.path.join(folder, file)) for file in files):
         return None
     try:
         return AutoTokenizer.from_pretrained(folder)
@@ -303,18 +282,16 @@ def own_tokenizer(model: nn.Module):
 
 
 def special_tokens(tokenizer) -> set[str]:
-    """The tokens ``tokenizer`` treats as special: its named ones (pad, eos, ...) and every added special token."""
+    """The tokens ``tokenizer`` treats as special: named ones (pad, eos, ...) and added special tokens."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return set(tokenizer.all_special_tokens) | {token.content for token in added.values() if token.special}
 
 
 def tokenizer_mismatch(own, tokenizer) -> str | None:
-    """Why a model's ``own`` tokenizer is not the policy's ``tokenizer``, or None when they are the same.
-
-    They are the same when every id both have stands for the same token, and :data:`TOKENIZER_PROBE` becomes the same
-    ids. Ids only one of them has are extensions (a ``[PAD]`` added after the model was saved, the MOSS role tokens):
-    whether the model can read them is a question of its embedding size, checked apart. Two special tokens at one id
-    (``[PAD]`` and ``<pad>``) agree: both are markers the models only see masked or at the end."""
+    """Why a model's ``own`` tokenizer is not the policy's ``tokenizer``, or None when they are the same: every id both
+    have stands for the same token, and :data:`TOKENIZER_PROBE` becomes the same ids. Ids only one has are extensions
+    (a ``[PAD]`` added later, the MOSS role tokens; the embedding size check covers them). Two special tokens at one
+    id (``[PAD]`` and ``<pad>``) agree: the models only see them masked or at the end."""
     by_id = {i: token for token, i in tokenizer.get_vocab().items()}
     ours, theirs = special_tokens(tokenizer), special_tokens(own)
     conflicts = sorted(
@@ -335,30 +312,29 @@ def tokenizer_mismatch(own, tokenizer) -> str | None:
 
 
 def check_same_tokenizer(name: str, model, tokenizer, size: int | None, policy_size: int | None) -> None:
-    """A model that reads the policy's token ids must have been built for the policy's tokenizer: its own tokenizer
-    (saved beside it) must not differ from the policy's (:func:`tokenizer_mismatch`); without one, an embedding larger
-    than the policy's means another tokenizer. Else it would score the policy's ids as its own words."""
+    """A model that reads the policy's token ids must be built for the policy's tokenizer: its own tokenizer (saved
+    beside it) must match (:func:`tokenizer_mismatch`); without one, an embedding larger than the policy's means
+    another tokenizer."""
     if not isinstance(model, nn.Module):
         return
     own = own_tokenizer(model)
     fix = (
-        "pass its tokenizer, reward_processing_classes=[...] with one entry per reward source, so that the texts are "
+        "Pass its tokenizer, reward_processing_classes=[...] with one entry per reward source, so that the texts are "
         "re-tokenized for it"
         if name.startswith("reward_model")
-        else f"use a {name} built on the policy's tokenizer"
+        else f"Use a {name} built on the policy's tokenizer"
     )
     mismatch = tokenizer_mismatch(own, tokenizer) if own is not None else None
     if mismatch:
         raise ValueError(
             f"{name} comes with another tokenizer ({own.name_or_path}: {len(own)} tokens; the policy's has "
-            f"{len(tokenizer)}): {mismatch}, so it would read the policy's token ids as other words. "
-            f"{fix[0].upper() + fix[1:]}."
+            f"{len(tokenizer)}): {mismatch}, so it would read the policy's token ids as other words. {fix}."
         )
     if own is None and size is not None and policy_size is not None and size > policy_size:
         raise ValueError(
             f"{name} reads {size} token ids, more than the policy's {policy_size}: it was built for another "
-            f"tokenizer, and would read the policy's token ids as its own words. {fix[0].upper() + fix[1:]}; if it "
-            f"does share the policy's tokenizer, resize it: {name}.resize_token_embeddings({policy_size})."
+            f"tokenizer, and would read the policy's token ids as its own words. {fix}; if it does share the "
+            f"policy's tokenizer, resize it: {name}.resize_token_embeddings({policy_size})."
         )
 
 
@@ -389,8 +365,7 @@ def check_prompt_ids(dataset: Dataset, vocab_size: int | None, name: str) -> Non
     raise ValueError(
         f"{name} holds input_ids outside the policy's vocabulary [0, {vocab_size}): they range from {low} to {high} "
         f"(the first such row: {row}). They were tokenized with another tokenizer or hold a placeholder such as -100. "
-        "Tokenize the prompts with this trainer's processing_class, or pass a 'prompt' column and let the trainer "
-        "tokenize it."
+        "Tokenize the prompts with this trainer's processing_class, or pass a 'prompt' column instead."
     )
 
 
@@ -402,8 +377,7 @@ def evaluation_metric_names(eval_dataset, rollout_metrics) -> list[str]:
 
 
 def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_metrics) -> None:
-    """``metric_for_best_model`` must be one that ``evaluate()`` logs, or the first evaluation fails (in the
-    Trainer's ``_determine_best_metric``), hours into the run."""
+    """``metric_for_best_model`` must be one that ``evaluate()`` logs, or the first evaluation fails, hours in."""
     if metric_for_best_model is None:
         return
     key = metric_for_best_model if metric_for_best_model.startswith("eval_") else f"eval_{metric_for_best_model}"
@@ -415,14 +389,13 @@ def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_m
     raise ValueError(
         f"metric_for_best_model={metric_for_best_model!r} is never logged: evaluate() reports no {key!r}, so choosing "
         f"the best model would fail at the first evaluation. {hint}evaluate() logs: {', '.join(logged)}. Set "
-        "metric_for_best_model to one of them (the 'eval_' prefix is optional), e.g. 'objective/scores' for the mean "
-        "reward."
+        "metric_for_best_model to one of them (the 'eval_' prefix is optional), e.g. 'objective/scores' (mean reward)."
     )
 
 
 def check_engine(fsdp_enabled: bool, distributed_type) -> None:
     """Warn when the launcher asked for FSDP but the trainer runs without it: accelerate (1.x) enables FSDP only on
-    GPU-type process groups, so on CPU processes the FSDP settings are silently dropped and the run is plain DDP."""
+    GPU-type process groups, silently running plain DDP on CPU."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp_enabled:
         logger.warning(
             "FSDP was requested (ACCELERATE_USE_FSDP=true) but is not active: accelerate enables it only on GPU "
@@ -450,31 +423,27 @@ class Setup:
 
 
 def set_up(args, tokenizer, passed: dict, datasets: tuple, peft_config, reward_processing_classes, rollout_metrics):
-    """:class:`~trl_ppomax.PPOMaxTrainer`'s set-up: its arguments checked (:func:`check_inputs`; ``passed``: the
-    model arguments by name, ``datasets``: train, eval and ptx), the policy, reference and critic built (no critic for
-    an ``advantage_estimator`` that needs none), then the built models and the prepared prompt datasets checked
-    (:func:`prepare_and_check`)."""
-    train_dataset, eval_dataset, ptx_dataset = datasets
-    tokenizer, model, ref_model, reward_model, value_model = check_inputs(
-        args, tokenizer, passed, train_dataset, eval_dataset, ptx_dataset, peft_config
-    )
+    """:class:`~trl_ppomax.PPOMaxTrainer`'s set-up: arguments checked (:func:`check_inputs`; ``passed``: the model
+    arguments by name, ``datasets``: train, eval and ptx), policy, reference and critic (if needed) built, then
+    checked with the prepared prompt datasets (:func:`prepare_and_check`)."""
+    train_dataset, eval_dataset, _ = datasets
+    tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config)
+    model, ref_model, value_model = loaded["model"], loaded["ref_model"], loaded["value_model"]
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-    sources = rewards.RewardSources(reward_model, reward_processing_classes, args.reward_weights)
+    sources = rewards.RewardSources(loaded["reward_model"], reward_processing_classes, args.reward_weights)
     if not args.uses_critic and value_model is not None:
         raise ValueError(
             f"value_model was passed, but advantage_estimator={args.advantage_estimator!r} needs no critic and builds "
             "none: pass value_model=None, or an estimator with a critic (advantage_estimator='gae')."
         )
     critic_source = sources.critic_source(value_model) if args.uses_critic else None
-    policy, reference, critic = modeling.build_models(args, model, ref_model, critic_source, value_model, peft_config)
+    policy, ref, critic = modeling.build_models(args, model, ref_model, critic_source, value_model, peft_config)
     # The models the user passed, by argument name: a reference or critic copied for None is not theirs to blame
-    built = dict(policy=policy, ref_model=reference if ref_model is not None else None)
+    built = dict(policy=policy, ref_model=ref if ref_model is not None else None)
     built.update(sources.shared_vocabulary_models(), value_model=critic if value_model is not None else None)
     train_dataset, eval_dataset = prepare_and_check(
         args, tokenizer, built, stop_token_id, train_dataset, eval_dataset, rollout_metrics
     )
     stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     first = critic_source if critic_source is not None else sources.sources[0]
-    return Setup(
-        tokenizer, policy, reference, critic, sources, first, train_dataset, eval_dataset, stop_token_id, stop_id
-    )
+    return Setup(tokenizer, policy, ref, critic, sources, first, train_dataset, eval_dataset, stop_token_id, stop_id)

@@ -36,10 +36,9 @@ class PPOState:
         self.ptx_batches_used = state["ptx_batches_used"]
 
     def count_iteration(self, problem: str | None, iteration: int, last_iteration: int, limit: int) -> None:
-        """Count ``iteration``: skipped because of ``problem``, or trained when ``problem`` is None, which ends a run of
-        skips. Raises ``RuntimeError`` at the ``limit``-th skip in a row (``max_skipped_iterations``), or when
-        ``last_iteration`` ends a run in which every iteration was skipped: either would otherwise end "successfully"
-        with an untrained model."""
+        """Count ``iteration``: skipped because of ``problem``, or trained (``problem`` None, ending a run of skips).
+        Raises ``RuntimeError`` at the ``limit``-th skip in a row, or when ``last_iteration`` ends a run in which every
+        iteration was skipped: either would otherwise end "successfully" with an untrained model."""
         counters = self.counters
         if problem is None:
             counters[M.SKIPPED_IN_A_ROW] = 0
@@ -63,15 +62,14 @@ class PPOState:
             return
         raise RuntimeError(
             f"Stopped at iteration {iteration}: {what}; the last had {problem}. Check the reward function or model "
-            "(None, NaN or inf scores), the learning rate and mixed precision (non-finite log-probs or values), then resume from "
-            "the last checkpoint; or raise max_skipped_iterations."
+            "(None, NaN or inf scores), the learning rate and mixed precision (non-finite log-probs or values), then "
+            "resume from the last checkpoint; or raise max_skipped_iterations."
         )
 
 
 def start_trainer_state(state, args, episodes_per_epoch: int) -> None:
-    """A fresh ``TrainerState`` for a run of ``args.num_total_batches`` iterations (a resume then loads the saved one):
-    counters at 0, and ``logging_steps``/``eval_steps``/``save_steps`` given as a fraction (< 1) of the run made
-    whole, as the Trainer does."""
+    """A fresh ``TrainerState`` for a run of ``args.num_total_batches`` iterations: counters at 0, and
+    ``logging_steps``/``eval_steps``/``save_steps`` given as a fraction (< 1) of the run made whole, as the Trainer does."""
     state.max_steps = args.num_total_batches
     state.num_train_epochs = args.total_episodes / episodes_per_epoch
     state.global_step, state.episode, state.epoch = 0, 0, 0.0

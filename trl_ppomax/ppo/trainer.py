@@ -109,10 +109,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
-        # The rollout's first half, generation: the policy's generate, or vLLM (generation/)
+        # The phases' collaborators: generation (the policy's generate, or vLLM), scoring, experience
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
-        # Its second half, scoring, then the experience phase (scoring.py, experience.py)
         accelerator, sources, stop_id = self.accelerator, self.reward_sources, self.stop_id
         self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, self.generation, stop_id)
         metrics, state = dict(rollout_metrics or {}), self.ppo_state
@@ -158,10 +157,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if isinstance(self.ref_model, nn.Module):
             self.ref_model = models.prepare_frozen(self.ref_model, self.accelerator)
         self.reward_sources.prepare(lambda module: models.prepare_frozen(module, self.accelerator))
-        datasets = (self.train_dataset, self.ptx_dataset, self.processing_class)
-        self.prompt_batches, self.ptx_batches = data.batch_streams(
-            *datasets, self.args, self.accelerator, self.data_collator
-        )
+        streams = (self.train_dataset, self.ptx_dataset, self.processing_class, self.args, self.accelerator)
+        self.prompt_batches, self.ptx_batches = data.batch_streams(*streams, self.data_collator)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """AdamW (or ``args.optim``) with separate learning rates for the policy and the critic (§5.4)."""
@@ -214,9 +211,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
         """One PPO-max iteration on rollout batch ``iteration`` (§3.2): rollout (generate → score), experience (shape
-        rewards, advantages), update; returns the metrics to log. A batch that cannot train (no finite reward left, a
-        non-finite value, log-prob or advantage, every optimizer step skipped) is skipped and counted
-        (:meth:`PPOState.count_iteration`)."""
+        rewards, advantages), update; returns the metrics to log. A batch that cannot train (no finite reward, a
+        non-finite number, every optimizer step skipped) is skipped and counted (:meth:`PPOState.count_iteration`)."""
         args = self.args
         batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
         n = args.num_samples_per_prompt
@@ -231,7 +227,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
         """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new
-        policy; returns the update's metrics and why nothing trained (every optimizer step skipped), else None."""
+        policy; returns the update's metrics and why nothing trained, else None."""
         args, skipped = self.args, self.ppo_state.counters[M.SKIPPED_UPDATES]
         metrics = self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps)
         steps, problem = args.num_ppo_epochs * args.num_mini_batches, None
@@ -244,8 +240,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         return metrics, problem
 
     def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: tuple[float, int]) -> None:
-        """Log the mean of each metric since the last log (with the current counters and learning rates), then
-        evaluate, print samples and save as the callbacks ask."""
+        """Log each metric's mean since the last log, then evaluate, print samples and save as the callbacks ask."""
         if self.control.should_log or iteration == self.num_total_batches:
             means = {name: sum(values) / len(values) for name, values in pending.items()}
             self.log({**means, **M.schedule_metrics(self.state, self.lr_scheduler, start)})
@@ -259,10 +254,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self._save_if_asked()
 
     def _evaluate_initial_policy(self) -> None:
-        """Step 0 of a fresh run that evaluates during training (``eval_strategy`` not "no", or ``eval_on_start``):
-        evaluate the initial policy before its first update, as the paper's release does. It is the first candidate
-        for the best model, kept as ``checkpoint-0`` when the best model must be loadable (``load_best_model_at_end``
-        or ``save_strategy="best"``)."""
+        """Step 0 of a fresh run that evaluates (``eval_strategy`` not "no", or ``eval_on_start``), as the paper's
+        release does: the first best-model candidate, kept as ``checkpoint-0`` when the best model must be loadable."""
         args = self.args
         if args.eval_strategy == IntervalStrategy.NO and not args.eval_on_start:
             return
@@ -281,10 +274,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     def rollout(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
     ) -> Rollout:
-        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded prompt
-        with the generation engine, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`: policy and reference
-        log-probs with only the policy gathered under ZeRO-3, then the critic's values and the rewards, given the
-        dataset's other ``columns`` of these prompts). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
+        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded
+        prompt, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for
+        the reward functions). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
         n, args = samples_per_prompt, self.args
         self.model.eval()
         with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
@@ -300,8 +292,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     @torch.no_grad()
     def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
-        """Responses to left-padded prompts and their scores (after the missing-stop-token penalty), for sample tables:
-        a :class:`Rollout` without the log-prob and value forwards of :meth:`rollout` (those fields are None)."""
+        """Responses to left-padded prompts and their scores, for sample tables: a :class:`Rollout` without the
+        log-prob and value forwards of :meth:`rollout` (those fields are None)."""
         self.model.eval()
         with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
             with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
@@ -321,9 +313,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # -- Phase 2: rewards and advantages ---------------------------------------------------------------------------------
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[Experience | None, dict[str, float], str | None]:
-        """Shape rewards (normalise + clip, token KL) and estimate advantages and returns (§5.3;
-        ``advantage_estimator``) with :class:`~trl_ppomax.ppo.experience.ExperienceMaker`. Returns ``(experience,
-        metrics, None)``, or ``(None, {}, why)`` on every process when the batch must be skipped."""
+        """Shape rewards, estimate advantages and returns (§5.3, :class:`~trl_ppomax.ppo.experience.ExperienceMaker`):
+        ``(experience, metrics, None)``, or ``(None, {}, why)`` on every process when the batch must be skipped."""
         return self.experience_maker.make(rollout, self.state.global_step)
 
     # -- Phase 3: PPO update ---------------------------------------------------------------------------------------------
@@ -347,19 +338,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self, experience: Experience, minibatch: torch.Tensor, critic_only: bool, log_entropy: bool = True
     ) -> list[dict[str, torch.Tensor]]:
         """Forward and backward of one minibatch's micro-batches
-        (:func:`~trl_ppomax.ppo.batching.update_micro_batches`: ``per_device_train_batch_size`` rows, or packed under
-        ``max_tokens_per_microbatch`` with the row split's loss weights, which leaves the gradients unchanged).
-        Returns each micro-batch's stats."""
-        engine_divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else None
-        micro_batches = batching.update_micro_batches(
-            experience.rollout, minibatch, self.args, self.accelerator, engine_divisor
-        )
+        (:func:`~trl_ppomax.ppo.batching.update_micro_batches`); returns each micro-batch's stats."""
+        divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else None
+        batches = batching.update_micro_batches(experience.rollout, minibatch, self.args, self.accelerator, divisor)
 
         def loss_of(rows, loss_weights):
             return self.micro_batch_loss(experience, rows, critic_only, loss_weights, log_entropy)
 
         steps = self.args.gradient_accumulation_steps
-        return update.accumulate(micro_batches, loss_of, self.model_wrapped, self.accelerator, steps)
+        return update.accumulate(batches, loss_of, self.model_wrapped, self.accelerator, steps)
 
     def micro_batch_loss(
         self,
@@ -369,8 +356,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         loss_weights: torch.Tensor | None = None,
         log_entropy: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO-max loss of micro-batch ``index`` (:func:`~trl_ppomax.ppo.update.micro_batch_loss`), with the next
-        pre-training batch when ``ptx_coef > 0``."""
+        """PPO-max loss of micro-batch ``index`` (:func:`~trl_ppomax.ppo.update.micro_batch_loss`), ptx included."""
         ptx = self._next_ptx_batch() if self.ptx_batches is not None else None
         model, args = self.model_wrapped, self.args
         return update.micro_batch_loss(model, experience, index, critic_only, args, ptx, loss_weights, log_entropy)

@@ -1,6 +1,5 @@
 """Phase 3 of an iteration, the PPO update (§3.2): ``num_ppo_epochs`` passes over the rollout in ``num_mini_batches``
-optimizer steps, each accumulated over micro-batches, and the PPO-max loss of one micro-batch (the maths is in
-:mod:`~trl_ppomax.ppo.core`)."""
+optimizer steps, each accumulated over micro-batches, and the PPO-max loss of one micro-batch (maths in ``core``)."""
 
 from __future__ import annotations
 
@@ -79,26 +78,18 @@ def micro_batch_loss(
     ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
     logits, values, ptx_logits = model(inputs, width, ptx_inputs=ptx_inputs)
     logprobs, entropy = _logprobs_and_entropy(logits, responses, args, log_entropy)
-    target = dict(
-        old_logprobs=experience.old_logprobs[rows, :width],
-        advantages=experience.advantages[rows, :width],
-        returns=experience.returns[rows, :width],
-        old_values=rollout.values[:, :width],
-        sampling_weights=None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width],
-    )
-    policy_loss, stats = _policy_terms(logprobs, entropy, target, mask, weights, args)
+    old, advantages = experience.old_logprobs[rows, :width], experience.advantages[rows, :width]
+    sampling = None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width]
+    policy_loss, stats = _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args)
     if ptx_logits is not None:
         ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
         policy_loss = policy_loss + args.ptx_coef * ptx_loss
         stats.update({M.PTX_LOSS: ptx_loss.detach(), M.PTX_PERPLEXITY: ptx_stats["perplexity"]})
     if values is None:  # a critic-free estimator: the policy alone
         return policy_loss, stats
-    vf_loss, vf_stats = core.clipped_value_loss(
-        values, target["old_values"], target["returns"], mask, args.cliprange_value, weights
-    )
-    stats.update(
-        {M.VALUE_LOSS: vf_loss.detach(), M.VF_CLIPFRAC: vf_stats["clipfrac"], M.VALUE_ERROR: vf_stats["error"]}
-    )
+    old_values, returns = rollout.values[:, :width], experience.returns[rows, :width]
+    vf_loss, vf_stats = core.clipped_value_loss(values, old_values, returns, mask, args.cliprange_value, weights)
+    stats |= {M.VALUE_LOSS: vf_loss.detach(), M.VF_CLIPFRAC: vf_stats["clipfrac"], M.VALUE_ERROR: vf_stats["error"]}
     return (0.0 if critic_only else 1.0) * policy_loss + args.vf_coef * vf_loss, stats
 
 
@@ -113,24 +104,12 @@ def _logprobs_and_entropy(logits, responses, args, log_entropy: bool):
     return selective_log_softmax(logits, responses, temperature=temperature), None
 
 
-def _policy_terms(logprobs, entropy, target: dict, mask, weights, args) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate (+ entropy_coef · the entropy term) and their stats."""
-    pg_loss, pg_stats = core.clipped_policy_loss(
-        logprobs,
-        target["old_logprobs"],
-        target["advantages"],
-        mask,
-        args.cliprange,
-        target["sampling_weights"],
-        weights,
-    )
-    stats = {
-        M.POLICY_LOSS: pg_loss.detach(),
-        M.CLIPFRAC: pg_stats["clipfrac"],
-        M.APPROXKL: pg_stats["approxkl"],
-        M.RATIO: pg_stats["ratio"],
-        M.RATIO_VAR: pg_stats["ratio_var"],
-    }
+def _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate (+ entropy_coef · the entropy term) and their stats; ``old``: log π_old, ``sampling``:
+    the truncated importance weights of the sampler (or None)."""
+    pg_loss, pg_stats = core.clipped_policy_loss(logprobs, old, advantages, mask, args.cliprange, sampling, weights)
+    logged = {M.CLIPFRAC: "clipfrac", M.APPROXKL: "approxkl", M.RATIO: "ratio", M.RATIO_VAR: "ratio_var"}
+    stats = {M.POLICY_LOSS: pg_loss.detach(), **{name: pg_stats[key] for name, key in logged.items()}}
     if entropy is None:
         return pg_loss, stats
     entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target, weights)

@@ -1,13 +1,13 @@
 """Model cards, Hub metadata and pushing a model folder (``trl-ppomax push``).
 
-Every card is drawn by :func:`render_card`: :func:`create_model_card` is the card ``PPOMaxTrainer`` (and
-``PPOMaxRewardTrainer``) write, :func:`model_card` the generic card of a model folder trained with trl-ppomax, and
-:mod:`trl_ppomax.moss.card` the card of converted MOSS-RLHF models; :func:`push_folder` uploads a folder and its card
-in one commit. Nothing here is specific to MOSS-RLHF.
+Every card is drawn by :func:`render_card`: :func:`create_model_card` for the trainers, :func:`model_card` for a
+model folder, :mod:`trl_ppomax.moss.card` for converted MOSS-RLHF models. :func:`push_folder` uploads a folder and its
+card in one commit. Nothing here is specific to MOSS-RLHF.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import logging
@@ -41,8 +41,8 @@ CITATION = """\
 TAGS = ["trl", "trl-ppomax", "ppo", "ppo-max", "rlhf"]
 
 
-#: The settings a trainer's model card lists: the PPO-max preset and the tricks of the paper's §5, and the reward
-#: model's imitation-loss coefficient (β_rm, eq. 2).
+#: The settings a trainer's card lists: the preset, the tricks of the paper's §5 and the reward model's
+#: imitation-loss coefficient (β_rm, eq. 2).
 CARD_SETTINGS = (
     "preset",
     "reward_norm",
@@ -72,20 +72,17 @@ def tracker_urls() -> dict[str, str]:
     if isinstance(url, str):
         urls["Weights & Biases"] = url
     if "trackio" in sys.modules:
-        try:
+        with contextlib.suppress(Exception):  # an older or stub trackio: no URL
             from trl.trainer.utils import get_trackio_space_url
 
-            url = get_trackio_space_url()
-        except Exception:  # an older or stub trackio: no URL
-            url = None
-        if isinstance(url, str):
-            urls["Trackio"] = url
+            if isinstance(url := get_trackio_space_url(), str):
+                urls["Trackio"] = url
     return urls
 
 
 def training_sections(args, log_history=None, urls: dict[str, str] | None = None) -> str:
-    """Markdown for a trainer's card: the PPO-max settings, the final evaluation numbers (the ``eval_*`` numbers of
-    the last entry of ``log_history`` that has any) and the tracker URLs."""
+    """Markdown for a trainer's card: the PPO-max settings, the ``eval_*`` numbers of the last ``log_history`` entry
+    that has any, and the tracker URLs."""
     parts = []
     rows = [(name, getattr(args, name)) for name in CARD_SETTINGS if hasattr(args, name)]
     if rows:
@@ -108,17 +105,14 @@ TRAINING_HEADINGS = ("## PPO-max settings", "## Final evaluation", "## Training 
 
 
 def trainer_sections(folder: str | os.PathLike) -> list[str]:
-    """The :func:`training_sections` (settings, final evaluation, tracker URLs) of the card a trl-ppomax trainer wrote
-    as ``folder/README.md`` (tagged ``trl-ppomax``), for the card ``trl-ppomax push`` uploads in its place; none when
-    the folder has no such card."""
+    """The :func:`training_sections` of the card a trl-ppomax trainer wrote as ``folder/README.md`` (tagged
+    ``trl-ppomax``), carried over into the card ``trl-ppomax push`` uploads; none without such a card."""
     path = Path(folder).expanduser() / "README.md"
-    if not path.is_file():
-        return []
     try:
-        card = ModelCard.load(path)
+        card = ModelCard.load(path) if path.is_file() else None
     except Exception:  # unreadable or not a card: nothing to carry over
         return []
-    if "trl-ppomax" not in (card.data.tags or []):
+    if card is None or "trl-ppomax" not in (card.data.tags or []):
         return []
     return [part.strip() for part in re.split(r"(?m)^(?=## )", card.text) if part.startswith(TRAINING_HEADINGS)]
 
@@ -134,9 +128,8 @@ def create_model_card(
     log_history=None,
     model_type: str = "policy",
 ) -> ModelCard:
-    """A trainer's model card, drawn by :func:`render_card` for ``model_type`` ("policy" for ``PPOMaxTrainer``,
-    "reward" for ``PPOMaxRewardTrainer``): its base model (a Hub id, never a local path), dataset, tags (:data:`TAGS`,
-    ``default_tags``, ``tags``), then :func:`training_sections` of ``args`` and ``log_history``."""
+    """A trainer's model card (``model_type`` "policy" or "reward"): base model (a Hub id, never a local path),
+    dataset, tags (:data:`TAGS`, ``default_tags``, ``tags``) and the :func:`training_sections`."""
     base_model = repo_like(getattr(getattr(model, "config", None), "_name_or_path", None))
     name = model_name or (args.output_dir.rstrip("/").split("/")[-1] if args.output_dir else "model")
     intro = trained_intro(model_type, base_model)
@@ -156,8 +149,7 @@ def create_model_card(
     )
 
 
-# -- Model cards for model folders (``trl-ppomax push``). The MOSS-RLHF card is built on these in trl_ppomax.moss.card. ----
-
+# -- Model cards for model folders (``trl-ppomax push``); trl_ppomax.moss.card builds on these. -----------------------
 #: What a card calls each model type; the keys are the model types a card knows.
 MODEL_KINDS = {
     "reward": "reward model",
@@ -199,10 +191,7 @@ CHECKPOINT_DIRS = ("critic", "global_step*", "optimizer_*", "pytorch_model_fsdp_
 def _check_folder(folder: str | os.PathLike) -> Path:
     path = Path(folder).expanduser()
     if not path.exists():
-        raise ValueError(
-            f"{path} does not exist: pass the model folder written by `trl-ppomax moss recover` or "
-            "`trainer.save_model(...)`."
-        )
+        raise ValueError(f"{path} does not exist: pass the folder written by `trainer.save_model` or `moss recover`.")
     if not path.is_dir():
         raise ValueError(f"{path} is not a folder: pass the model folder (the one holding config.json).")
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
@@ -217,9 +206,8 @@ def _check_folder(folder: str | os.PathLike) -> Path:
 
 def repo_like(value) -> str | None:
     """``value`` if it looks like a Hub repo id (``owner/name``, not a local path), else None."""
-    if isinstance(value, str) and _REPO_ID.match(value) and not Path(value).expanduser().exists():
-        return value
-    return None
+    looks_like = isinstance(value, str) and _REPO_ID.match(value) and not Path(value).expanduser().exists()
+    return value if looks_like else None
 
 
 @dataclass
@@ -232,7 +220,7 @@ class ModelFolder:
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> ModelFolder:
-        """Raises ValueError when the folder is missing, holds neither file, or a file is unreadable."""
+        """Raises ValueError when the folder is missing, holds neither file, or a JSON file is unreadable."""
         path = _check_folder(folder)
         config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
         adapter = read_json(path / "adapter_config.json") if (path / "adapter_config.json").is_file() else {}
@@ -266,9 +254,8 @@ NOT_SECRETS = frozenset({"stop_token"})
 
 
 def without_secrets(args):
-    """A shallow copy of the training arguments with every set field that holds a secret (``hub_token``, any
-    ``*_token``/``*_api_key``/``*_password``/``*_secret`` string field; not ``stop_token``) set to None: what is
-    written to ``training_args.bin``. ``args`` itself is not changed."""
+    """A shallow copy of ``args`` with every set secret string field (``hub_token``, ``*_token``, ``*_api_key``,
+    ``*_password``, ``*_secret``; not ``stop_token``) set to None: what is written to ``training_args.bin``."""
     clean = copy.copy(args)
     for name, value in vars(args).items():
         if SECRET_NAME.search(name) and name not in NOT_SECRETS and isinstance(value, str) and value:
@@ -394,16 +381,10 @@ def render_card(
     name: str | None = None,
     metadata: dict | None = None,
 ) -> ModelCard:
-    """A model card (README.md) for ``repo_id``: metadata (plus ``metadata``), then ``# name`` (default: the repo's
-    name), ``intro``, ``prompt_section``, the usage for ``model_type``, the non-empty ``sections`` (by default: no
-    licence set) and the paper's citation.
-
-    The tags are :data:`TAGS`, ``extra_tags``, then "reward-model" or "text-generation" by model type, without
-    repeats. Any Hub token in the text is redacted.
-
-    Raises:
-        ValueError: ``model_type`` is not one of :data:`MODEL_KINDS`.
-    """
+    """A model card (README.md) for ``repo_id``: metadata (plus ``metadata``), ``# name`` (default: the repo's name),
+    ``intro``, ``prompt_section``, the usage for ``model_type``, the non-empty ``sections`` and the paper's citation.
+    Tags: :data:`TAGS`, ``extra_tags``, then "reward-model" or "text-generation", without repeats; any Hub token is
+    redacted. Raises ValueError for a ``model_type`` not in :data:`MODEL_KINDS`."""
     check_model_type(model_type)
     tags = [*TAGS, *extra_tags]
     if model_type is not None:
@@ -432,15 +413,10 @@ def model_card(
     lang: str | None = None,
     base_model: str | None = None,
 ) -> ModelCard:
-    """The generic trl-ppomax card (README.md) for a model folder about to be pushed to ``repo_id``, with the
-    :func:`trainer_sections` of the card the trainer wrote there, if any; it sets no licence. ``model_type``
-    ("reward", "sft" or "policy"), ``lang`` and ``base_model`` override what config.json / adapter_config.json say.
-    (``trl-ppomax push`` gives a folder converted from MOSS-RLHF its own card:
-    :func:`trl_ppomax.moss.card.moss_model_card`.)
-
-    Raises:
-        ValueError: the folder is missing or holds no config.json / adapter_config.json, a JSON file is
-            unreadable, or ``model_type`` is unknown.
+    """The generic trl-ppomax card (README.md, no licence) for a model folder about to be pushed to ``repo_id``, with
+    the :func:`trainer_sections` of the card the trainer wrote there. ``model_type`` ("reward", "sft" or "policy"),
+    ``lang`` and ``base_model`` override what config.json / adapter_config.json say. Raises ValueError as
+    :meth:`ModelFolder.read`, or for an unknown ``model_type``.
     """
     folder = ModelFolder.read(folder)
     model_type = check_model_type(model_type or folder.model_type)
@@ -473,17 +449,11 @@ def check_weights(folder: str | os.PathLike) -> None:
 
 
 def upload_plan(folder: str | os.PathLike, include_internals: bool = False) -> tuple[list[str], list[str]]:
-    """What :func:`push_folder` uploads from ``folder`` and what it leaves out, as sorted relative POSIX paths
-    (folders left out end with ``/``).
-
-    Skipped silently: hidden files and folders (``.git``, ``.tmp-*`` …), ``__pycache__``, ``*.pyc`` and the folder's
-    own top-level README.md (the generated card replaces it). Left out and reported: ``checkpoint-*`` folders (push
-    one by its own path) and, unless ``include_internals``, :data:`CHECKPOINT_FILES` and :data:`CHECKPOINT_DIRS`.
-
-    Raises:
-        ValueError: the folder is missing, holds no config, or its weights are missing or damaged
-            (:func:`check_weights`).
-    """
+    """What :func:`push_folder` uploads from ``folder`` and what it leaves out (folders end with ``/``), as sorted
+    relative POSIX paths; raises ValueError as :func:`check_weights`. Skipped silently: hidden files and folders,
+    ``__pycache__``, ``*.pyc`` and the top-level README.md (the card replaces it). Left out and reported:
+    ``checkpoint-*`` folders (push one by its own path) and, unless ``include_internals``, :data:`CHECKPOINT_FILES`
+    and :data:`CHECKPOINT_DIRS`."""
 
     def internal(name: str, patterns: Sequence[str]) -> bool:
         return not include_internals and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
@@ -505,16 +475,14 @@ def upload_plan(folder: str | os.PathLike, include_internals: bool = False) -> t
 
 
 def upload_files(folder: str | os.PathLike, include_internals: bool = False) -> list[str]:
-    """The files of ``folder`` that :func:`push_folder` uploads, as sorted relative POSIX paths (see
-    :func:`upload_plan`, which also lists what is left out)."""
+    """The files of ``folder`` that :func:`push_folder` uploads: :func:`upload_plan`'s first list."""
     return upload_plan(folder, include_internals)[0]
 
 
 @contextmanager
 def staging_folder(root: Path, files: Sequence[str], card: str) -> Iterator[str]:
-    """A temporary folder holding ``files`` (relative paths in ``root``) as symbolic links, or copies where links are
-    not allowed, and ``card`` as README.md: what :func:`push_folder` hands to ``HfApi.upload_folder``, so that the
-    card goes up with the files without being written into the user's folder. Removed on exit."""
+    """A temporary folder holding ``files`` (relative to ``root``) as symbolic links (or copies) and ``card`` as
+    README.md, for ``HfApi.upload_folder``: the card is never written into the user's folder."""
     with tempfile.TemporaryDirectory(prefix="trl-ppomax-push-") as stage:
         for rel in files:
             target = Path(stage, rel)
@@ -529,8 +497,7 @@ def staging_folder(root: Path, files: Sequence[str], card: str) -> Iterator[str]
 
 @dataclass
 class PushResult:
-    """What :func:`push_folder` did: the uploaded paths (README.md last), the repo URL and the commit (None in a dry
-    run)."""
+    """What :func:`push_folder` did: the uploaded paths (README.md last), repo URL and commit (None in a dry run)."""
 
     files: list[str]
     card: ModelCard
@@ -553,22 +520,15 @@ def push_folder(
     api: HfApi | None = None,
     include_internals: bool = False,
 ) -> PushResult:
-    """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit.
+    """Upload a model folder and its model card to the Hub model repo ``repo_id`` in one commit; returns a
+    :class:`PushResult` (in a dry run, where nothing is sent, of what would be uploaded).
 
-    Uploads :func:`upload_plan`'s files (checkpoint internals are left out, with a warning, unless
-    ``include_internals``) plus README.md (``card``, by default the generic :func:`model_card`; ``trl-ppomax push``
-    passes :func:`trl_ppomax.moss.card.moss_model_card`) with one ``HfApi.upload_folder`` call on a
-    :func:`staging_folder` (the user's folder is not written to; with ``hf_xet`` a very large folder goes up in
-    several resumable commits). Creates the repo (``private`` only applies then) and, for a ``revision`` other than
-    "main", the branch. The token comes from huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an
-    argument. With ``dry_run`` nothing is sent. ``api`` defaults to ``HfApi()``.
-
-    Returns:
-        A :class:`PushResult` (in a dry run, of what would be uploaded).
-
-    Raises:
-        ValueError: an invalid ``repo_id``, or the folder is missing, holds no config.json /
-            adapter_config.json, or its weights are missing or damaged.
+    :func:`upload_plan`'s files (checkpoint internals left out, with a warning, unless ``include_internals``) and
+    README.md (``card``, by default :func:`model_card`) go up with one ``HfApi.upload_folder`` call on a
+    :func:`staging_folder` (with ``hf_xet`` a very large folder goes up in several resumable commits). Creates the
+    repo (``private`` only applies then) and, for a ``revision`` other than "main", the branch. The token comes from
+    huggingface_hub (``HF_TOKEN`` or ``hf auth login``), never from an argument. Raises ValueError for an invalid
+    ``repo_id``, or as :func:`upload_plan`.
     """
     try:
         validate_repo_id(repo_id)
@@ -593,11 +553,6 @@ def push_folder(
         info = api.upload_folder(
             repo_id=repo_id, folder_path=staged, commit_message=message, repo_type="model", revision=revision
         )
-    return PushResult(
-        paths,
-        card,
-        repo_url=str(repo_url) if repo_url else f"https://huggingface.co/{repo_id}",
-        commit_url=getattr(info, "commit_url", None),
-        commit_oid=getattr(info, "oid", None),
-        excluded=excluded,
-    )
+    url = str(repo_url) if repo_url else f"https://huggingface.co/{repo_id}"
+    oid, commit_url = getattr(info, "oid", None), getattr(info, "commit_url", None)
+    return PushResult(paths, card, repo_url=url, commit_url=commit_url, commit_oid=oid, excluded=excluded)

@@ -1,18 +1,16 @@
 """Training-dynamics figures in the style of the paper (Fig. 4 and 9), from a run's ``log_history``.
 
-One panel per group of metrics that the logs contain (reward, gold reward, KL, perplexity, response length, policy
-and value loss), over ``episode`` (or ``step`` when no log has an episode). Evaluation values (``eval_…``) are drawn
-as markers on the matching panel, and logs with ``collapse/any == 1`` as vertical red lines. Other runs can be
-overlaid, with a legend, to compare methods, and reference values (e.g. the SFT policy's) drawn as horizontal
-lines.
-
-Matplotlib's Agg canvas is used directly, so plotting never touches pyplot's global state or needs a display.
+One panel per group of metrics the logs contain (:data:`PANELS`), over ``episode`` (or ``step``); evaluation values
+(``eval_…``) are markers, logs with ``collapse/any == 1`` vertical red lines. Other runs can be overlaid and reference
+values drawn as horizontal lines. Matplotlib's Agg canvas is used directly: no pyplot global state, no display.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,27 +80,19 @@ METRICS_READ: frozenset[str] = frozenset(
     {key for panel in PANELS.values() for key in panel.keys} | {COLLAPSE_KEY, *X_KEYS}
 )
 _LINESTYLES = ("-", "--", ":", "-.")
+_MARKER_STYLE = dict(linestyle="none", markersize=5, markeredgecolor="black", markeredgewidth=0.5)
 
 
 def _number(value: Any) -> float | None:
     """``value`` as a finite float, or None for anything else (missing, bool, str, NaN, inf)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if number else None
 
 
 def panels_for(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
     """Names of the :data:`PANELS` (in figure order) for which ``log_history`` has at least one finite value."""
     present = {key for entry in log_history for key, value in entry.items() if _number(value) is not None}
     return [name for name, panel in PANELS.items() if present.intersection(panel.keys)]
-
-
-def _x_key(histories: Sequence[Sequence[Mapping[str, Any]]]) -> str:
-    """``episode`` when every history logs it, else ``step``."""
-    episode, step = X_KEYS
-    has_episode = all(any(_number(e.get(episode)) is not None for e in h) for h in histories if h)
-    return episode if has_episode else step
 
 
 def _x_values(log_history: Sequence[Mapping[str, Any]], x_key: str) -> list[float | None]:
@@ -115,12 +105,9 @@ def _x_values(log_history: Sequence[Mapping[str, Any]], x_key: str) -> list[floa
     pairs = {step: episode for step, episode in logged if step is not None and episode is not None}
     xs = []
     for step, episode in logged:
-        if episode is None and step is not None and pairs:
-            if step in pairs:
-                episode = pairs[step]
-            else:  # nearest known step, scaled by its episodes per step
-                near = min(pairs, key=lambda s: abs(s - step))
-                episode = pairs[near] + (step - near) * (pairs[near] / near if near else 0.0)
+        if episode is None and step is not None and pairs:  # the nearest known step, scaled by its episodes per step
+            near = min(pairs, key=lambda s: abs(s - step))
+            episode = pairs[near] + (step - near) * (pairs[near] / near if near else 0.0)
         xs.append(episode)
     return xs
 
@@ -132,9 +119,8 @@ def _series(log_history, xs, key) -> tuple[list[float], list[float]]:
 
 
 def _collapses(log_history, xs) -> list[float]:
-    return sorted(
-        {x for e, x in zip(log_history, xs, strict=True) if x is not None and _number(e.get(COLLAPSE_KEY)) == 1}
-    )
+    hits = {x for e, x in zip(log_history, xs, strict=True) if x is not None and _number(e.get(COLLAPSE_KEY)) == 1}
+    return sorted(hits)
 
 
 def training_dynamics_figure(
@@ -159,7 +145,8 @@ def training_dynamics_figure(
         keys = ", ".join(key for panel in PANELS.values() for key, _ in panel.train)
         raise ValueError(f"the log history has none of the metrics to plot ({keys})")
 
-    x_key = _x_key(list(runs.values()))
+    episode, step = X_KEYS  # episode when every run logs it
+    x_key = episode if all(any(_number(e.get(episode)) is not None for e in h) for h in runs.values() if h) else step
     xs = {run: _x_values(history, x_key) for run, history in runs.items()}
     colors = {run: f"C{i % 10}" for i, run in enumerate(runs)}
 
@@ -192,10 +179,7 @@ def _draw_panel(ax, panel: Panel, runs, xs, colors, name: str, baselines: Mappin
             if i < len(panel.train):  # training values: lines
                 style = dict(linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=1.4)
             else:  # evaluation values: markers
-                marker = "os^D"[(i - len(panel.train)) % 4]
-                style = dict(
-                    linestyle="none", marker=marker, markersize=5, markeredgecolor="black", markeredgewidth=0.5
-                )
+                style = dict(_MARKER_STYLE, marker="os^D"[(i - len(panel.train)) % 4])
             ax.plot(x, y, color=colors[run] if compare else f"C{i}", label=prefix + label, **style)
         for x in _collapses(history, xs[run]):
             ax.axvline(x, color="red", linewidth=1.0, alpha=0.6, linestyle="-" if run == name else "--")
@@ -222,13 +206,11 @@ def plot_training_dynamics(
     baselines: Mapping[str, Mapping[str, float]] | None = None,
 ) -> str:
     """Draw the training-dynamics figure of ``log_history`` (a trainer's ``state.log_history``) to the PNG ``path``
-    (parent folders are created) and return the path.
+    (parent folders are created) and return the path. Only panels with data are drawn (:func:`panels_for`).
 
     ``extra`` maps names to the log histories of other runs, overlaid on the same panels with a legend in which this
-    run is called ``name``. Only panels with data are drawn; see :func:`panels_for`.
-
-    ``baselines`` maps a label to reference values by metric, e.g. ``{"SFT": {"gold/reward": -0.16}}``: each is drawn
-    as a horizontal black line, with that label, on the panel that plots the metric.
+    run is called ``name``. ``baselines`` maps a label to reference values by metric, e.g.
+    ``{"SFT": {"gold/reward": -0.16}}``, each drawn as a horizontal black line on the panel that plots the metric.
     """
     fig = training_dynamics_figure(log_history, title=title, extra=extra, name=name, baselines=baselines)
     path = Path(path)
@@ -238,8 +220,7 @@ def plot_training_dynamics(
 
 
 def load_log_history(run_dir: str | Path) -> list[dict]:
-    """The ``log_history`` of ``RUN_DIR/trainer_state.json`` or, when there is none, of the newest ``checkpoint-N``
-    folder in RUN_DIR (by N) that has one."""
+    """The ``log_history`` of ``RUN_DIR/trainer_state.json``, else of the newest ``checkpoint-N`` that has one."""
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run folder not found: {run_dir}")
@@ -282,10 +263,9 @@ class ModuleTracker:
 
 
 class TensorBoardTracker:
-    """TensorBoard: a table as Markdown text (:func:`markdown_table`), an image as an image, in ``logging_dir``.
-
-    Each call opens a ``SummaryWriter`` of its own and closes it (TensorBoard reads every event file of the folder):
-    the Trainer's ``TensorBoardCallback`` closes its writer before the end-of-training figure is drawn."""
+    """TensorBoard: a table as Markdown text (:func:`markdown_table`), an image as an image, in ``logging_dir``. Each
+    call opens and closes its own ``SummaryWriter``: the Trainer's ``TensorBoardCallback`` closes its writer before
+    the end-of-training figure is drawn."""
 
     name = "tensorboard"
 
@@ -295,11 +275,8 @@ class TensorBoardTracker:
     def _write(self, add) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(self.logging_dir)
-        try:
+        with contextlib.closing(SummaryWriter(self.logging_dir)) as writer:  # closing flushes
             add(writer)
-        finally:
-            writer.close()  # flushes
 
     def table(self, key: str, frame, step: int | None) -> None:
         self._write(lambda writer: writer.add_text(key, markdown_table(frame), step))
@@ -329,8 +306,6 @@ def tensorboard_dir(args, callbacks: Sequence[TrainerCallback] = ()) -> str:
     """Where this run's TensorBoard events go: the folder of the Trainer's ``TensorBoardCallback`` among
     ``callbacks`` (known once training starts), else ``args.logging_dir`` (transformers < 5, ``trl-ppomax plot
     --logging-dir``), else ``$TENSORBOARD_LOGGING_DIR`` (transformers 5's setting), else ``OUTPUT_DIR/runs``."""
-    import os
-
     from transformers.integrations import TensorBoardCallback
 
     for callback in callbacks:
@@ -348,9 +323,7 @@ def active_trackers(args, callbacks: Sequence[TrainerCallback] = ()) -> list[Mod
     report_to = getattr(args, "report_to", None) or []
     report_to = [report_to] if isinstance(report_to, str) else list(report_to)
     found = []
-    for name in TRACKERS:
-        if name not in report_to and "all" not in report_to:
-            continue
+    for name in [name for name in TRACKERS if name in report_to or "all" in report_to]:
         try:
             module = importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else name)
         except ImportError:  # not installed (torch.utils.tensorboard needs the tensorboard package)
@@ -394,8 +367,7 @@ def log_image(
 
 class DynamicsFigureCallback(TrainerCallback):
     """At the end of training, draw :func:`plot_training_dynamics` into ``output_dir/training_dynamics.png`` and log
-    it to the active trackers (only when one is on). ``callbacks`` is the trainer's list (where TensorBoard's
-    callback is found, see :func:`tensorboard_dir`)."""
+    it to the active trackers, when one is on; ``callbacks`` is the trainer's list (see :func:`tensorboard_dir`)."""
 
     def __init__(self, callbacks: Sequence[TrainerCallback] = ()) -> None:
         self.callbacks = callbacks

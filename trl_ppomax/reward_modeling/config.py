@@ -15,8 +15,7 @@ from trl_ppomax.ppo.config import check_int_fields, default_bf16, render_field_d
 class PPOMaxRewardConfig(RewardConfig):
     r"""Configuration of [`PPOMaxRewardTrainer`]: every field of [`trl.RewardConfig`] (``bf16`` defaults to True
     only on a GPU that supports it; activation checkpointing is on, as in trl, without the deprecated
-    ``gradient_checkpointing`` name), plus the fields below.
-    """
+    ``gradient_checkpointing`` name), plus the fields below."""
 
     gradient_checkpointing: bool | None = field(
         default=None,
@@ -51,16 +50,14 @@ class PPOMaxRewardConfig(RewardConfig):
         if not (isinstance(coef, numbers.Real) and not isinstance(coef, bool) and math.isfinite(coef) and coef >= 0):
             raise ValueError(
                 f"lm_loss_coef (β_rm) must be a finite number ≥ 0, got {coef!r}: it weights the imitation loss on the "
-                "chosen response (the paper uses 1; 0 trains with the pairwise loss alone). NaN or inf would make "
-                "every loss non-finite."
+                "chosen response (the paper uses 1; 0 trains with the pairwise loss alone)."
             )
         if self.bf16 is None:
             self.bf16 = default_bf16(self.fp16)
-        if hasattr(self, "activation_checkpointing"):  # transformers ≥ 5.20: gradient_checkpointing is its old name
-            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-                self.activation_checkpointing = True  # trl's default, set without the deprecated name (FutureWarning)
-        elif self.gradient_checkpointing is None:
-            self.gradient_checkpointing = True
+        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
+            # trl's default, under transformers ≥ 5.20's name when it has it (the deprecated one warns)
+            new = hasattr(self, "activation_checkpointing")
+            setattr(self, "activation_checkpointing" if new else "gradient_checkpointing", True)
         super().__post_init__()
 
 

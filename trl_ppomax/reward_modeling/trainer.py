@@ -2,16 +2,14 @@
 
 ``L = −E[log σ(r(x, y_w) − r(x, y_l))] + β_rm · E[−log p_LM(y_w | x)]``
 
-The model trained is a ``*ForSequenceClassification`` (``num_labels=1``) with the causal LM's head attached as
-``lm_head``, reading the same last hidden state as the score head. Checkpoints leave ``lm_head`` out, so TRL,
-``PPOMaxTrainer`` and ``transformers.pipeline`` load them without custom code.
-"""
+The model trained is a ``*ForSequenceClassification`` (``num_labels=1``) with the causal LM's head as ``lm_head``,
+reading the score head's last hidden state; checkpoints leave it out, so TRL, ``PPOMaxTrainer`` and
+``transformers.pipeline`` load them without custom code."""
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 from typing import Any
 
@@ -27,8 +25,6 @@ from trl_ppomax.ppo import core
 from trl_ppomax.reporting.plotting import log_image
 from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
 from trl_ppomax.rewards.stats import fold_reward_stats, reward_statistics, store_reward_stats
-
-logger = logging.getLogger(__name__)
 
 HISTOGRAM_NAME = "reward_margin_histogram.png"
 
@@ -59,8 +55,7 @@ def with_lm_head(causal_lm: PreTrainedModel) -> PreTrainedModel:
 def _causal_lm_with_reward_head(model: str | PreTrainedModel, args: PPOMaxRewardConfig) -> PreTrainedModel:
     """The model to train when ``lm_loss_coef > 0``: from a causal-LM id/path or instance, with ``lm_head``."""
     if isinstance(model, str):
-        kwargs = dict(args.model_init_kwargs or {})
-        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
         model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     if hasattr(model, "lm_head") and hasattr(model, "score"):
         return model  # already built by with_lm_head
@@ -122,8 +117,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
         """trl's pairwise loss (margin, centering) + ``lm_loss_coef`` · CE of the LM head on chosen responses."""
         mode = "train" if self.model.training else "eval"
         response_mask = inputs.pop("chosen_response_mask")
-        use_lm = self.args.lm_loss_coef > 0
-        if use_lm:
+        if use_lm := self.args.lm_loss_coef > 0:
             inputs["output_hidden_states"] = True
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         chosen, rejected = torch.chunk(outputs.logits.squeeze(-1).detach(), chunks=2)
@@ -140,30 +134,24 @@ class PPOMaxRewardTrainer(RewardTrainer):
 
     def _imitation_loss(self, outputs, inputs, response_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Next-token CE of the LM head on the chosen half of the batch, over response tokens only."""
-        hidden = outputs.hidden_states[-1]
-        half = response_mask.shape[0]
+        hidden, half = outputs.hidden_states[-1], response_mask.shape[0]
         unwrapped = self.accelerator.unwrap_model(self.model)
         if not self._heads_checked:
             self._check_last_hidden_state_feeds_score(unwrapped, hidden, inputs, outputs)
-        logits = unwrapped.lm_head(hidden[:half])
-        return core.lm_loss(logits, inputs["input_ids"][:half], response_mask)
+        return core.lm_loss(unwrapped.lm_head(hidden[:half]), inputs["input_ids"][:half], response_mask)
 
     def _check_last_hidden_state_feeds_score(self, model, hidden, inputs, outputs) -> None:
-        """The LM head must read the same hidden states as the score head: the score head applied to the last hidden
-        state at the position the model reads (:func:`~trl_ppomax.models.score_position`, the same one PPO reads)
-        must give the model's scores. Verified once, on the first batch."""
+        """Once, on the first batch: the score head on the last hidden state (which the LM head reads) at the
+        position the model reads (:func:`~trl_ppomax.models.score_position`, as PPO) must give the model's scores."""
         with torch.no_grad():
             last = score_position(model, inputs["input_ids"], inputs.get("attention_mask"))
             scores = model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
             if not torch.allclose(scores.float(), outputs.logits.squeeze(-1).float(), atol=1e-3, rtol=1e-3):
                 raise RuntimeError(
-                    f"{type(model).__name__}'s score head does not read the body's last hidden state (its scores "
-                    "differ from `score(last_hidden_state)` at the position the model reads, the rightmost token "
-                    "that is not config.pad_token_id), e.g. a pooler or extra layers sit between the body and the "
-                    "score; the imitation loss, computed on that last hidden state, would then train a state the "
-                    "score never sees. Use an architecture whose `score` head is a linear layer on the last hidden "
-                    "state (any transformers *ForSequenceClassification causal LM), or set lm_loss_coef=0 to train "
-                    "with the pairwise loss alone."
+                    f"{type(model).__name__}'s score head does not read the body's last hidden state (e.g. a pooler "
+                    "sits between them), so the imitation loss would train a state the score never sees. Use a "
+                    "transformers *ForSequenceClassification causal LM (a linear `score` on the last hidden state), "
+                    "or set lm_loss_coef=0 to train with the pairwise loss alone."
                 )
         self._heads_checked = True
 
@@ -183,7 +171,6 @@ class PPOMaxRewardTrainer(RewardTrainer):
         if self.args.reward_histogram and self.accelerator.is_main_process:
             path = os.path.join(self.args.output_dir, HISTOGRAM_NAME)
             save_margin_histogram(pairs[:, 0] - pairs[:, 1], path)
-            # to wandb / trackio / TensorBoard, when reported to
             log_image(self.args, "reward_margins", path, self.state.global_step, self.callback_handler.callbacks)
         return metrics
 
@@ -195,7 +182,12 @@ class PPOMaxRewardTrainer(RewardTrainer):
         self.evaluate(dataset, metric_key_prefix="eval" if dataset is self.eval_dataset else "train_set")
         model = self.accelerator.unwrap_model(self.model)
         if self.args.fold_reward_stats:
-            self.reward_stats = fold_reward_stats(_linear_score_head(model), self.reward_stats)
+            head = score_head(model)
+            if not isinstance(head, nn.Linear):
+                raise ValueError(
+                    f"{type(model).__name__} has no linear `score` head to fold the reward statistics into."
+                )
+            self.reward_stats = fold_reward_stats(head, self.reward_stats)
         store_reward_stats(model.config, self.reward_stats)
         return output
 
@@ -204,18 +196,16 @@ class PPOMaxRewardTrainer(RewardTrainer):
         """Save without the training-only ``lm_head``: a plain sequence-classification checkpoint."""
         if state_dict is None:
             state_dict = self.accelerator.unwrap_model(self.model).state_dict()
-        state_dict = {k: v for k, v in state_dict.items() if not _is_lm_head_key(k)}
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith("lm_head.") and ".lm_head." not in k}
         super()._save(output_dir, state_dict=state_dict)
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
-        """README.md in ``output_dir``: the reward model's card (:func:`trl_ppomax.reporting.hub.create_model_card`, model type
-        "reward"): base model, tags, settings, final evaluation numbers, tracker URLs and the paper's citation."""
+        """The reward model's card, README.md in output_dir (:func:`trl_ppomax.reporting.hub.create_model_card`)."""
         from trl_ppomax.reporting.hub import create_model_card
 
         if not self.is_world_process_zero():
             return
-        model = self.accelerator.unwrap_model(self.model)
-        history = self.state.log_history
+        model, history = self.accelerator.unwrap_model(self.model), self.state.log_history
         card = create_model_card(
             model, self.args, self.hub_model_id, model_name, dataset_name, tags, self._tag_names, history, "reward"
         )
@@ -231,8 +221,7 @@ class ChosenResponseCollator:
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         batch = self.collator([{k: v for k, v in e.items() if k != "response_start"} for e in examples])
-        width = batch["input_ids"].shape[1]
-        positions = torch.arange(width)
+        positions = torch.arange(batch["input_ids"].shape[1])
         starts = torch.tensor([e["response_start"] for e in examples])
         ends = torch.tensor([len(e["chosen_ids"]) for e in examples])
         batch["chosen_response_mask"] = ((positions >= starts[:, None]) & (positions < ends[:, None])).long()
@@ -243,9 +232,8 @@ PAIR_COLUMNS = ("chosen", "rejected", "chosen_ids", "rejected_ids")
 
 
 def check_preference_rows(dataset, dataset_name: str) -> None:
-    """Raise ``ValueError`` naming the column and the row when a row's chosen or rejected response (text,
-    conversation or token ids) is missing (None) or empty, which would otherwise fail deep inside tokenization or
-    train on an empty response. Checked on the Arrow columns at once; streamed datasets are not checked."""
+    """A ``ValueError`` naming the column and row of a missing (None) or empty chosen or rejected response, which
+    would fail deep in tokenization or train on nothing. Checked on the Arrow columns; streamed datasets are not."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -271,14 +259,10 @@ def check_preference_rows(dataset, dataset_name: str) -> None:
 
 
 def _response_start(example: dict, processing_class) -> dict[str, int]:
-    """Where the chosen response starts in ``chosen_ids`` (at least the last chosen token is response).
-
-    - Explicit prompt (``prompt`` or ``prompt_ids`` column): after the prompt tokenized as trl's ``RewardTrainer``
-      tokenizes ``prompt + chosen`` (conversations with the generation prompt, as trl's SFT/DPO), i.e. the part of it
-      that ``chosen_ids`` starts with; tokens shared by chosen and rejected responses stay response tokens.
-    - Implicit prompt: the longest common prefix of ``chosen_ids`` and ``rejected_ids``, which counts shared leading
-      response tokens as prompt; give a ``prompt`` column to avoid it.
-    """
+    """Where the chosen response starts in ``chosen_ids`` (at least the last chosen token is response): after the
+    part of ``chosen_ids`` that is the prompt (``prompt_ids``, or ``prompt`` tokenized as trl's ``RewardTrainer``
+    does); without a prompt, after the common prefix of ``chosen_ids`` and ``rejected_ids``, which counts shared
+    leading response tokens as prompt (give a ``prompt`` column to avoid it)."""
     chosen = example["chosen_ids"]
     if example.get("prompt_ids") is not None:
         start = _common_prefix_length(example["prompt_ids"], chosen)
@@ -310,23 +294,7 @@ def _prompt_ids(processing_class, example: dict) -> list[int]:
 
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
     """Number of leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _is_lm_head_key(key: str) -> bool:
-    return key.startswith("lm_head.") or ".lm_head." in key
-
-
-def _linear_score_head(model: nn.Module) -> nn.Linear:
-    head = score_head(model)
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"{type(model).__name__} has no linear `score` head to fold the reward statistics into.")
-    return head
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def save_margin_histogram(margins: torch.Tensor, path: str) -> None:

@@ -1,14 +1,11 @@
-"""Reward sources: what scores a response, behind one protocol.
-
-A :class:`RewardSource` has a ``name`` (logged as ``rewards/<name>/mean``) and ``score(batch) -> (B,)`` scores (or an
-awaitable of them) of a :class:`ScoringBatch`, the rollout chunk as token ids with its decoded texts made on demand.
-The sources a user passes become one (:func:`as_source`): a reward model reading the policy's tokens
-(:class:`ModelSource`, read at :func:`~trl_ppomax.models.score_position`), one with its own tokenizer
-(:class:`OwnTokenizerModelSource`), a Python function, sync or async, or a remote server
-(:class:`FunctionSource`, called as TRL's ``GRPOTrainer`` calls its ``reward_funcs``, :mod:`.functions`), or a
-:class:`RewardSource` of the user's own. :class:`RewardSources` is their weighted list; the missing-stop-token penalty
-applies to the combined score. Reward normalisation starts from the reward model's stored statistics
-(:func:`initial_reward_moments`, :mod:`~trl_ppomax.rewards.stats`).
+"""Reward sources: what scores a response, behind one protocol, :class:`RewardSource` (``name``, logged as
+``rewards/<name>/mean``, and ``score(ScoringBatch) -> (B,)`` scores or an awaitable of them). What a user passes
+becomes one (:func:`as_source`): a reward model reading the policy's tokens (:class:`ModelSource`, read at
+:func:`~trl_ppomax.models.score_position`) or with its own tokenizer (:class:`OwnTokenizerModelSource`), a Python
+function, sync or async, or a remote server (:class:`FunctionSource`, called as TRL's ``GRPOTrainer`` calls its
+``reward_funcs``, :mod:`.functions`), or a :class:`RewardSource` of the user's own. :class:`RewardSources` is their
+weighted list; the missing-stop-token penalty applies to the combined score. Reward normalisation starts from the
+reward model's stored statistics (:func:`initial_reward_moments`, :mod:`~trl_ppomax.rewards.stats`).
 """
 
 from __future__ import annotations
@@ -21,8 +18,9 @@ from functools import cached_property
 
 import torch
 from torch import nn
+from transformers import AutoTokenizer
 from trl import is_conversational
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer.utils import disable_dropout_in_model, pad
 
 from trl_ppomax.models import backbone_and_head, check_single_label, sequence_scores
 from trl_ppomax.ppo import core
@@ -53,7 +51,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-# -- Reward sources ----------------------------------------------------------------------------------------------------
 def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Decode the masked tokens of each row, without special tokens."""
     return [tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(ids, mask, strict=True)]
@@ -64,9 +61,8 @@ def completion_texts(
 ) -> dict:
     """What a reward source gets for ``(query_ids, query_mask, response_ids, response_mask)``: decoded ``texts``,
     TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``,
-    and ``sequence_texts``: a function returning each row's prompt ⊕ response ids decoded once, padding removed,
-    special tokens kept (an EOS the response ended with too), OpenRLHF's remote reward ``query``; called only for the
-    sources that take them (one more decode of every row)."""
+    and ``sequence_texts``, a function decoding each row's prompt ⊕ response ids once, padding removed, special tokens
+    kept (OpenRLHF's remote reward ``query``), called only for the sources that take them."""
     query_ids, query_mask, response_ids, response_mask = rollout_ids
     texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
     columns = dict(columns or {})
@@ -132,9 +128,9 @@ class ModelSource(RewardSource):
 
 
 class OwnTokenizerModelSource(ModelSource):
-    """A reward model with a vocabulary of its own (TRL's ``reward_processing_classes``): the texts re-encoded with
-    its ``tokenizer`` (:func:`score_with_own_tokenizer`) — a conversation ending with the assistant's answer, or the
-    very text the policy saw, decoded whole so that no word boundary is lost between prompt and response."""
+    """A reward model with a vocabulary of its own (TRL's ``reward_processing_classes``), scored by
+    :func:`score_with_own_tokenizer` on a conversation ending with the assistant's answer, or on the very text the
+    policy saw, decoded whole so that no word boundary is lost between prompt and response."""
 
     def __init__(self, model: nn.Module, tokenizer) -> None:
         super().__init__(model)
@@ -173,17 +169,14 @@ def as_source(source, tokenizer=None) -> RewardSource:
 
 
 def score_with_own_tokenizer(model: nn.Module, tokenizer, sequences: list, device) -> torch.Tensor:
-    """Scores (B,) of a reward model with its own tokenizer (TRL's ``reward_processing_classes``): each prompt ⊕
-    completion, a text or a conversation ending with the assistant's answer, encoded with ``tokenizer`` (its chat
-    template for a conversation), right-padded."""
+    """Scores (B,) of a reward model on ``sequences`` (texts, or conversations ending with the assistant's answer)
+    encoded with its own ``tokenizer`` (its chat template for a conversation), right-padded."""
     if is_conversational({"prompt": sequences[0]}):
         texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in sequences]
         encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     else:
         encoded = [tokenizer(text)["input_ids"] for text in sequences]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    from trl.trainer.utils import pad
-
     rows = [torch.as_tensor(ids or [pad_id], dtype=torch.long) for ids in encoded]
     input_ids = pad(rows, padding_value=pad_id or 0, padding_side="right").to(device)
     attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="right").to(device)
@@ -220,7 +213,10 @@ class RewardSources:
         for name, given in (("reward_processing_classes", processing_classes), ("reward_weights", weights)):
             if len(given) != count:
                 raise ValueError(f"{name} has {len(given)} entries for {count} reward sources; give one per source.")
-        self.processing_classes = [_load_tokenizer(p) for p in processing_classes]
+        self.processing_classes = [
+            AutoTokenizer.from_pretrained(os.fspath(p)) if isinstance(p, str | os.PathLike) else p
+            for p in processing_classes
+        ]
         self.weights = [float(w) for w in weights]
         names = [scorer.name for scorer in self.scorers]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
@@ -288,14 +284,6 @@ class RewardSources:
         if per_source is None:
             return {}
         return {f"rewards/{name}/mean": per_source[:, i] for i, name in enumerate(self.names)}
-
-
-def _load_tokenizer(value):
-    if isinstance(value, str | os.PathLike):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(os.fspath(value))
-    return value
 
 
 def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> dict[str, torch.Tensor]:

@@ -1,20 +1,19 @@
-"""Reward functions: how a Python function scores responses, as TRL's ``GRPOTrainer`` calls its ``reward_funcs``.
-
-``function(prompts=, completions=, completion_ids=, **dataset columns)`` (the keywords it accepts), or old style
-``function(prompts, completions)``; sync or ``async def`` (awaited concurrently, :func:`awaited`); one number or None
-per completion. Its faults are named before or as it is called (:func:`reward_function_problem`,
-:func:`checked_scores`). :func:`load_reward_function` finds one from the command line's ``--reward_funcs``.
+"""Reward functions, called as TRL's ``GRPOTrainer`` calls its ``reward_funcs`` (:func:`call_reward_function`): sync
+or ``async def`` (:func:`awaited`), one number or None per completion, their faults named before or as they are called
+(:func:`reward_function_problem`, :func:`checked_scores`); :func:`load_reward_function` reads ``--reward_funcs``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import logging
 import math
 import numbers
 import os
 import reprlib
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,20 +21,27 @@ import numpy as np
 import torch
 from torch import nn
 
+from trl_ppomax.rewards.remote import RemoteRewardModel
+
 logger = logging.getLogger(__name__)
 
 RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
 
 
+def _parameters(function) -> list[inspect.Parameter] | None:
+    """The parameters of ``function``, or None when it has no signature to read."""
+    try:
+        return list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
 def is_positional_pair(function, available: Sequence[str] = ()) -> bool:
     """Whether ``function`` is an old-style ``f(prompts, completions)``: exactly two positional parameters, no
     ``**kwargs``, and not both named after keywords it would be given (``available``; then keywords work too)."""
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return False
+    parameters = _parameters(function)
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if len(parameters) != 2 or any(p.kind not in kinds for p in parameters):
+    if parameters is None or len(parameters) != 2 or any(p.kind not in kinds for p in parameters):
         return False
     return not all(p.name in available and p.kind != inspect.Parameter.POSITIONAL_ONLY for p in parameters)
 
@@ -50,11 +56,8 @@ def reward_function_problem(function, available: Sequence[str], what: str = "rew
     """Why ``function`` cannot be called in either of the two ways :func:`call_reward_function` calls it (with the
     keywords ``available``, or as an old-style positional pair), or None when it can (or has no signature to read):
     a parameter without a default that is not among the keywords, e.g. ``f(p, c, **kwargs)`` or ``f(a)``."""
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if is_positional_pair(function, available):
+    parameters = _parameters(function)
+    if parameters is None or is_positional_pair(function, available):
         return None
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     required = [p for p in parameters if p.default is inspect.Parameter.empty and p.kind not in variadic]
@@ -88,11 +91,8 @@ def check_reward_functions(sources, columns: Sequence[str] = (), what: str = "re
 
 def _accepted_keywords(function, keywords: dict) -> dict:
     """``keywords`` restricted to the parameters of ``function`` unless it takes ``**kwargs``."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return keywords
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+    parameters = _parameters(function)
+    if parameters is None or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
         return keywords
     names = {p.name for p in parameters}
     return {key: value for key, value in keywords.items() if key in names}
@@ -100,11 +100,8 @@ def _accepted_keywords(function, keywords: dict) -> dict:
 
 def _names_parameter(function, name: str) -> bool:
     """Whether ``function`` has a parameter ``name`` that can be given by keyword (``**kwargs`` does not count)."""
-    try:
-        parameter = inspect.signature(function).parameters.get(name)
-    except (TypeError, ValueError):
-        return False
-    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(p.name == name and p.kind in kinds for p in _parameters(function) or ())
 
 
 def call_reward_function(
@@ -122,11 +119,8 @@ def call_reward_function(
     ``function(prompts=, completions=, completion_ids=, **columns)`` (only the keywords it accepts, unless it takes
     ``**kwargs``; conversational completions as ``[{"role": "assistant", "content": ...}]``), or, for an old-style
     two-argument function (:func:`is_positional_pair`), ``function(prompts, completions)`` on the decoded ``texts``.
-    A function naming a ``sequence_texts`` parameter (:class:`~trl_ppomax.rewards.remote.RemoteRewardModel`) also
-    gets those (:func:`completion_texts`), over a dataset column of that name.
-
-    It must return one number (None becomes NaN, as in GRPO; NaN and ±inf pass) per completion as a list, tuple,
-    numpy array or 1-D tensor; anything else raises a ``ValueError`` blaming it and showing what it returned."""
+    A function naming a ``sequence_texts`` parameter (:class:`~trl_ppomax.rewards.remote.RemoteRewardModel`) gets
+    those too, over a dataset column of that name. What it returns is checked by :func:`checked_scores`."""
     keywords = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **(columns or {})}
     if sequence_texts is not None and _names_parameter(function, "sequence_texts"):
         keywords["sequence_texts"] = sequence_texts()
@@ -147,8 +141,9 @@ def call_reward_function(
 
 
 def checked_scores(function: RewardFunction, returned, count: int, device: torch.device) -> torch.Tensor:
-    """The scores (``count``,) in what reward ``function`` ``returned``, None as NaN; a ``ValueError`` blaming it
-    when that is not one number (or None) per completion."""
+    """The scores (``count``,) in what reward ``function`` ``returned``, None as NaN (as in GRPO; NaN and ±inf pass);
+    a ``ValueError`` blaming it, showing what it returned, unless that is one number (or None) per completion as a
+    list, tuple, numpy array or 1-D tensor."""
     if isinstance(returned, torch.Tensor | np.ndarray) and returned.ndim == 1:
         values = returned.tolist()
     elif isinstance(returned, Sequence) and not isinstance(returned, str | bytes):
@@ -180,12 +175,12 @@ def awaited(values: list) -> list:
     """``values`` with every awaitable among them (the scores of ``async def`` reward functions) awaited, all at
     once, as TRL's ``GRPOTrainer`` awaits its async reward functions concurrently: one ``asyncio.gather`` in an event
     loop of its own (in a thread when one already runs here, as in a notebook)."""
-    pending = [i for i, value in enumerate(values) if inspect.isawaitable(value)]
+    pending = [value for value in values if inspect.isawaitable(value)]
     if not pending:
         return values
 
     async def gather() -> list:
-        return await asyncio.gather(*(values[i] for i in pending))
+        return await asyncio.gather(*pending)
 
     try:
         asyncio.get_running_loop()
@@ -194,10 +189,8 @@ def awaited(values: list) -> list:
     else:
         with ThreadPoolExecutor(max_workers=1) as pool:
             results = pool.submit(asyncio.run, gather()).result()
-    done = list(values)
-    for i, result in zip(pending, results, strict=True):
-        done[i] = result
-    return done
+    results = iter(results)
+    return [next(results) if inspect.isawaitable(value) else value for value in values]
 
 
 _SHORT = reprlib.Repr()  # a short repr of what a reward function returned, for the error message
@@ -220,13 +213,10 @@ def _reward_function_fault(function, returned, count: int, problem: str) -> Valu
 
 
 def load_reward_function(path: str) -> RewardFunction:
-    """The reward function at a dotted path ``pkg.module.fn`` (the recipes' ``--reward_funcs``), as TRL's scripts
-    resolve theirs; an ``http://`` or ``https://`` URL is a reward server
-    (:class:`~trl_ppomax.rewards.remote.RemoteRewardModel` with its defaults). A module of the current folder is
-    found too."""
+    """The reward function at a dotted path ``pkg.module.fn`` (``--reward_funcs``; a module of the current folder is
+    found too), as TRL's scripts resolve theirs; an ``http(s)://`` URL is a reward server
+    (:class:`~trl_ppomax.rewards.remote.RemoteRewardModel` with its defaults)."""
     if path.startswith(("http://", "https://")):
-        from trl_ppomax.rewards.remote import RemoteRewardModel
-
         return RemoteRewardModel(path)
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
@@ -243,9 +233,6 @@ def load_reward_function(path: str) -> RewardFunction:
 def _import_from_here_too(module_name: str):
     """``importlib.import_module``, also finding a module of the current folder (``my_rewards.py`` beside the
     user's config), which an installed command or a script elsewhere does not have on ``sys.path``."""
-    import importlib
-    import sys
-
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:

@@ -1,8 +1,5 @@
-"""A reward model served over HTTP: :class:`RemoteRewardModel` (OpenRLHF's ``--remote_rm_url``).
-
-Teams serve large reward models (a 70B scorer, an ensemble, a rule-based verifier) apart from training; the trainer
-then only needs a reward function that POSTs the rollout's texts to the server and reads back one score per text.
-Standard library only (``urllib.request``, ``json``), so the module imports nothing heavy.
+"""A reward model served over HTTP: :class:`RemoteRewardModel` (OpenRLHF's ``--remote_rm_url``), for scorers served
+apart from training (a 70B model, an ensemble, a rule-based verifier). Standard library only (``urllib``, ``json``).
 
 The protocol (JSON over HTTP POST, ``Content-Type: application/json``), one request per batch of ``batch_size``::
 
@@ -13,21 +10,11 @@ The protocol (JSON over HTTP POST, ``Content-Type: application/json``), one requ
     response {"rewards": [float, ...]}            # or {"scores": [...]}, or a bare JSON list; other keys are ignored
                                                   # one number per completion, in order; null drops that sample
 
-``query`` is what OpenRLHF's client sends: in training, the policy's prompt token ids and response token ids decoded
-once, as one sequence, with the special tokens kept (``skip_special_tokens=False``) and the padding removed. For a
-chat prompt that is the conversation as the chat template rendered it; a response that ended with the EOS (the stop
-token) keeps it, a truncated one has none. Nothing is decoded apart and glued, so no word boundary between prompt and
-response is lost. Called outside the trainer without ``sequence_texts``, ``query`` falls back to ``prompt +
-completion`` for texts, and for conversations to the message list, or its text rendered with the chat template of
-``tokenizer`` when one is given (:meth:`RemoteRewardModel.queries`).
-
-An OpenRLHF ``serve_rm`` server (``POST /get_reward``, ``{"query", "prompts", "labels"} -> {"rewards", "scores",
-"extra_logs"}``, which re-tokenizes ``query`` with ``add_special_tokens=False``) therefore works as it is: give it the
-URL with its path, and the dataset a ``labels`` column if it reads labels. The text carries the policy's special
-tokens (its chat template's markers, its EOS): a server with another tokenizer reads them as it reads any text.
-
-Each attempt has a deadline of ``timeout`` seconds for the whole exchange (connecting, sending the request, reading
-the full answer), so a server that answers slowly byte by byte is cut off on time too.
+``query`` is what OpenRLHF's client sends: in training, the policy's prompt and response token ids decoded once, as one
+sequence, special tokens kept (the chat template's markers, an EOS the response ended with), padding removed, so no
+word boundary is lost; otherwise :meth:`RemoteRewardModel.queries`. An OpenRLHF ``serve_rm`` server (``POST
+/get_reward``, re-tokenizing ``query`` with ``add_special_tokens=False``) therefore works as it is: give it the URL
+with its path, and the dataset a ``labels`` column if it reads labels.
 """
 
 from __future__ import annotations
@@ -63,26 +50,19 @@ class RemoteRewardError(RuntimeError):
 
 class RemoteRewardModel:
     """A reward function scored by an HTTP server: ``reward_funcs=[RemoteRewardModel("http://host:8000/score")]``,
-    or ``--reward_funcs http://host:8000/score`` on the command line. See the module docstring for the protocol.
+    or ``--reward_funcs http://host:8000/score``; the protocol is in the module docstring.
 
     The rollout is split into batches of ``batch_size`` (sent ``concurrency`` at a time), each one POST whose every
-    attempt must be over within ``timeout`` seconds: connecting, sending and reading the whole answer (name
-    resolution aside). A connection error, a timeout, an HTTP 5xx or 429 is retried up to ``max_retries`` times,
-    waiting ``backoff * 2**attempt`` seconds before retry ``attempt`` (0, 1, ...); another 4xx is not retried (the
-    request itself is wrong). When a batch still fails, or the answer is not one number per completion, a
-    :class:`RemoteRewardError` (a ``RuntimeError``) names the URL, the HTTP status or error, and what to check; it
-    keeps the batch's texts.
-
-    No rollout is lost: the error is raised while the rollout is scored, before the iteration's update, so nothing is
-    trained on a half-scored batch and no checkpoint of that iteration is written; ``train(resume_from_checkpoint=
-    True)`` repeats the iteration's prompts once the server is back. (With several processes, each sends its own
-    share; when one fails, the others wait at their next collective operation until it times out.) A server that
-    answers ``null`` for a sample drops that sample, as a reward function returning None does.
+    attempt must be over within ``timeout`` seconds (connecting, sending, reading the whole answer). A connection
+    error, a timeout, an HTTP 5xx or 429 is retried up to ``max_retries`` times, waiting ``backoff * 2**attempt``
+    seconds before retry ``attempt`` (0, 1, ...); another 4xx is not. A batch that still fails, or an answer that is
+    not one number per completion, raises a :class:`RemoteRewardError` naming the URL, the status or error and what to
+    check, before the update: nothing is trained on a half-scored batch, and ``train(resume_from_checkpoint=True)``
+    repeats the iteration once the server is back (other processes wait at their next collective until it times out).
 
     ``headers`` are added to each request (e.g. ``{"Authorization": "Bearer ..."}``; never logged). ``columns``
-    names the dataset columns to send (None: all; their values must be JSON-serializable). ``score_key`` reads the
-    scores from that key of the response instead of ``rewards`` / ``scores``. ``name`` is the source's name in the
-    ``rewards/<name>/mean`` metric.
+    names the dataset columns to send (None: all; JSON-serializable). ``score_key`` reads the scores from that key
+    instead of ``rewards`` / ``scores``. ``name`` is the source's name in the ``rewards/<name>/mean`` metric.
     """
 
     def __init__(
@@ -125,11 +105,9 @@ class RemoteRewardModel:
     def __call__(
         self, prompts: list, completions: list, completion_ids=None, *, sequence_texts=None, **columns
     ) -> list[float | None]:
-        """One score (or None) per completion, in order, from the server; ``completion_ids`` are not sent.
-
-        ``sequence_texts`` (the trainer gives them, :func:`~trl_ppomax.rewards.completion_texts`): each prompt ⊕
-        completion as the policy's token ids decoded once, special tokens kept, sent as ``query``; without them
-        ``query`` is :meth:`queries` of the texts."""
+        """One score (or None) per completion, in order, from the server; ``completion_ids`` are not sent. The
+        trainer's ``sequence_texts`` (:func:`~trl_ppomax.rewards.completion_texts`) are sent as ``query``, else
+        :meth:`queries` of the texts."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions: give one prompt each.")
         if sequence_texts is not None and len(sequence_texts) != len(prompts):
@@ -141,16 +119,13 @@ class RemoteRewardModel:
                     f"RemoteRewardModel columns {missing} are not in the dataset (it has {sorted(columns)})."
                 )
             columns = {key: columns[key] for key in self.columns}
-        starts = range(0, len(prompts), self.batch_size)
-        batches = [
-            (
-                prompts[i : i + self.batch_size],
-                completions[i : i + self.batch_size],
-                {key: list(values[i : i + self.batch_size]) for key, values in columns.items()},
-                None if sequence_texts is None else list(sequence_texts[i : i + self.batch_size]),
-            )
-            for i in starts
-        ]
+
+        def chunk(start: int) -> tuple:
+            part = slice(start, start + self.batch_size)
+            texts = None if sequence_texts is None else list(sequence_texts[part])
+            return prompts[part], completions[part], {key: list(value[part]) for key, value in columns.items()}, texts
+
+        batches = [chunk(start) for start in range(0, len(prompts), self.batch_size)]
         if self.concurrency == 1 or len(batches) == 1:
             scored = [self.score_batch(*batch) for batch in batches]
         else:
@@ -158,10 +133,9 @@ class RemoteRewardModel:
                 scored = list(pool.map(lambda batch: self.score_batch(*batch), batches))
         return [score for scores in scored for score in scores]
 
-    # ----------------------------------------------------------------------------------------------------------------
     def queries(self, prompts: list, completions: list) -> list:
-        """OpenRLHF's ``query`` rebuilt from the texts, when the decoded ``sequence_texts`` are not given: each
-        prompt ⊕ completion (see the module docstring)."""
+        """OpenRLHF's ``query`` without ``sequence_texts``: ``prompt + completion`` for texts; for conversations the
+        message list, or its text rendered with the chat template of ``tokenizer`` when one is given."""
         queries = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, str) and isinstance(completion, str):
@@ -251,8 +225,7 @@ class RemoteRewardModel:
     def _attempt(self, request: urllib.request.Request) -> bytes:
         """The body of the answer to one attempt of ``request``, all of it received within ``timeout`` seconds of
         the start (a ``TimeoutError`` when not); the HTTP errors as ``urllib`` raises them."""
-        deadline = time.monotonic() + self.timeout
-        opener = urllib.request.build_opener(*_deadline_handlers(deadline))  # replaces the default HTTP(S) handlers
+        opener = urllib.request.build_opener(_DeadlineHandler(time.monotonic() + self.timeout))  # replaces urllib's
         with opener.open(request, timeout=self.timeout) as response:
             return response.read()
 
@@ -320,11 +293,9 @@ def _shown(value) -> str:
     return _SHOWN.repr(value)
 
 
-# --------------------------------------------------------------------------------------------------------------------
 # A deadline for a whole attempt. urllib's ``timeout`` bounds each socket operation, so a server that sends a byte
 # every second never times out; these handlers give every connection of an attempt one deadline instead: connecting
 # gets the time left, and each send and each read of the socket is given the time left (a TimeoutError once none is).
-# --------------------------------------------------------------------------------------------------------------------
 def _time_left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -390,7 +361,9 @@ class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection)
     pass
 
 
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """urllib's HTTP and HTTPS handler (``build_opener`` then drops its default ones) with one ``deadline``."""
+
     def __init__(self, deadline: float) -> None:
         super().__init__()
         self.deadline = deadline
@@ -398,16 +371,5 @@ class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
     def http_open(self, req):
         return self.do_open(_DeadlineConnection, req, deadline=self.deadline)
 
-
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: float) -> None:
-        super().__init__()
-        self.deadline = deadline
-
     def https_open(self, req):
         return self.do_open(_DeadlineHTTPSConnection, req, deadline=self.deadline)  # urllib's default TLS context
-
-
-def _deadline_handlers(deadline: float) -> list:
-    """urllib handlers for ``build_opener`` (they replace its HTTP and HTTPS ones) with one ``deadline``."""
-    return [_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline)]

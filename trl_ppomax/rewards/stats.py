@@ -54,11 +54,8 @@ def store_reward_stats(config, stats: dict[str, float] | None) -> None:
 
 
 def running_moments_from_config(config) -> core.RunningMoments | None:
-    """RunningMoments seeded with the reward statistics stored by PPOMaxRewardTrainer, or None if there are none.
-
-    Raises ``ValueError`` naming them when stored statistics are NaN/inf, or a negative std or count: seeding reward
-    normalisation with them would make every reward non-finite and skip every iteration.
-    """
+    """RunningMoments seeded with the reward statistics stored by PPOMaxRewardTrainer, or None if there are none; a
+    ``ValueError`` naming them when they are NaN/inf or a negative std or count (every reward would be non-finite)."""
     stored = {key: getattr(config, key, None) for key in STATS_KEYS}
     bad = {
         key: value

@@ -1,9 +1,7 @@
 """Building the toy world: the SFT policy (trl's SFTTrainer on mediocre dialogues) and the reward model
-(PPOMaxRewardTrainer on gold-labelled preference pairs sampled from it), trained once and cached.
-
-The cache is keyed by everything that fills it: the :class:`WorldSettings`, the source of the package modules that
-build the world (:data:`BUILD_MODULES`) and the versions of the libraries that train it (:data:`BUILD_LIBRARIES`), so a
-code change or an upgrade builds a new world instead of silently reusing a stale one."""
+(PPOMaxRewardTrainer on gold-labelled preference pairs sampled from it), trained once and cached, keyed by the
+:class:`WorldSettings`, the source of :data:`BUILD_MODULES` and the versions of :data:`BUILD_LIBRARIES`, so a code
+change or an upgrade builds a new world instead of silently reusing a stale one."""
 
 from __future__ import annotations
 
@@ -27,6 +25,8 @@ from trl_ppomax.toyworld.tiny import llama_config, word_level_tokenizer
 from trl_ppomax.toyworld.world import EOS, WorldSampler, bradley_terry_label, gold_reward, vocabulary
 
 QUIET = dict(report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=50, bf16=False, use_cpu=True)
+#: The trainer settings both builds share.
+TRAINING = dict(QUIET, per_device_train_batch_size=32, max_length=64, gradient_checkpointing=False)
 
 #: Package modules whose code decides what the cached world holds (the world, its trainers and what they call).
 BUILD_MODULES = (
@@ -47,13 +47,9 @@ BUILD_LIBRARIES = ("torch", "transformers", "trl", "tokenizers", "datasets", "ac
 def build_fingerprint() -> dict[str, str]:
     """``{module: sha256 of its source file[:16], library: version}`` for :data:`BUILD_MODULES` and
     :data:`BUILD_LIBRARIES`: what, besides the settings, determines the world."""
-    fingerprint = {}
-    for name in BUILD_MODULES:
-        source = Path(importlib.util.find_spec(name).origin).read_bytes()
-        fingerprint[name] = hashlib.sha256(source).hexdigest()[:16]
-    for library in BUILD_LIBRARIES:
-        fingerprint[library] = importlib.metadata.version(library)
-    return fingerprint
+    sources = {name: Path(importlib.util.find_spec(name).origin).read_bytes() for name in BUILD_MODULES}
+    versions = {library: importlib.metadata.version(library) for library in BUILD_LIBRARIES}
+    return {**{name: hashlib.sha256(source).hexdigest()[:16] for name, source in sources.items()}, **versions}
 
 
 @dataclass(frozen=True)
@@ -92,44 +88,32 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRL_PPOMAX_CACHE", Path.home() / ".cache" / "trl-ppomax")) / "toyworld"
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over the world's vocabulary; pad ≠ eos, left padding."""
-    return word_level_tokenizer(vocabulary())
-
-
-def build_policy(tokenizer, settings: WorldSettings) -> LlamaForCausalLM:
-    torch.manual_seed(settings.seed)
-    config = llama_config(tokenizer, settings.hidden_size, settings.layers, heads=4, max_position_embeddings=64)
-    return LlamaForCausalLM(config)
-
-
 def _stage(folder: Path, build) -> str:
     """Run ``build(tmp)`` into a temporary folder and rename it to ``folder``, unless ``folder`` is already there."""
-    if (folder / "config.json").is_file():
-        return str(folder)
-    with atomic_directory(folder) as temporary:
-        build(Path(temporary))
+    if not (folder / "config.json").is_file():
+        with atomic_directory(folder) as temporary:
+            build(Path(temporary))
     return str(folder)
 
 
 def train_sft(settings: WorldSettings, output: Path) -> None:
-    """trl's SFTTrainer on mediocre dialogues (loss on the completion only)."""
+    """trl's SFTTrainer on mediocre dialogues (loss on the completion only), from a Llama of the settings' size over
+    the world's word-level vocabulary (pad ≠ eos, left padding)."""
     from trl import SFTConfig, SFTTrainer
 
-    tokenizer = build_tokenizer()
+    tokenizer = word_level_tokenizer(vocabulary())
     rows = WorldSampler(seed=settings.seed).sft_rows(settings.sft_dialogues)
+    torch.manual_seed(settings.seed)
+    config = llama_config(tokenizer, settings.hidden_size, settings.layers, heads=4, max_position_embeddings=64)
     trainer = SFTTrainer(
-        model=build_policy(tokenizer, settings),
+        model=LlamaForCausalLM(config),
         args=SFTConfig(
             output_dir=str(output / "run"),
             num_train_epochs=settings.sft_epochs,
-            per_device_train_batch_size=32,
             learning_rate=settings.sft_learning_rate,
             lr_scheduler_type="cosine",
-            max_length=64,
-            gradient_checkpointing=False,
             seed=settings.seed,
-            **QUIET,
+            **TRAINING,
         ),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
@@ -188,14 +172,11 @@ def train_reward_model(settings: WorldSettings, sft: str, output: Path) -> dict:
         args=PPOMaxRewardConfig(
             output_dir=str(output / "run"),
             num_train_epochs=settings.reward_epochs,
-            per_device_train_batch_size=32,
             learning_rate=settings.reward_learning_rate,
             lm_loss_coef=settings.lm_loss_coef,
-            max_length=64,
-            gradient_checkpointing=False,
             reward_histogram=False,
             seed=settings.seed,
-            **QUIET,
+            **TRAINING,
         ),
         train_dataset=pairs["train"],
         eval_dataset=pairs["test"],
@@ -216,5 +197,4 @@ def prepare_world(settings: WorldSettings | None = None, cache_dir: str | os.Pat
     root = Path(cache_dir or default_cache_dir()) / settings.key()
     sft = _stage(root / "sft", lambda tmp: train_sft(settings, tmp))
     reward = _stage(root / "reward", lambda tmp: train_reward_model(settings, sft, tmp))
-    report = read_json(Path(reward) / "toyworld_report.json")
-    return World(sft=sft, reward=reward, report=report)
+    return World(sft=sft, reward=reward, report=read_json(Path(reward) / "toyworld_report.json"))

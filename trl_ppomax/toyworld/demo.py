@@ -70,24 +70,16 @@ def run_demo(output_dir: str = "output/toyworld", iterations: int = 100, seed: i
     trainer, sft, final, _ = run_method(
         world, "ppo_max", output_dir, iterations=iterations, seed=seed, callbacks=[monitor, CompactLogCallback()]
     )
-    rows = {"SFT": sft, "PPO-max": final}
-    print("\n" + format_table(rows))
-    samples = trainer.generate_completions(sampling=True, num_prompts=4)
-    for row in samples:
+    print("\n" + format_table({"SFT": sft, "PPO-max": final}))
+    for row in trainer.generate_completions(sampling=True, num_prompts=4):
         print(f"  gold {gold_reward(row['query'], row['response']):+.2f}  {row['query']!r} → {row['response']!r}")
     print("\nPPO-max against SFT on 64 held-out prompts, judged by the gold reward:")
     versus_sft = win_tie_lose_vs_sft(trainer, world, Path(output_dir) / "eval_vs_sft", seed=seed)
     figure = plot_training_dynamics(
         trainer.state.log_history, Path(output_dir) / "training_dynamics.png", title="PPO-max in the toy world"
     )
-    summary = {
-        "world": world.report,
-        "sft": sft,
-        "ppo_max": final,
-        "collapse_events": monitor.events,
-        "vs_sft": versus_sft,
-        "seconds": time.time() - start,
-    }
+    summary = dict(world=world.report, sft=sft, ppo_max=final, collapse_events=monitor.events, vs_sft=versus_sft)
+    summary["seconds"] = time.time() - start
     write_json(Path(output_dir, "summary.json"), summary)
     print(f"\nFigure: {figure}\nSummary: {Path(output_dir, 'summary.json')}  ({summary['seconds']:.0f} s)")
     return summary

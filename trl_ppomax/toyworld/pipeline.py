@@ -4,28 +4,15 @@ next to the proxy. The SFT policy and reward model are built and cached in :mod:
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from trl_ppomax.ppo.metrics import (
-    EPISODE,
-    GOLD_REWARD,
-    KL,
-    POLICY_LOSS,
-    POLICY_PERPLEXITY,
-    RESPONSE_LENGTH,
-    SCORES,
-    VALUE_LOSS,
-    eval_name,
-)
+from trl_ppomax.ppo import metrics as M
 from trl_ppomax.toyworld.build import QUIET, World
 from trl_ppomax.toyworld.world import WorldSampler, gold_rewards
-
-logger = logging.getLogger(__name__)
 
 
 def eval_prompts(n: int = 64, seed: int = 1234) -> Dataset:
@@ -37,7 +24,7 @@ def train_prompts(n: int = 2048, seed: int = 0) -> Dataset:
 
 
 #: The gold reward, logged next to the proxy as a ``rollout_metrics`` entry (the trainer does not log it otherwise).
-GOLD_METRICS = {GOLD_REWARD: gold_rewards}
+GOLD_METRICS = {M.GOLD_REWARD: gold_rewards}
 
 
 # PPO in the toy world. Every method samples the same way (temperature 1, no top-p, no repetition penalty), so
@@ -99,10 +86,8 @@ def ppo_config(output_dir: str, method: str = "ppo_max", iterations: int = 100, 
 
 
 def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
-    """PPOMaxTrainer on the world's SFT policy and reward model (also the critic's start), logging the gold reward.
-
-    ``extra_rewards``: reward functions added after the reward model as further sources (summed with
-    ``config.reward_weights``, one weight per source), e.g. the stress benchmark's offset or outliers."""
+    """PPOMaxTrainer on the world's SFT policy and reward model (also the critic's start), logging the gold reward;
+    ``extra_rewards`` are further sources after the reward model (weighted by ``config.reward_weights``)."""
     from transformers import AutoModelForSequenceClassification
 
     from trl_ppomax.ppo.trainer import PPOMaxTrainer
@@ -129,29 +114,22 @@ def ppo_trainer(world: World, config, callbacks=None, extra_rewards=()):
     )
 
 
-SUMMARY_KEYS = {
-    "gold_reward": eval_name(GOLD_REWARD),
-    "proxy_reward": eval_name(SCORES),
-    "kl": eval_name(KL),
-    "perplexity": eval_name(POLICY_PERPLEXITY),
-    "response_length": eval_name(RESPONSE_LENGTH),
+#: The logged metric of each training curve; the first five, evaluated, are the summary table's columns.
+CURVE_KEYS = {
+    "gold_reward": M.GOLD_REWARD,
+    "proxy_reward": M.SCORES,
+    "kl": M.KL,
+    "perplexity": M.POLICY_PERPLEXITY,
+    "response_length": M.RESPONSE_LENGTH,
+    "policy_loss": M.POLICY_LOSS,
+    "value_loss": M.VALUE_LOSS,
 }
+SUMMARY_KEYS = {name: M.eval_name(key) for name, key in list(CURVE_KEYS.items())[:5]}
 
 
 def summarise(metrics: dict[str, float]) -> dict[str, float]:
     """The table's columns from ``trainer.evaluate()``'s metrics."""
     return {name: float(metrics[key]) for name, key in SUMMARY_KEYS.items()}
-
-
-CURVE_KEYS = {
-    "gold_reward": GOLD_REWARD,
-    "proxy_reward": SCORES,
-    "kl": KL,
-    "perplexity": POLICY_PERPLEXITY,
-    "response_length": RESPONSE_LENGTH,
-    "policy_loss": POLICY_LOSS,
-    "value_loss": VALUE_LOSS,
-}
 
 
 def run_method(
@@ -164,10 +142,8 @@ def run_method(
     config_overrides: dict | None = None,
     extra_rewards=(),
 ):
-    """Train ``method`` from the SFT policy; returns ``(trainer, sft_summary, final_summary, curves)``.
-
-    ``config_overrides`` are set on top of the method's settings (e.g. ``reward_weights``, learning rates), and
-    ``extra_rewards`` are added as reward sources (:func:`ppo_trainer`)."""
+    """Train ``method`` from the SFT policy, with ``config_overrides`` on top of its settings and ``extra_rewards``
+    (:func:`ppo_trainer`); returns ``(trainer, sft_summary, final_summary, curves)``."""
     config = ppo_config(output_dir, method, iterations=iterations, seed=seed, **(config_overrides or {}))
     trainer = ppo_trainer(world, config, callbacks, extra_rewards=extra_rewards)
     if any(getattr(callback, "replaces_printer", False) for callback in callbacks or []):
@@ -177,9 +153,9 @@ def run_method(
     sft = summarise(trainer.evaluate(metric_key_prefix="eval"))
     trainer.train()
     final = summarise(trainer.evaluate(metric_key_prefix="eval"))
-    logs = [entry for entry in trainer.state.log_history if GOLD_REWARD in entry]
+    logs = [entry for entry in trainer.state.log_history if M.GOLD_REWARD in entry]
     curves = {name: [float(entry[key]) for entry in logs] for name, key in CURVE_KEYS.items()}
-    curves["episode"] = [float(entry[EPISODE]) for entry in logs]
+    curves["episode"] = [float(entry[M.EPISODE]) for entry in logs]
     return trainer, sft, final, curves
 
 

@@ -1,22 +1,13 @@
-"""Tiny offline models, tokenizer and datasets: everything is built in code, nothing is downloaded.
-
-Useful for smoke tests, recipes and docs that must run without the Hugging Face Hub. The tokenizer is word-level over
-a fixed vocabulary of :data:`WORDS` (plus :data:`SPECIALS` and the chat role markers), pads on the left and has a
-plain ``role: content </s>`` chat template. The models are randomly initialised 2-layer Llama or GPT-NeoX networks
-with a hidden size of 32.
-
-In Python::
-
-    from trl_ppomax.toyworld.tiny import build_models, save_tiny_models
+"""Tiny offline models, tokenizer and datasets, all built in code (nothing is downloaded), for smoke tests, recipes
+and docs that must run without the Hub. The tokenizer is word-level over :data:`SPECIALS`, :data:`WORDS` and the chat
+role markers, pads on the left and has a plain ``role: content </s>`` chat template; the models are random 2-layer
+Llama or GPT-NeoX networks of hidden size 32::
 
     tokenizer, policy, reward_model = build_models("llama", seed=0)  # in memory
     paths = save_tiny_models("tiny")  # on disk: {"sft", "reward", "prompts", "preferences"}
+    # shell: trl-ppomax tiny tiny/ --arch gpt_neox --seed 1
 
-From the shell::
-
-    trl-ppomax tiny tiny/ --arch gpt_neox --seed 1
-
-The saved folders load with ``AutoTokenizer`` / ``AutoModelForCausalLM`` (``sft/``) and
+The folders load with ``AutoTokenizer`` / ``AutoModelForCausalLM`` (``sft/``) and
 ``AutoModelForSequenceClassification`` (``reward/``); the datasets with ``datasets.load_dataset("json", ...)``.
 """
 
@@ -57,49 +48,10 @@ __all__ = [
 
 #: The plain words of the tokenizer's vocabulary (after the specials, before the role markers).
 WORDS = [
-    "hello",
-    "hi",
-    "how",
-    "are",
-    "you",
-    "today",
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "sun",
-    "moon",
-    "good",
-    "bad",
-    "great",
-    "nice",
-    "please",
-    "thanks",
-    "tell",
-    "me",
-    "about",
-    "write",
-    "poem",
-    "story",
-    "short",
-    "long",
-    "happy",
-    "sad",
-    "yes",
-    "no",
-    "what",
-    "why",
-    "is",
-    "it",
-    "very",
-    "much",
-    "more",
-    "less",
-    "and",
-    "or",
-    "but",
-    "so",
-]
+    "hello", "hi", "how", "are", "you", "today", "the", "a", "cat", "dog", "sun", "moon", "good", "bad", "great",
+    "nice", "please", "thanks", "tell", "me", "about", "write", "poem", "story", "short", "long", "happy", "sad",
+    "yes", "no", "what", "why", "is", "it", "very", "much", "more", "less", "and", "or", "but", "so",
+]  # fmt: skip
 #: Special tokens, ids 0-3: padding, unknown, beginning and end of sequence.
 SPECIALS = ["[PAD]", "[UNK]", "<s>", "</s>"]
 #: ``role: content </s>`` per message, then ``assistant:`` when a generation prompt is asked for.
@@ -156,36 +108,24 @@ def llama_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int =
 
 def model_config(arch: str, vocab_size: int, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
     """The tiny config for ``arch`` ("llama" or "gpt_neox"): hidden 32, 2 layers, 2 heads, intermediate 64."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
+    llama = llama_config(tokenizer, vocab_size=vocab_size)
     if arch == "llama":
-        return llama_config(tokenizer, vocab_size=vocab_size)
-    if arch == "gpt_neox":
-        llama = llama_config(tokenizer, vocab_size=vocab_size).to_dict()
-        common = {
-            k: llama[k]
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "max_position_embeddings",
-                "pad_token_id",
-                "eos_token_id",
-                "bos_token_id",
-            )
-        }
-        return GPTNeoXConfig(**common, rotary_pct=0.5)
-    raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
+        return llama
+    shared = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "max_position_embeddings", "pad_token_id", "eos_token_id", "bos_token_id",
+    )  # fmt: skip
+    values = llama.to_dict()
+    return GPTNeoXConfig(**{k: values[k] for k in shared}, rotary_pct=0.5)
 
 
 def build_models(
     arch: str = "llama", seed: int = 0
 ) -> tuple[PreTrainedTokenizerFast, PreTrainedModel, PreTrainedModel]:
-    """``(tokenizer, causal_lm, reward_model)`` with random weights; the reward model has ``num_labels=1``.
-
-    Seeds torch's global generator with ``seed`` right before building the causal LM, then builds the reward
-    model, so the same seed always gives the same weights (and leaves the global generator in the same state).
-    """
+    """``(tokenizer, causal_lm, reward_model)`` with random weights (``num_labels=1``), torch's global generator
+    seeded with ``seed`` just before, so a seed always gives the same weights."""
     tokenizer = build_tokenizer()
     config = model_config(arch, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
@@ -199,44 +139,34 @@ def build_models(
 def prompt_texts(n: int = 32) -> list[str]:
     """``n`` prompts of 2-5 random :data:`WORDS`, always the same for a given ``n`` (own generator, seed 1)."""
     g = torch.Generator().manual_seed(1)
-    return [
-        " ".join(
-            WORDS[j]
-            for j in torch.randint(len(WORDS), (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        )
-        for _ in range(n)
-    ]
+    prompts = []
+    for _ in range(n):
+        length = int(torch.randint(2, 6, (1,), generator=g))
+        prompts.append(" ".join(WORDS[j] for j in torch.randint(len(WORDS), (length,), generator=g).tolist()))
+    return prompts
 
 
 def preference_rows(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
-    """``n`` rows of ``{"prompt", "chosen", "rejected"}`` following one clear rule a reward model can learn.
-
-    ``chosen`` contains both "please" and "thanks", ``rejected`` contains neither; otherwise the two share the same
-    body of random words. Both start with a space so they read naturally after the prompt, and use only
-    :data:`WORDS`. Uses its own generator (``random.Random(seed)``), not torch's.
-    """
+    """``n`` rows of ``{"prompt", "chosen", "rejected"}`` with one learnable rule: ``chosen`` is " please BODY
+    thanks", ``rejected`` " BODY" (random :data:`WORDS`, drawn by ``random.Random(seed)``, not torch)."""
     rng = random.Random(seed)
     plain = [w for w in WORDS if w not in _POLITE]
-    prompts = prompt_texts(n)
     rows = []
-    for prompt in prompts:
+    for prompt in prompt_texts(n):
         body = " ".join(rng.choice(plain) for _ in range(rng.randint(2, 5)))
         rows.append({"prompt": prompt, "chosen": f" please {body} thanks", "rejected": f" {body}"})
     return rows
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
 def _write_all(root: Path, arch: str, seed: int) -> None:
     tokenizer, policy, reward = build_models(arch, seed)
-    policy.save_pretrained(root / "sft")
-    tokenizer.save_pretrained(root / "sft")
-    reward.save_pretrained(root / "reward")
-    tokenizer.save_pretrained(root / "reward")
+    for folder, model in (("sft", policy), ("reward", reward)):
+        model.save_pretrained(root / folder)
+        tokenizer.save_pretrained(root / folder)
     _write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompt_texts(48)])
     _write_jsonl(root / "preferences.jsonl", preference_rows(64, seed))
 
@@ -244,21 +174,11 @@ def _write_all(root: Path, arch: str, seed: int) -> None:
 def save_tiny_models(
     output_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, overwrite: bool = False
 ) -> dict[str, str]:
-    """Write tiny models and datasets into ``output_dir`` and return their paths.
-
-    Writes ``sft/`` (causal LM + tokenizer), ``reward/`` (sequence-classification model with ``num_labels=1`` +
-    tokenizer), ``prompts.jsonl`` (48 rows, column "prompt") and ``preferences.jsonl`` (64 rows, columns
-    "prompt" / "chosen" / "rejected", see :func:`preference_rows`). Everything is first written into a temporary
-    sibling folder that is renamed into place only once complete
-    (:func:`~trl_ppomax.data.files.atomic_directory`), so a crash never leaves a half-written ``output_dir``.
-
-    Returns:
-        ``{"sft": ..., "reward": ..., "prompts": ..., "preferences": ...}`` as strings.
-
-    Raises:
-        ValueError: ``arch`` is unknown, ``output_dir`` is a file, or it is a non-empty folder and ``overwrite``
-            is false.
-    """
+    """Write ``sft/`` (causal LM + tokenizer), ``reward/`` (``num_labels=1`` classifier + tokenizer),
+    ``prompts.jsonl`` (48 rows) and ``preferences.jsonl`` (64 rows, :func:`preference_rows`) into ``output_dir``,
+    atomically (:func:`~trl_ppomax.data.files.atomic_directory`: a crash never leaves a half-written folder); returns
+    their paths, ``{"sft", "reward", "prompts", "preferences"}``. A ``ValueError`` when ``arch`` is unknown, or
+    ``output_dir`` is a file or a non-empty folder without ``overwrite``."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"Unknown tiny architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}.")
     out = Path(output_dir).expanduser().absolute()
@@ -271,9 +191,5 @@ def save_tiny_models(
         )
     with atomic_directory(out) as tmp:
         _write_all(Path(tmp), arch, seed)
-    return {
-        "sft": str(out / "sft"),
-        "reward": str(out / "reward"),
-        "prompts": str(out / "prompts.jsonl"),
-        "preferences": str(out / "preferences.jsonl"),
-    }
+    names = {"sft": "sft", "reward": "reward", "prompts": "prompts.jsonl", "preferences": "preferences.jsonl"}
+    return {key: str(out / name) for key, name in names.items()}

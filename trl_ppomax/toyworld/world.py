@@ -7,9 +7,9 @@ off other topics:
     gold = 1.0·[topic named] + 0.5·[polite word] − 0.5·#(other topics) − 0.3·#(repeated words)
            − 0.15·max(0, n − 12) − 0.15·max(0, 5 − n)          (n = number of words)
 
-The best responses score 1.5. A reward model trained on a few hundred pairs labelled by this function learns its
-easy parts (topic words, politeness, "more is better") but not its limits (no repetition, a length cap), so it can be
-exploited: repeating rewarded words to the maximum length raises the proxy reward while the gold reward falls.
+The best responses score 1.5. A reward model trained on pairs labelled by it learns the easy parts (topic words,
+politeness, "more is better") but not the limits (no repetition, a length cap), so it can be exploited: repeating
+rewarded words to the maximum length raises the proxy reward while the gold reward falls.
 """
 
 from __future__ import annotations
@@ -21,37 +21,9 @@ from dataclasses import dataclass
 TOPICS = ("cat", "dog", "sun", "moon", "tea", "rain", "book", "music")
 POLITE = ("please", "thanks", "kindly")
 FILLER = [
-    "the",
-    "a",
-    "is",
-    "very",
-    "and",
-    "it",
-    "so",
-    "nice",
-    "good",
-    "warm",
-    "small",
-    "big",
-    "old",
-    "new",
-    "my",
-    "your",
-    "we",
-    "like",
-    "love",
-    "see",
-    "find",
-    "make",
-    "today",
-    "here",
-    "there",
-    "always",
-    "often",
-    "more",
-    "some",
-    "all",
-]
+    "the", "a", "is", "very", "and", "it", "so", "nice", "good", "warm", "small", "big", "old", "new", "my", "your",
+    "we", "like", "love", "see", "find", "make", "today", "here", "there", "always", "often", "more", "some", "all",
+]  # fmt: skip
 PROMPT_TEMPLATES = ("tell me about the {}", "what do you think of the {}", "describe the {}", "talk about the {}")
 PROMPT_WORDS = sorted({w for t in PROMPT_TEMPLATES for w in t.replace("{}", "").split()})
 SPECIALS = ("[PAD]", "[UNK]", "<s>", "</s>")
@@ -60,8 +32,7 @@ SWEET_SPOT = (5, 12)
 
 
 def vocabulary() -> list[str]:
-    words = [*SPECIALS, USER, ASSISTANT, *TOPICS, *POLITE, *FILLER, *PROMPT_WORDS]
-    return list(dict.fromkeys(words))
+    return list(dict.fromkeys([*SPECIALS, USER, ASSISTANT, *TOPICS, *POLITE, *FILLER, *PROMPT_WORDS]))
 
 
 def prompt_text(topic: str, template: int = 0) -> str:

@@ -1,2 +1,1 @@
-"""Local ``evaluate`` metric modules, loaded by path (``evaluate.load(<folder>)``, offline): one folder per metric,
-holding ``<folder name>.py``."""
+"""Local ``evaluate`` metrics, loaded offline by path (``evaluate.load(<folder>)``): ``<folder>/<folder>.py``."""

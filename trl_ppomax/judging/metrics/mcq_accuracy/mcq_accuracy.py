@@ -1,5 +1,4 @@
-"""Multiple-choice accuracy as an ``evaluate`` metric; load it by path (works offline):
-``evaluate.load("<path to this folder>")``."""
+"""Multiple-choice accuracy as an ``evaluate`` metric, loaded by path (offline): ``evaluate.load("<this folder>")``."""
 
 import datasets
 import evaluate
