@@ -106,8 +106,17 @@ def gradients(trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def test_token_budget_micro_batches_give_the_row_split_loss_and_gradients(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path, response_length=12, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(loss_aggregation="token_mean"),
+        dict(loss_aggregation="seq_mean_token_sum", kl_placement="loss"),
+        dict(loss_aggregation="seq_mean_token_mean", dual_clip=3.0, cliprange_high=0.28),
+    ],
+)
+def test_token_budget_micro_batches_give_the_row_split_loss_and_gradients(tmp_path, monkeypatch, settings):
+    sizes = dict(response_length=12, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    trainer = make_trainer(tmp_path, **sizes, **settings)
     rollout = first_rollout(trainer)
     lengths = rollout.response_mask.sum(1)
     assert lengths.min() < lengths.max()  # varied lengths: packing differs from the row split

@@ -739,7 +739,7 @@ def test_clipped_policy_loss_hand_values():
     ratios = [1.5, 0.5, 1.1, 1.5, 0.5]
     assert_close(stats["ratio"], py_mean(ratios), atol=1e-12)
     assert_close(stats["ratio_var"], py_var(ratios, unbiased=False), atol=1e-12)
-    assert set(stats) == {"clipfrac", "approxkl", "ratio", "ratio_var"}
+    assert set(stats) == {"clipfrac", "clipfrac_lower", "approxkl", "ratio", "ratio_var"}
     for value in stats.values():
         assert value.dim() == 0
 
@@ -1046,6 +1046,8 @@ def test_public_api_is_covered():
     tested = {
         "RunningMoments",
         "row_split_loss_weights",
+        "kl_loss",
+        "explained_variance",
         "truncated_importance_weights",
         "nucleus_logprobs",
         "clipped_policy_loss",
@@ -1200,3 +1202,68 @@ def test_robust_location_scale_takes_the_true_median_of_an_even_count():
     assert core.robust_location_scale(torch.tensor([[1.0, 2], [4, 10]])) == pytest.approx((3.0, 2.2239))
     assert core.robust_location_scale(torch.tensor([7.0])) == (7.0, 0.0)
     assert all(math.isnan(v) for v in core.robust_location_scale(torch.tensor([])))
+
+
+# -- Clip-higher, dual-clip, loss aggregation, the KL as a loss, explained variance (issue 33) -------------------------
+def peer_policy_inputs():
+    import json
+    from pathlib import Path
+
+    peers = json.loads((Path(__file__).parent / "data" / "peer_estimators.json").read_text())
+    loss = peers["verl_policy_loss"]
+    names = ("logprobs", "old_logprobs", "advantages")
+    return [torch.tensor(loss[n]) for n in names], torch.tensor(peers["inputs"]["mask"]), loss
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_clip_higher_dual_clip_and_each_aggregation_equal_verls_policy_loss(aggregation):
+    """verl's compute_policy_loss_vanilla (clip_ratio_low 0.2, clip_ratio_high 0.28, clip_ratio_c 3) and agg_loss on
+    the same tensors, one micro-batch, run in a throwaway check (tests/data)."""
+    (logprobs, old, advantages), mask, peer = peer_policy_inputs()
+    weights = None if aggregation == "token_mean" else core.row_split_loss_weights(mask, len(mask), aggregation)
+    loss, _ = core.clipped_policy_loss(
+        logprobs, old, advantages, mask, 0.2, loss_weights=weights, cliprange_high=0.28, dual_clip=3.0
+    )
+    assert loss.item() == pytest.approx(peer["loss"][aggregation.replace("_", "-")], rel=1e-5)
+
+
+def test_clip_higher_and_dual_clip_by_hand():
+    """One token each: ρ = 1.25 with A = 1 is clipped at 1 + ε_high = 1.28 only above it (kept: −1.25); ρ = 5 with
+    A = −1: PPO's loss 5 is bounded by dual-clip's −c·A = 3."""
+    logprobs = torch.log(torch.tensor([[1.25, 5.0]]))
+    old, advantages, mask = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    symmetric, stats = core.clipped_policy_loss(logprobs, old, advantages, mask, 0.2)
+    assert symmetric.item() == pytest.approx((-1.2 + 5.0) / 2) and stats["clipfrac"].item() == 0.5
+    higher, _ = core.clipped_policy_loss(logprobs, old, advantages, mask, 0.2, cliprange_high=0.28)
+    assert higher.item() == pytest.approx((-1.25 + 5.0) / 2)
+    dual, stats = core.clipped_policy_loss(logprobs, old, advantages, mask, 0.2, cliprange_high=0.28, dual_clip=3.0)
+    assert dual.item() == pytest.approx((-1.25 + 3.0) / 2) and stats["clipfrac_lower"].item() == 0.5
+
+
+def test_loss_aggregation_weights_by_hand():
+    """Rows of 3, 1 and 0 tokens (the last dropped), one micro-batch."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]]).float()
+    token = core.row_split_loss_weights(mask, 3, "token_mean")
+    seq_sum = core.row_split_loss_weights(mask, 3, "seq_mean_token_sum")
+    seq_mean = core.row_split_loss_weights(mask, 3, "seq_mean_token_mean")
+    torch.testing.assert_close(token, mask / 4)
+    torch.testing.assert_close(seq_sum, mask / 2)
+    torch.testing.assert_close(seq_mean, torch.tensor([[1 / 6, 1 / 6, 1 / 6], [0.5, 0, 0], [0, 0, 0]]))
+
+
+def test_the_kl_loss_is_the_estimators_mean_with_its_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref, mask = torch.tensor([[-1.5, -1.0, -9.0]]), torch.tensor([[1, 1, 0]])
+    k2 = core.kl_loss(logprobs, ref, mask, "k2")
+    assert k2.item() == pytest.approx((0.5 * 0.5**2 + 0.5 * 1.0**2) / 2)
+    k2.backward()  # d/dlogπ ½(logπ − logπ_ref)² / 2 = (logπ − logπ_ref) / 2
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.25, -0.5, 0.0]]))
+
+
+def test_explained_variance_by_hand():
+    returns, mask = torch.tensor([[1.0, 2.0, 3.0, 99.0]]), torch.tensor([[1, 1, 1, 0]])
+    assert core.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert core.explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
+    # residuals (0.5, 0, −0.5): Var 1/6 against Var(R) 2/3
+    values = torch.tensor([[0.5, 2.0, 3.5, 0.0]])
+    assert core.explained_variance(values, returns, mask).item() == pytest.approx(1 - (1 / 6) / (2 / 3))

@@ -1,7 +1,15 @@
-"""Advantage estimators: the registry ``PPOMaxConfig.advantage_estimator`` names one of. An estimator turns a
-rollout's shaped token rewards into the policy's advantages and the critic's targets, and says whether it needs a
-critic (GAE does; a group baseline over one prompt's samples would not). A new estimator is a function and one
-:data:`ESTIMATORS` entry; the trainer calls :meth:`AdvantageEstimator.estimate` and knows nothing else about it."""
+"""Advantage estimators: the registry ``PPOMaxConfig.advantage_estimator`` names one of. An estimator may first
+replace each sequence score by a baseline-corrected one (``baseline``: a group baseline over one prompt's
+``num_samples_per_prompt`` samples, rows ``i·n … i·n + n − 1``), then turns the shaped token rewards (that score on
+the last token, −β·KL on every token when the KL is in the reward) into the policy's advantages and the critic's
+targets, and says whether it needs a critic. A new estimator is a function and one :data:`ESTIMATORS` entry; the
+trainer knows nothing else about it.
+
+The critic-free estimators follow OpenRLHF's convention (``experience_maker.py``): the group baseline corrects the
+score, and the advantage of token t is the return from t, ``A_t = Σ_{s≥t} γ^{s−t} r_s``, so a KL penalty in the
+reward still counts from the token on. With the KL as a loss (``kl_placement="loss"``) ``A_t`` is the corrected score
+on every token, as verl's ``core_algos`` computes them; both are cross-checked in ``tests/test_advantages.py``.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,18 @@ import torch
 
 from trl_ppomax.ppo import core
 
-__all__ = ["ESTIMATORS", "AdvantageEstimate", "AdvantageEstimator", "gae"]
+__all__ = [
+    "ESTIMATORS",
+    "AdvantageEstimate",
+    "AdvantageEstimator",
+    "discounted_returns",
+    "gae",
+    "group_mean_baseline",
+    "group_normalized",
+    "leave_one_out_baseline",
+]
+
+GRPO_EPS = 1e-6  # verl's ε in (s − mean) / (std + ε)
 
 
 @dataclass(frozen=True)
@@ -29,13 +48,50 @@ class AdvantageEstimate:
 class AdvantageEstimator:
     """One entry of :data:`ESTIMATORS`: ``estimate(token_rewards, values, mask, args) -> AdvantageEstimate`` with
     token rewards, values and the response mask (B, T), and the run's config; ``needs_critic``: whether ``values``
-    must come from a critic (else they are zeros and no critic is trained)."""
+    must come from a critic (else they are zeros and no critic is trained); ``baseline(scores, kept, n) -> scores``
+    (B,): the group baseline applied to the sequence scores first, or None (a group estimator needs
+    ``num_samples_per_prompt ≥ 2``); ``whitens``: the advantages are whitened over every real token of the global
+    batch, ``(A − μ)/sqrt(σ² + 1e-8)`` (verl's ``masked_whiten``, unbiased σ²)."""
 
     name: str
     needs_critic: bool
     estimate: Callable[..., AdvantageEstimate]
+    baseline: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    whitens: bool = False
 
 
+# -- Group baselines on the sequence scores (B,), kept samples only ------------------------------------------------------
+def _groups(scores: torch.Tensor, kept: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, kept, count)`` viewed as (prompts, n), and each prompt's kept samples (prompts, 1)."""
+    values, weights = scores.view(-1, n), kept.to(scores.dtype).view(-1, n)
+    return values * weights, weights, weights.sum(1, keepdim=True)
+
+
+def group_mean_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
+    """``s_i − mean_group(s)`` (REINFORCE++-baseline, arXiv 2501.03262; Dr. GRPO, arXiv 2503.20783), over the kept
+    samples of each prompt; a sample alone in its group gets 0 (nothing to compare it with); dropped ones 0."""
+    values, weights, count = _groups(scores, kept, n)
+    mean = values.sum(1, keepdim=True) / count.clamp(min=1)
+    return ((values - mean) * weights * (count > 1)).view(-1)
+
+
+def leave_one_out_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
+    """RLOO (arXiv 2402.14740): ``s_i − mean_{j≠i}(s_j) = k/(k−1)·(s_i − mean_group(s))`` with ``k`` kept samples."""
+    count = kept.to(scores.dtype).view(-1, n).sum(1, keepdim=True)
+    factor = (count / (count - 1).clamp(min=1)).expand(-1, n).reshape(-1)
+    return group_mean_baseline(scores, kept, n) * factor
+
+
+def group_normalized(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
+    """GRPO (arXiv 2402.03300): ``(s_i − mean_group(s)) / (std_group(s) + ε)``, the unbiased std of the kept samples,
+    ε = :data:`GRPO_EPS` (verl's; OpenRLHF's ``group_norm``)."""
+    values, weights, count = _groups(scores, kept, n)
+    mean = values.sum(1, keepdim=True) / count.clamp(min=1)
+    std = (((values - mean) * weights) ** 2).sum(1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
+    return ((values - mean) * weights * (count > 1) / (std + GRPO_EPS)).view(-1)
+
+
+# -- Estimates ----------------------------------------------------------------------------------------------------------
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, args) -> AdvantageEstimate:
     """GAE (§3.2.2): ``δ_t = r_t + γV_{t+1} − V_t``, ``A_t = Σ_l (γλ)^l δ_{t+l}``, ``R_t = A_t + V_t``, with
     ``args.gamma`` and ``args.lam``, or, beyond the paper, the length-adaptive policy λ (``args.lam_alpha``,
@@ -45,5 +101,22 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, a
     return AdvantageEstimate(advantages, returns, lam)
 
 
+def discounted_returns(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, args):
+    """The critic-free advantage ``A_t = R_t = Σ_{s≥t} γ^{s−t} r_s`` (B, T), ``γ = args.gamma`` (RLHF's 1.0)."""
+    returns = core.compute_gae(token_rewards, torch.zeros_like(token_rewards), mask, args.gamma, 1.0)[0]
+    return AdvantageEstimate(returns, returns)
+
+
 #: The advantage estimators by name; GAE is PPO-max's (and the default).
-ESTIMATORS: dict[str, AdvantageEstimator] = {"gae": AdvantageEstimator("gae", needs_critic=True, estimate=gae)}
+ESTIMATORS: dict[str, AdvantageEstimator] = {
+    estimator.name: estimator
+    for estimator in (
+        AdvantageEstimator("gae", needs_critic=True, estimate=gae),
+        # REINFORCE++ and its group-baseline variant (arXiv 2501.03262) whiten over the global batch
+        AdvantageEstimator("reinforce_pp", False, discounted_returns, whitens=True),
+        AdvantageEstimator("reinforce_pp_baseline", False, discounted_returns, group_mean_baseline, whitens=True),
+        AdvantageEstimator("rloo", False, discounted_returns, leave_one_out_baseline),
+        AdvantageEstimator("grpo", False, discounted_returns, group_normalized),
+        AdvantageEstimator("dr_grpo", False, discounted_returns, group_mean_baseline),
+    )
+}

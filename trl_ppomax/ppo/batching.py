@@ -49,15 +49,23 @@ def token_budget_groups(query_mask, response_mask, budget: int, accelerator) -> 
 
 def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, engine_divisor: int | None) -> list:
     """``(rows, loss weights)`` of one update step's micro-batches: ``per_device_train_batch_size`` rows each (weights
-    None: token means), or packed by length under ``max_tokens_per_microbatch`` with :func:`core.row_split_loss_weights`
-    times the divisor ``backward`` applies (``engine_divisor``, DeepSpeed's accumulation steps, else the count), which
-    leaves the gradients unchanged; every process gets as many as the busiest (repeating a row with zero weight)."""
+    None: token means; else the ``loss_aggregation``'s, :func:`core.row_split_loss_weights`), or packed by length
+    under ``max_tokens_per_microbatch`` with the row split's weights times the divisor ``backward`` applies
+    (``engine_divisor``, DeepSpeed's accumulation steps, else the count), which leaves the gradients unchanged; every
+    process gets as many as the busiest (repeating a row with zero weight)."""
+    aggregation, rows_each = args.loss_aggregation, args.per_device_train_batch_size
     if args.max_tokens_per_microbatch is None:
-        return [(rows, None) for rows in minibatch.split(args.per_device_train_batch_size)]
+        if aggregation == "token_mean":
+            return [(rows, None) for rows in minibatch.split(rows_each)]
+        mask = rollout.response_mask
+        return [
+            (rows, core.row_split_loss_weights(mask[rows], len(rows), aggregation))
+            for rows in minibatch.split(rows_each)
+        ]
     mask = rollout.response_mask[minibatch]
     budget = args.max_tokens_per_microbatch
     groups, count = token_budget_groups(rollout.query_mask[minibatch], mask, budget, accelerator)
-    weights = core.row_split_loss_weights(mask, args.per_device_train_batch_size).float()
+    weights = core.row_split_loss_weights(mask, rows_each, aggregation).float()
     micro_batches = [(minibatch[g], weights[g] * (engine_divisor or count)) for g in groups]
     idle = (minibatch[:1], torch.zeros_like(weights[:1]))
     return micro_batches + [idle] * (count - len(groups))

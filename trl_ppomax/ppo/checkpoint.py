@@ -113,6 +113,7 @@ class CheckpointMixin:
         "num_mini_batches",
         "num_samples_per_prompt",
         "num_ppo_epochs",
+        "update_epochs",
         "world_size",
         "batch_size",
         "total_episodes",

@@ -21,7 +21,7 @@ import torch
 from transformers import TrainingArguments
 
 from trl_ppomax.ppo import advantages
-from trl_ppomax.ppo.core import KLEstimator, RewardNorm
+from trl_ppomax.ppo.core import KLEstimator, LossAggregation, RewardNorm
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ ImportanceSampling = Literal["old_policy", "reference"]
 VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
+KLPlacement = Literal["reward", "loss"]
 
 #: The tricks beyond the paper, off in the paper's and trl's presets.
 _BEYOND_PAPER_OFF = {"reward_norm_freeze": False, "reward_winsorize": None, "lam_critic": None, "lam_alpha": None}
@@ -75,6 +76,19 @@ PRESETS["ppo_max_robust"] = {
 }
 
 
+#: Settings of the critic alone (GAE's λ included): a critic-free estimator warns about any set away from its default.
+CRITIC_SETTINGS = (
+    "vf_coef",
+    "cliprange_value",
+    "critic_learning_rate",
+    "critic_adam_epsilon",
+    "num_critic_epochs",
+    "lam",
+    "lam_critic",
+    "lam_alpha",
+)
+
+
 def default_bf16(fp16: bool) -> bool:
     """bf16 by default only where it runs: on a GPU that supports it, and not together with fp16."""
     return not fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -109,6 +123,7 @@ _RANGES: dict[str, Callable[[float], bool]] = {
     "≥ 1": lambda v: v >= 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
+    "> 1": lambda v: v > 1,
 }
 # Numeric fields checked at construction: (field, allowed values as :data:`_RANGES` names them, what the field means or
 # what to set). ", or None" after the allowed values lets None through; NaN and ±inf never pass.
@@ -139,6 +154,9 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("max_tokens_per_microbatch", "≥ 1, or None", "None splits micro-batches by rows."),
     ("max_prompt_length", "≥ 1, or None", "None: the policy's context minus response_length."),
     ("num_ppo_epochs", "≥ 1", "Passes over each rollout batch."),
+    ("num_critic_epochs", "≥ 1, or None", "None uses num_ppo_epochs."),
+    ("cliprange_high", "≥ 0, or None", "None uses cliprange; DAPO's ε_high is 0.28."),
+    ("dual_clip", "> 1, or None", "None disables dual clipping; verl's c is 3."),
     ("num_mini_batches", "≥ 1", "Minibatches each rollout batch is split into."),
     ("reward_clip", "> 0, or None", "δ of the score clip [−δ, δ]; None disables it."),
     ("max_grad_norm", "≥ 0", "0 disables gradient clipping."),
@@ -278,7 +296,34 @@ class PPOMaxConfig(TrainingArguments):
     cliprange: float | None = _field(0.2, "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping.")
     vf_coef: float = _field(0.1, "Weight of the value loss.")
     cliprange_value: float | None = _field(0.2, "ε_v of the clipped value loss (§3.2.3); None disables it.")
-    advantage_estimator: str = _field("gae", "A key of trl_ppomax.ppo.advantages.ESTIMATORS; 'gae' (§3.2.2).")
+    advantage_estimator: str = _field(
+        "gae",
+        "A key of trl_ppomax.ppo.advantages.ESTIMATORS: 'gae' (§3.2.2, with a critic), or critic-free 'rloo', "
+        "'reinforce_pp', 'reinforce_pp_baseline', 'grpo', 'dr_grpo' (the group ones need num_samples_per_prompt ≥ 2).",
+    )
+    kl_placement: KLPlacement = _field(  # noqa: RUF009
+        "reward",
+        "Where the KL to the reference goes: 'reward' (the paper's token penalty −η·KL_t) or 'loss' (kl_coef × the "
+        "kl_estimator's mean KL added to the policy loss; verl's use_kl_loss). k2 as a loss has k1-in-reward's "
+        "gradient, k3 (GRPO's) a biased one (arXiv 2510.01555).",
+    )
+    cliprange_high: float | None = _field(
+        None, "ε_high of the ratio's upper clip, 1 + ε_high (DAPO's clip-higher: 0.28); None uses cliprange."
+    )
+    dual_clip: float | None = _field(
+        None,
+        "c > 1 of dual-clip PPO: a negative advantage's loss is at most −c·A (verl's clip_ratio_c: 3); None: off.",
+    )
+    loss_aggregation: LossAggregation = _field(  # noqa: RUF009
+        "token_mean",
+        "How token losses make a micro-batch's loss (verl's loss_agg_mode): 'token_mean' over all tokens, "
+        "'seq_mean_token_sum' or 'seq_mean_token_mean' (per response, then the mean over responses).",
+    )
+    num_critic_epochs: int | None = _field(
+        None,
+        "Passes of the critic over each rollout batch (≥ num_ppo_epochs; the extra ones train it alone); None: "
+        "num_ppo_epochs.",
+    )
     gamma: float = _field(1.0, "Discount factor γ of GAE (§3.2.2).")
     lam: float | None = _preset_field(
         "lam",
@@ -465,16 +510,23 @@ class PPOMaxConfig(TrainingArguments):
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _skip_critic_warmup_without_critic(self) -> None:
-        """An estimator that needs no critic has no critic to pre-train: the preset's ``critic_warmup_steps`` does not
-        apply (0), and one set explicitly is said and set to 0 (it would only waste iterations)."""
+        """An estimator that needs no critic has no critic to pre-train or fit: the preset's ``critic_warmup_steps``
+        does not apply (0), and the critic's settings a user set away from their defaults are named in a warning
+        (they would change nothing)."""
         estimator = advantages.ESTIMATORS.get(self.advantage_estimator)
         if estimator is None or estimator.needs_critic:
             return
+        defaults = {f.name: f.default for f in fields(self) if f.name in CRITIC_SETTINGS}
+        unused = [
+            f"{name}={getattr(self, name)!r}" for name in CRITIC_SETTINGS if getattr(self, name) != defaults[name]
+        ]
         if self.critic_warmup_steps:
+            unused.insert(0, f"critic_warmup_steps={self.critic_warmup_steps}")
+        if unused:
             logger.warning(
-                "critic_warmup_steps=%s does not apply: advantage_estimator=%r needs no critic and builds none, so "
-                "there is no critic to pre-train; training the policy from the first iteration.",
-                self.critic_warmup_steps,
+                "%s: not applied, advantage_estimator=%r needs no critic and builds none; the policy trains from the "
+                "first iteration.",
+                ", ".join(unused),
                 self.advantage_estimator,
             )
         self.critic_warmup_steps = 0
@@ -494,11 +546,7 @@ class PPOMaxConfig(TrainingArguments):
         if self.stop_token is not None and self.stop_token_id is not None:
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
-        if self.advantage_estimator not in advantages.ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {tuple(advantages.ESTIMATORS)}, got {self.advantage_estimator!r}; "
-                "register another in trl_ppomax.ppo.advantages.ESTIMATORS."
-            )
+        self._validate_estimator()
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),
@@ -507,10 +555,31 @@ class PPOMaxConfig(TrainingArguments):
             ("advantage_whitening_scope", AdvantageScope),
             ("grad_clip_scope", GradClipScope),
             ("vllm_mode", VLLMMode),
+            ("kl_placement", KLPlacement),
+            ("loss_aggregation", LossAggregation),
         ):
             choices = get_args(allowed)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
+
+    def _validate_estimator(self) -> None:
+        estimator = advantages.ESTIMATORS.get(self.advantage_estimator)
+        if estimator is None:
+            raise ValueError(
+                f"advantage_estimator must be one of {tuple(advantages.ESTIMATORS)}, got {self.advantage_estimator!r}; "
+                "register another in trl_ppomax.ppo.advantages.ESTIMATORS."
+            )
+        if estimator.baseline is not None and self.num_samples_per_prompt < 2:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} compares the responses to one prompt with each "
+                f"other, but num_samples_per_prompt={self.num_samples_per_prompt}: set num_samples_per_prompt ≥ 2 "
+                "(e.g. 4, as TRL GRPO's num_generations), or use 'reinforce_pp' or 'gae'."
+            )
+        if self.num_critic_epochs is not None and self.num_critic_epochs < self.num_ppo_epochs:
+            raise ValueError(
+                f"num_critic_epochs={self.num_critic_epochs} is below num_ppo_epochs={self.num_ppo_epochs}: the critic "
+                "trains in every policy epoch; set num_critic_epochs ≥ num_ppo_epochs (or None)."
+            )
 
     def _validate_sampling_and_packing(self) -> None:
         local = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
@@ -571,6 +640,11 @@ class PPOMaxConfig(TrainingArguments):
     @property
     def effective_critic_learning_rate(self) -> float:
         return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+    @property
+    def update_epochs(self) -> int:
+        """Passes over each rollout batch: ``num_ppo_epochs``, or more with ``num_critic_epochs`` (the critic alone)."""
+        return max(self.num_ppo_epochs, (self.num_critic_epochs or 0) if self.uses_critic else 0)
 
     @property
     def uses_critic(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardNorm = Literal["none", "running", "scale"]
+LossAggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 
 
 # -- Masked statistics -------------------------------------------------------------------------------------------------
@@ -45,13 +46,21 @@ def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.T
     return (total / count.clamp(min=1)).to(x.dtype)
 
 
-def row_split_loss_weights(mask: torch.Tensor, rows_per_micro_batch: int) -> torch.Tensor:
+def row_split_loss_weights(
+    mask: torch.Tensor, rows_per_micro_batch: int, aggregation: LossAggregation = "token_mean"
+) -> torch.Tensor:
     """Per-token loss weights (B, T) of a minibatch's rows, in order, under the row split: G micro-batches of
-    ``rows_per_micro_batch`` rows, each adding its masked token mean ÷ G, so ``w_rt = m_rt / (G · max(N_g, 1))`` with
-    ``N_g`` the tokens of row ``r``'s micro-batch. ``Σ w·ℓ`` over any grouping of the rows is the row split's loss."""
+    ``rows_per_micro_batch`` rows, each adding its ``aggregation`` of the token losses ÷ G (verl's
+    ``loss_agg_mode``). With ``N_g`` the tokens and ``S_g`` the rows with tokens of row ``r``'s micro-batch and
+    ``l_r`` its own tokens: ``token_mean`` ``w_rt = m_rt / (G·N_g)``; ``seq_mean_token_sum`` ``m_rt / (G·S_g)``;
+    ``seq_mean_token_mean`` ``m_rt / (G·S_g·l_r)`` (each count at least 1). ``Σ w·ℓ`` over any grouping of the rows
+    is the row split's loss."""
     group = torch.arange(mask.shape[0], device=mask.device) // rows_per_micro_batch
-    tokens = torch.zeros(int(group[-1]) + 1, device=mask.device).index_add_(0, group, mask.sum(1).float())
-    return mask * (1.0 / (len(tokens) * tokens.clamp(min=1)))[group, None]
+    lengths = mask.sum(1).float()
+    counted = lengths if aggregation == "token_mean" else (lengths > 0).float()
+    totals = torch.zeros(int(group[-1]) + 1, device=mask.device).index_add_(0, group, counted)
+    weights = mask * (1.0 / (len(totals) * totals.clamp(min=1)))[group, None]
+    return weights / lengths.clamp(min=1)[:, None] if aggregation == "seq_mean_token_mean" else weights
 
 
 def masked_var(
@@ -366,31 +375,56 @@ def clipped_policy_loss(
     cliprange: float | None,
     weights: torch.Tensor | None = None,
     loss_weights: torch.Tensor | None = None,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))`` with ``ρ = exp(log π_θ − log π_old)``, each
-    token's term times ``weights`` (B, T) when given (:func:`truncated_importance_weights`); with ``loss_weights``
-    the weighted sum instead of the mean (:func:`row_split_loss_weights`).
+    """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε_high))`` with ``ρ = exp(log π_θ − log π_old)``
+    and ``ε_high = cliprange_high`` (DAPO's clip-higher, arXiv 2503.14476; None: ε), each token's term times
+    ``weights`` (B, T) when given (:func:`truncated_importance_weights`); with ``loss_weights`` the weighted sum
+    instead of the mean (:func:`row_split_loss_weights`). ``dual_clip`` c > 1 bounds the loss of a negative advantage
+    by ``−c·A`` (dual-clip PPO, arXiv 1912.09729; verl's ``clip_ratio_c``).
 
     ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
-    tokens where the clipped term is taken), ``approxkl`` (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``."""
+    tokens where the clipped term is taken), ``clipfrac_lower`` (share where the dual clip is), ``approxkl``
+    (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``."""
     logratio = logprobs - old_logprobs
     ratio = torch.exp(logratio)
     pg_losses = -advantages * ratio
     if cliprange is None:
         pg_max, clipped = pg_losses, torch.zeros_like(pg_losses)
     else:
-        pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+        high = cliprange if cliprange_high is None else cliprange_high
+        pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
         pg_max = torch.max(pg_losses, pg_losses_clipped)
         clipped = (pg_losses_clipped > pg_losses).to(pg_losses.dtype)
+    dual_clipped = torch.zeros_like(pg_losses)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_clipped = ((advantages < 0) & (pg_max > bound)).to(pg_losses.dtype)
+        pg_max = torch.where(advantages < 0, torch.min(pg_max, bound), pg_max)
     loss = _masked_loss_mean(pg_max if weights is None else pg_max * weights, mask, loss_weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
+            "clipfrac_lower": masked_mean(dual_clipped, mask),
             "approxkl": 0.5 * masked_mean(logratio**2, mask),
             "ratio": masked_mean(ratio, mask),
             "ratio_var": masked_var(ratio, mask, unbiased=False),
         }
     return loss, stats
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: KLEstimator,
+    loss_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL to the reference as a loss term (verl's ``use_kl_loss``, OpenRLHF's ``--algo.kl.use_loss``): the masked
+    mean (or ``loss_weights`` sum) of :func:`kl_penalty` of the current log-probs (B, T), with gradient. k2's
+    gradient equals k1-in-the-reward's on-policy; k3's (GRPO's) is biased (arXiv 2510.01555)."""
+    return _masked_loss_mean(kl_penalty(logprobs, ref_logprobs, estimator), mask, loss_weights)
 
 
 def clipped_value_loss(
@@ -420,6 +454,15 @@ def clipped_value_loss(
             "error": masked_mean(unclipped, mask),
         }
     return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None):
+    """``1 − Var(R − V) / Var(R)`` over the real tokens (B, T) of every process (0-d; NaN when the returns do not
+    vary): 1 is a perfect critic, 0 one no better than the mean return, below 0 worse (CleanRL's
+    ``explained_variance``)."""
+    residual = masked_var(returns - values, mask, unbiased=False, reduce=reduce)
+    spread = masked_var(returns, mask, unbiased=False, reduce=reduce)
+    return 1.0 - residual / spread
 
 
 def entropy_loss(

@@ -188,13 +188,22 @@ class ExperienceMaker:
         return bool(self.args.reward_norm_freeze) and step >= max(self.args.critic_warmup_steps, 1)
 
     def _estimate(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor):
-        """Token rewards (the score on the last token, −β·KL on every token; whitened with ``whiten_rewards``) and
-        the ``advantage_estimator``'s estimate from them."""
+        """The ``advantage_estimator``'s estimate from the token rewards: the score (group-baselined first by a
+        critic-free estimator) on the last token, −β·KL on every token with ``kl_placement="reward"``; whitened
+        with ``whiten_rewards``."""
         args, mask = self.args, rollout.response_mask
-        token_rewards, _ = core.token_rewards(scores, kl, mask, args.kl_coef)
+        estimator = advantages.ESTIMATORS[args.advantage_estimator]
+        if estimator.baseline is not None:
+            scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt)
+        kl_coef = args.kl_coef if args.kl_placement == "reward" else 0.0
+        token_rewards = core.token_rewards(scores, kl, mask, kl_coef)[0]
         if args.whiten_rewards:
             token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=self.reduce)
-        return advantages.ESTIMATORS[args.advantage_estimator].estimate(token_rewards, rollout.values, mask, args)
+        estimate = estimator.estimate(token_rewards, rollout.values, mask, args)
+        if estimator.whitens:
+            whitened = core.masked_whiten(estimate.advantages, mask, reduce=self.reduce)
+            estimate = dataclasses.replace(estimate, advantages=whitened)
+        return estimate
 
     def _logged(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
         """The kept samples' per-response metrics averaged over every process, and the batch's."""
@@ -204,6 +213,10 @@ class ExperienceMaker:
         metrics.update(M.batch_metrics(rollout, estimate.advantages, estimate.returns, moments, self.reduce, gather))
         if not self.args.uses_critic:  # no critic, no values: the zeros stand in for none
             metrics.pop(M.VALUES)
+        else:
+            mask = rollout.response_mask
+            explained = core.explained_variance(rollout.values, estimate.returns, mask, self.reduce)
+            metrics[M.EXPLAINED_VARIANCE] = explained.item()
         if isinstance(estimate.lam_policy, torch.Tensor):
             metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], self.reduce)
         if (n := self.args.num_samples_per_prompt) > 1:

@@ -100,7 +100,7 @@ def schedule_with_critic_warmup(scheduler, args, num_training_steps: int):
     so no engine moves it (not even AdamW's weight decay ``lr · wd · θ``), shifted by :func:`after_critic_warmup`."""
     if not (args.critic_warmup_steps and isinstance(scheduler, LambdaLR)):
         return scheduler
-    critic_steps = args.critic_warmup_steps * args.num_ppo_epochs * args.num_mini_batches
+    critic_steps = args.critic_warmup_steps * args.update_epochs * args.num_mini_batches
     warmup = args.get_warmup_steps(num_training_steps)
     return after_critic_warmup(scheduler, critic_steps, warmup, args.critic_warmup_replaces_lr_warmup)
 

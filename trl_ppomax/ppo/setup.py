@@ -393,6 +393,17 @@ def check_best_metric(metric_for_best_model: str | None, eval_dataset, rollout_m
     )
 
 
+def check_deepspeed_epochs(args) -> None:
+    """Extra critic epochs are refused under DeepSpeed: its engine steps every parameter inside ``backward``, so the
+    policy's zero gradients there would still move it by Adam's momentum."""
+    if args.update_epochs > args.num_ppo_epochs:
+        raise ValueError(
+            f"num_critic_epochs={args.num_critic_epochs} > num_ppo_epochs={args.num_ppo_epochs} is not supported under "
+            "DeepSpeed (its optimizer steps the policy in the critic's extra epochs too); set num_critic_epochs=None, "
+            "or train without DeepSpeed (DDP or FSDP)."
+        )
+
+
 def check_engine(fsdp_enabled: bool, distributed_type) -> None:
     """Warn when the launcher asked for FSDP but the trainer runs without it: accelerate (1.x) enables FSDP only on
     GPU-type process groups, silently running plain DDP on CPU."""

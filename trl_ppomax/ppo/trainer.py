@@ -145,7 +145,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     # -- Set-up ----------------------------------------------------------------------------------------------------------
     def _prepare_models(self) -> None:
-        num_updates = self.num_total_batches * self.args.num_ppo_epochs * self.args.num_mini_batches
+        num_updates = self.num_total_batches * self.args.update_epochs * self.args.num_mini_batches
         self.create_optimizer_and_scheduler(num_training_steps=num_updates)
         enabled, kwargs = self.args.checkpointing
         if enabled:
@@ -154,6 +154,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         setup.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
+            setup.check_deepspeed_epochs(self.args)
         if isinstance(self.ref_model, nn.Module):
             self.ref_model = models.prepare_frozen(self.ref_model, self.accelerator)
         self.reward_sources.prepare(lambda module: models.prepare_frozen(module, self.accelerator))
@@ -230,7 +231,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         policy; returns the update's metrics and why nothing trained, else None."""
         args, skipped = self.args, self.ppo_state.counters[M.SKIPPED_UPDATES]
         metrics = self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps)
-        steps, problem = args.num_ppo_epochs * args.num_mini_batches, None
+        steps, problem = args.update_epochs * args.num_mini_batches, None
         if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:
             problem = f"non-finite gradients: all {steps} optimizer steps skipped"
         elif iteration > args.critic_warmup_steps:
@@ -320,7 +321,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
     # -- Phase 3: PPO update ---------------------------------------------------------------------------------------------
     def ppo_update(self, experience: Experience, critic_only: bool = False) -> dict[str, float]:
         """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over its
-        micro-batches (:meth:`accumulate_gradients`). ``critic_only`` trains the critic alone (§5.3.3)."""
+        micro-batches (:meth:`accumulate_gradients`), then the critic alone up to ``num_critic_epochs``.
+        ``critic_only`` trains the critic alone (§5.3.3)."""
         args, stats = self.args, defaultdict(list)
         for epoch, minibatch in update.minibatches(args, experience.advantages.device):
             step_experience = experience
@@ -328,8 +330,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
                 step_experience = update.whitened_per_minibatch(experience, minibatch, self.experience_maker.whitened)
             # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
             log_entropy = epoch == 0 or args.entropy_coef > 0
-            micro_stats = self.accumulate_gradients(step_experience, minibatch, critic_only, log_entropy)
-            for step_stats in [*micro_stats, self._optimizer_step(critic_only)]:
+            critic_alone = critic_only or epoch >= args.num_ppo_epochs
+            micro_stats = self.accumulate_gradients(step_experience, minibatch, critic_alone, log_entropy)
+            for step_stats in [*micro_stats, self._optimizer_step(critic_alone)]:
                 for name, value in step_stats.items():
                     stats[name].append(value)
         return update.mean_stats(stats, self.accelerator)

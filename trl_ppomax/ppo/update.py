@@ -20,7 +20,7 @@ from trl_ppomax.ppo.experience import Experience
 def minibatches(args, device) -> Iterator[tuple[int, torch.Tensor]]:
     """``(epoch, rows)`` of every optimizer step: each epoch a fresh permutation of the process's rollout rows split
     into ``local_mini_batch_size`` rows."""
-    for epoch in range(args.num_ppo_epochs):
+    for epoch in range(args.update_epochs):
         for rows in torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size):
             yield epoch, rows
 
@@ -81,6 +81,9 @@ def micro_batch_loss(
     old, advantages = experience.old_logprobs[rows, :width], experience.advantages[rows, :width]
     sampling = None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width]
     policy_loss, stats = _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args)
+    if args.kl_placement == "loss":
+        kl = core.kl_loss(logprobs, rollout.ref_logprobs[:, :width], mask, args.kl_estimator, weights)
+        policy_loss, stats[M.KL_LOSS] = policy_loss + args.kl_coef * kl, kl.detach()
     if ptx_logits is not None:
         ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
         policy_loss = policy_loss + args.ptx_coef * ptx_loss
@@ -107,11 +110,17 @@ def _logprobs_and_entropy(logits, responses, args, log_entropy: bool):
 def _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate (+ entropy_coef · the entropy term) and their stats; ``old``: log π_old, ``sampling``:
     the truncated importance weights of the sampler (or None)."""
-    pg_loss, pg_stats = core.clipped_policy_loss(logprobs, old, advantages, mask, args.cliprange, sampling, weights)
+    clip = dict(cliprange_high=args.cliprange_high, dual_clip=args.dual_clip)
+    pg_loss, pg_stats = core.clipped_policy_loss(
+        logprobs, old, advantages, mask, args.cliprange, sampling, weights, **clip
+    )
     logged = {M.CLIPFRAC: "clipfrac", M.APPROXKL: "approxkl", M.RATIO: "ratio", M.RATIO_VAR: "ratio_var"}
+    if args.dual_clip is not None:
+        logged[M.CLIPFRAC_LOWER] = "clipfrac_lower"
     stats = {M.POLICY_LOSS: pg_loss.detach(), **{name: pg_stats[key] for name, key in logged.items()}}
     if entropy is None:
         return pg_loss, stats
-    entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target, weights)
+    entropy_weights = weights if args.entropy_target is None else None  # |mean(H) − H*| is a token mean
+    entropy_term, entropy_stats = core.entropy_loss(entropy, mask, args.entropy_target, entropy_weights)
     stats[M.ENTROPY] = entropy_stats["entropy"]
     return pg_loss + args.entropy_coef * entropy_term, stats

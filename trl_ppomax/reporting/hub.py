@@ -61,6 +61,7 @@ CARD_SETTINGS = (
     "learning_rate",
     "total_episodes",
     "num_ppo_epochs",
+    "advantage_estimator",
     "lm_loss_coef",
 )
 
