@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 #: Names inside a ``checkpoint-N`` folder (the rest are transformers').
 PPO_STATE_NAME = "ppo_state.json"
 CRITIC_DIR = "critic"
+#: Where ``save_model`` writes the trained critic beside the policy (``save_value_model``).
+VALUE_MODEL_DIR = "value_model"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
 

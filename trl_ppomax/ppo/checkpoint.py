@@ -37,6 +37,7 @@ from transformers.utils.hub import hf_api
 from trl_ppomax.data.files import (
     CRITIC_DIR,
     PPO_STATE_NAME,
+    VALUE_MODEL_DIR,
     DiskFullError,
     OutputDirInUse,
     atomic_directory,
@@ -244,14 +245,16 @@ class CheckpointMixin:
         card.save(f"{self.args.output_dir}/README.md")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, gathered from every shard
-        under ZeRO-3 or FSDP, atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it
+        """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, and with
+        ``save_value_model`` the critic and tokenizer in its ``value_model/`` (``AutoModelForSequenceClassification``
+        loads it; ``value_model=`` warm-starts a run from it), gathered from every shard under ZeRO-3 or FSDP, atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it
         is kept). Under :attr:`_engine_checkpoint_only` the folder gets DeepSpeed's sharded engine checkpoint instead,
         and a warning says how to consolidate it. A collective: every process calls it."""
         final = output_dir or self.args.output_dir
         engine_only = self._engine_checkpoint_only
         with atomic_directory(final, self.accelerator, merge=True) as folder:
-            self._save_weights(folder, with_critic=False, engine_checkpoint=engine_only)
+            critic_dir = VALUE_MODEL_DIR if self.args.save_value_model else None
+            self._save_weights(folder, critic_dir, engine_checkpoint=engine_only)
         if engine_only and self.is_world_process_zero():
             tag = _drop_older_engine_folders(final)
             logger.warning(
@@ -285,8 +288,8 @@ class CheckpointMixin:
             )
         return None
 
-    def _save_weights(self, folder: str, with_critic: bool, engine_checkpoint: bool = False) -> None:
-        """The policy (and critic) weights, configs and tokenizer into ``folder``; a collective. Under
+    def _save_weights(self, folder: str, critic_dir: str | None, engine_checkpoint: bool = False) -> None:
+        """The policy (and, in ``folder/critic_dir``, critic) weights, configs and tokenizer; a collective. Under
         :attr:`_engine_checkpoint_only` only the configs: ``engine_checkpoint`` also writes the engine's checkpoint."""
         if self._engine_checkpoint_only:
             if engine_checkpoint:
@@ -294,8 +297,8 @@ class CheckpointMixin:
             if self.args.should_save:
                 wrapper = self.accelerator.unwrap_model(self.model_wrapped)
                 _save_config(wrapper.policy, folder)
-                if with_critic and wrapper.critic is not None:
-                    _save_config(wrapper.critic, os.path.join(folder, CRITIC_DIR))
+                if critic_dir and wrapper.critic is not None:
+                    _save_config(wrapper.critic, os.path.join(folder, critic_dir))
                 self._save_tokenizer_and_args(folder)
             return
         try:
@@ -309,10 +312,11 @@ class CheckpointMixin:
             return
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
         wrapper.policy.save_pretrained(folder, state_dict=sub_state_dict(state, "policy."))
-        if with_critic and wrapper.critic is not None:
-            wrapper.critic.save_pretrained(
-                os.path.join(folder, CRITIC_DIR), state_dict=sub_state_dict(state, "critic.")
-            )
+        if critic_dir and wrapper.critic is not None:
+            critic_folder = os.path.join(folder, critic_dir)
+            wrapper.critic.save_pretrained(critic_folder, state_dict=sub_state_dict(state, "critic."))
+            if critic_dir == VALUE_MODEL_DIR:  # a model of its own: loadable with its tokenizer
+                self.processing_class.save_pretrained(critic_folder)
         self._save_tokenizer_and_args(folder)
 
     def _save_tokenizer_and_args(self, folder: str) -> None:
@@ -331,7 +335,7 @@ class CheckpointMixin:
         try:
             with atomic_directory(final, self.accelerator) as folder:
                 # engine-only saves: the engine folder holds the weights; _save_optimizer_and_scheduler writes it
-                self._save_weights(folder, with_critic=True, engine_checkpoint=self.args.save_only_model)
+                self._save_weights(folder, CRITIC_DIR, engine_checkpoint=self.args.save_only_model)
                 if not self.args.save_only_model:
                     self._save_optimizer_and_scheduler(folder)
                     self._save_rng_state(folder)

@@ -319,6 +319,11 @@ class PPOMaxConfig(TrainingArguments):
         "How token losses make a micro-batch's loss (verl's loss_agg_mode): 'token_mean' over all tokens, "
         "'seq_mean_token_sum' or 'seq_mean_token_mean' (per response, then the mean over responses).",
     )
+    save_value_model: bool = _field(
+        True,
+        "save_model also writes the trained critic, with the tokenizer, to <dir>/value_model (pushed with the "
+        "policy as that subfolder); value_model=<dir>/value_model warm-starts a run from it.",
+    )
     num_critic_epochs: int | None = _field(
         None,
         "Passes of the critic over each rollout batch (≥ num_ppo_epochs; the extra ones train it alone); None: "
