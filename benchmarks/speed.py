@@ -156,6 +156,23 @@ def batching_main(args) -> None:
     report(results, m, ratios, keys, args.output)
 
 
+def critic_free_main(args) -> None:
+    """A critic-free estimator (RLOO) against GAE, PPO-max's, at 4 samples per prompt (the group needs them): time per
+    episode and peak memory of the same episodes; RLOO builds no critic (one model, its forward and update less)."""
+    assets = build_assets(HERE / ".cache" / "speed-assets")
+    presets = ["ppo_max+n=4", "ppo_max+n=4+estimator=rloo"]
+    results = run_alternating([("ppomax", preset, sys.executable) for preset in presets], assets, args)
+    m = median_fields(results, KEYS)
+    gae, rloo = m["ppomax/ppo_max+n=4"], m["ppomax/ppo_max+n=4+estimator=rloo"]
+    ratios = {
+        "seconds per episode (rloo / gae)": gae["episodes_per_second"] / rloo["episodes_per_second"],
+        "peak_rss (rloo / gae)": rloo["peak_rss_gb"] / gae["peak_rss_gb"],
+        "scoring forwards seconds (rloo / gae)": rloo["scoring_forwards_seconds"] / gae["scoring_forwards_seconds"],
+        "update and rest seconds (rloo / gae)": rloo["update_and_rest_seconds"] / gae["update_and_rest_seconds"],
+    }
+    report(results, m, ratios, KEYS, args.output)
+
+
 def run_alternating(configs: list[tuple[str, str, str]], assets: Path, args) -> dict[str, list[dict]]:
     """``args.runs`` rounds of every ``(impl, preset, python)`` config, the order reversed every other round."""
     results: dict[str, list[dict]] = {f"{impl}/{preset}": [] for impl, preset, _ in configs}
@@ -205,6 +222,7 @@ VARIANTS = {
     "varied": ["--varied-lengths"],  # prompts of widely varying lengths
     "n": ["--samples-per-prompt"],  # n=K: K samples per prompt
     "tokens": ["--max-tokens"],  # tokens=K: micro-batches under a K-token budget
+    "estimator": ["--estimator"],  # estimator=NAME: advantage_estimator (a critic-free one builds no critic)
 }
 
 
@@ -254,8 +272,11 @@ def main() -> None:
         action="store_true",
         help="token-budget vs row micro-batches on prompts of varied lengths; n=4 samples per prompt vs 4× the prompts",
     )
+    parser.add_argument("--critic-free", action="store_true", help="RLOO (no critic) vs GAE, n=4 samples per prompt")
     parser.add_argument("--vllm-python", default=str(HERE.parent / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
+    if args.critic_free:
+        return critic_free_main(args)
     if args.vllm:
         return vllm_main(args)
     if args.batching:

@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="ppomax: num_samples_per_prompt")
     parser.add_argument("--max-tokens", type=int, default=None, help="ppomax: max_tokens_per_microbatch")
     parser.add_argument("--varied-lengths", action="store_true", help="prompts of widely varying lengths")
+    parser.add_argument("--estimator", default="gae", help="ppomax: advantage_estimator (critic-free: no value model)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -126,6 +127,7 @@ def main() -> None:
         kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}
         extra.update(num_samples_per_prompt=args.samples_per_prompt, max_tokens_per_microbatch=args.max_tokens)
+        extra.update(advantage_estimator=args.estimator)
         if args.vanilla_sampling:
             extra.update(top_p=1.0, repetition_penalty=1.0)
         if args.impl == "ppomax+vllm":
@@ -156,6 +158,8 @@ def main() -> None:
         seed=0,
         **extra,
     )
+    critic_free = args.impl.startswith("ppomax") and not config.uses_critic
+    value_model = None if critic_free else AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward")
     prompts = load_from_disk(f"{args.assets}/prompts")
     prompts = varied_prompts(prompts, tokenizer) if args.varied_lengths else prompts
     trainer = PPOTrainer(
@@ -164,7 +168,7 @@ def main() -> None:
         model=AutoModelForCausalLM.from_pretrained(f"{args.assets}/sft"),
         ref_model=AutoModelForCausalLM.from_pretrained(f"{args.assets}/sft"),
         reward_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
-        value_model=AutoModelForSequenceClassification.from_pretrained(f"{args.assets}/reward", num_labels=1),
+        value_model=value_model,
         train_dataset=prompts,
     )
     PHASES.clear()
@@ -181,6 +185,7 @@ def main() -> None:
         + json.dumps(
             {
                 "impl": args.impl,
+                "estimator": args.estimator,
                 "preset": (args.preset + ("+vanilla_sampling" if args.vanilla_sampling else ""))
                 if args.impl.startswith("ppomax")
                 else "trl112",
