@@ -55,6 +55,17 @@ METHODS: dict[str, dict] = {
     "ppo_max_robust_no_lam_alpha": dict(preset="ppo_max_robust", lam_alpha=None),
     # a check of the reward_offset_5 reading: KL-only with the critic pre-trained first (it then learns the offset)
     "trl_ppo_critic_warmup": dict(preset="vanilla", critic_warmup_steps=4),
+    # the 2026 toolbox (issue 33) on PPO-max's reward shaping: critic-free estimators (4 samples per prompt), the KL
+    # as a k2 loss, clip-higher
+    "rloo": dict(preset="ppo_max", advantage_estimator="rloo", num_samples_per_prompt=4),
+    "reinforce_pp_baseline": dict(
+        preset="ppo_max", advantage_estimator="reinforce_pp_baseline", num_samples_per_prompt=4
+    ),
+    "grpo": dict(
+        preset="ppo_max", advantage_estimator="grpo", num_samples_per_prompt=4, kl_placement="loss", kl_estimator="k3"
+    ),
+    "ppo_max_kl_loss_k2": dict(preset="ppo_max", kl_placement="loss", kl_estimator="k2"),
+    "ppo_max_clip_higher": dict(preset="ppo_max", cliprange_high=0.28),
 }
 
 
