@@ -290,6 +290,19 @@ def test_token_budget_micro_batches_and_samples_per_prompt_under_zero(tmp_path, 
     assert run[0]["logits_sum"] == pytest.approx(run[1]["logits_sum"], rel=1e-6)
 
 
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp2"])
+def test_a_critic_free_estimator_trains_under_every_engine(tmp_path, engine):
+    """RLOO (2 samples per prompt) builds no critic: the engine wraps the policy alone, which trains, the same on
+    both ranks, with no skipped step."""
+    config, options, _ = ENGINES[engine]
+    run = launch(config, tmp_path, *options, "--estimator", "rloo", "--samples-per-prompt", "2")
+    main = run[0]
+    assert main["global_step"] == STEPS and main["counters"]["skipped/updates"] == 0
+    assert main["checksum"]["critic"] == 0.0 and main["checksum"]["policy"] != main["checksum_initial"]["policy"]
+    assert main["metrics_finite"] and all("loss/value" not in entry for entry in main["metrics"])
+    assert run[0]["logits_sum"] == pytest.approx(run[1]["logits_sum"], rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # A DeepSpeed JSON of the user's own (issue 26, item 8): explicit batch sizes, as DeepSpeed-Chat and many teams write
 # them, not accelerate's "auto"; the models are loaded by the command (under ZeRO-3 inside zero.Init), not built first.

@@ -56,6 +56,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--push-offline", action="store_true")
+    parser.add_argument("--estimator", default="gae", help="advantage_estimator (a critic-free one builds no critic)")
     return parser.parse_args()
 
 
@@ -204,6 +205,7 @@ def main() -> None:
         ds3_gather_for_generation=not options.no_ds3_gather,
         max_tokens_per_microbatch=options.max_tokens_per_microbatch,
         num_samples_per_prompt=options.samples_per_prompt,
+        advantage_estimator=options.estimator,
         **hub,
     )
     recorder.trainer = trainer
