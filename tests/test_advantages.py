@@ -235,10 +235,11 @@ def test_group_advantages_sum_to_zero_within_each_prompt(tmp_path):
     assert (first != 0).any()
 
 
-def test_every_estimator_resumes_bit_identically(tmp_path):
-    """A run stopped after iteration 1 and resumed ends with the weights of the uninterrupted run (RLOO here; GAE's
-    resume is tested in test_trainer.py and the estimator changes no saved state)."""
-    settings = dict(advantage_estimator="rloo", num_samples_per_prompt=2, save_strategy="steps", save_steps=1)
+@pytest.mark.parametrize("name", ["reinforce_pp", *GROUP_ESTIMATORS])
+def test_every_critic_free_estimator_resumes_bit_identically(tmp_path, name):
+    """A run stopped after iteration 1 and resumed ends with the weights of the uninterrupted run (GAE's resume is
+    tested in test_trainer.py)."""
+    settings = dict(advantage_estimator=name, num_samples_per_prompt=2, save_strategy="steps", save_steps=1)
     whole = make_trainer(tmp_path / "whole", **settings)
     whole.train()
     stopped = make_trainer(tmp_path / "cut", callbacks=[StopAt(1)], **settings)

@@ -61,23 +61,25 @@ class AdvantageEstimator:
 
 
 # -- Group baselines on the sequence scores (B,), kept samples only ------------------------------------------------------
-def _groups(scores: torch.Tensor, kept: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scores, kept, count)`` viewed as (prompts, n), and each prompt's kept samples (prompts, 1)."""
+def _groups(scores: torch.Tensor, kept: torch.Tensor, n: int):
+    """``(centred, weights, count)``: the kept scores minus their prompt's mean and the kept mask, (prompts, n), and
+    each prompt's kept samples (prompts, 1)."""
     values, weights = scores.view(-1, n), kept.to(scores.dtype).view(-1, n)
-    return values * weights, weights, weights.sum(1, keepdim=True)
+    count = weights.sum(1, keepdim=True)
+    mean = (values * weights).sum(1, keepdim=True) / count.clamp(min=1)
+    return (values - mean) * weights, weights, count
 
 
 def group_mean_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
     """``s_i − mean_group(s)`` (REINFORCE++-baseline, arXiv 2501.03262; Dr. GRPO, arXiv 2503.20783), over the kept
     samples of each prompt; a sample alone in its group gets 0 (nothing to compare it with); dropped ones 0."""
-    values, weights, count = _groups(scores, kept, n)
-    mean = values.sum(1, keepdim=True) / count.clamp(min=1)
-    return ((values - mean) * weights * (count > 1)).view(-1)
+    centred, _, count = _groups(scores, kept, n)
+    return (centred * (count > 1)).view(-1)
 
 
 def leave_one_out_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
     """RLOO (arXiv 2402.14740): ``s_i − mean_{j≠i}(s_j) = k/(k−1)·(s_i − mean_group(s))`` with ``k`` kept samples."""
-    count = kept.to(scores.dtype).view(-1, n).sum(1, keepdim=True)
+    count = _groups(scores, kept, n)[2]
     factor = (count / (count - 1).clamp(min=1)).expand(-1, n).reshape(-1)
     return group_mean_baseline(scores, kept, n) * factor
 
@@ -85,10 +87,9 @@ def leave_one_out_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> 
 def group_normalized(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
     """GRPO (arXiv 2402.03300): ``(s_i − mean_group(s)) / (std_group(s) + ε)``, the unbiased std of the kept samples,
     ε = :data:`GRPO_EPS` (verl's; OpenRLHF's ``group_norm``)."""
-    values, weights, count = _groups(scores, kept, n)
-    mean = values.sum(1, keepdim=True) / count.clamp(min=1)
-    std = (((values - mean) * weights) ** 2).sum(1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
-    return ((values - mean) * weights * (count > 1) / (std + GRPO_EPS)).view(-1)
+    centred, _, count = _groups(scores, kept, n)
+    std = (centred**2).sum(1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
+    return (centred * (count > 1) / (std + GRPO_EPS)).view(-1)
 
 
 # -- Estimates ----------------------------------------------------------------------------------------------------------

@@ -247,9 +247,10 @@ class CheckpointMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, and with
         ``save_value_model`` the critic and tokenizer in its ``value_model/`` (``AutoModelForSequenceClassification``
-        loads it; ``value_model=`` warm-starts a run from it), gathered from every shard under ZeRO-3 or FSDP, atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it
-        is kept). Under :attr:`_engine_checkpoint_only` the folder gets DeepSpeed's sharded engine checkpoint instead,
-        and a warning says how to consolidate it. A collective: every process calls it."""
+        loads it; ``value_model=`` warm-starts a run from it), gathered from every shard under ZeRO-3 or FSDP,
+        atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it is kept). Under
+        :attr:`_engine_checkpoint_only` the folder gets DeepSpeed's sharded engine checkpoint instead, and a warning
+        says how to consolidate it. A collective: every process calls it."""
         final = output_dir or self.args.output_dir
         engine_only = self._engine_checkpoint_only
         with atomic_directory(final, self.accelerator, merge=True) as folder:
