@@ -13,7 +13,7 @@ import pytest
 
 from trl_ppomax.ppo.monitor import CollapseMonitor
 from trl_ppomax.toyworld import WorldSettings, gold_reward, prepare_world
-from trl_ppomax.toyworld.pipeline import run_method
+from trl_ppomax.toyworld.pipeline import SUMMARY_KEYS, run_method
 from trl_ppomax.toyworld.world import WorldSampler, prompt_text
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "ppo_max.py"
@@ -63,6 +63,12 @@ def forty_iterations(world, tmp_path_factory):
         )
         runs[method] = (sft, final, curves, {event["signal"] for event in monitor.events})
     return runs
+
+
+def test_a_critic_free_method_runs_in_the_toy_world_without_a_value_curve(world, tmp_path):
+    trainer, _, final, curves = run_method(world, "rloo", str(tmp_path), 2)
+    assert trainer.model.critic is None and "value_loss" not in curves
+    assert len(curves["gold_reward"]) == len(curves["policy_loss"]) > 0 and set(final) == set(SUMMARY_KEYS)
 
 
 # Margins: measured on fresh worlds (vanilla: KL 14.8–17.3, proxy +1.6, gold 0.45 under its best; PPO-max: KL 4.1,

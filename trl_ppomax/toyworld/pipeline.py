@@ -165,7 +165,8 @@ def run_method(
     trainer.train()
     final = summarise(trainer.evaluate(metric_key_prefix="eval"))
     logs = [entry for entry in trainer.state.log_history if M.GOLD_REWARD in entry]
-    curves = {name: [float(entry[key]) for entry in logs] for name, key in CURVE_KEYS.items()}
+    logged = {name: key for name, key in CURVE_KEYS.items() if logs and all(key in entry for entry in logs)}
+    curves = {name: [float(entry[key]) for entry in logs] for name, key in logged.items()}  # no critic: no value loss
     curves["episode"] = [float(entry[M.EPISODE]) for entry in logs]
     return trainer, sft, final, curves
 
