@@ -1133,30 +1133,48 @@ def test_winsorize_hand_values():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Nucleus sampling without a full sort (issue 25)
+# Nucleus sampling without sorting the vocabulary (issues 25 and 34)
 # --------------------------------------------------------------------------------------------------------------------
-def _random_probs(rows: int, vocab: int, seed: int, scale: float) -> torch.Tensor:
+def _random_probs(rows: int, vocab: int, seed: int, scale: float, tie_step: float | None = None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, vocab, generator=gen) * scale).softmax(-1)
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    if tie_step is not None:  # logits on a grid: many tokens share a probability
+        logits = (logits / tie_step).round() * tie_step
+    return logits.softmax(-1)
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat (nucleus past top_k), moderate, peaked distributions
-@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
-def test_nucleus_threshold_with_top_k_equals_the_full_sort(scale, top_p):
-    probs = _random_probs(64, 4096, seed=int(scale * 10), scale=scale)
-    assert torch.equal(core.nucleus_threshold(probs, top_p, top_k=32), core.nucleus_threshold(probs, top_p, None))
+def sorted_nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition by a full sort: the last sorted probability whose preceding (float64) mass is below top_p."""
+    descending = probs.sort(dim=-1, descending=True).values
+    before = descending.double().cumsum(-1) - descending.double()
+    kept = (before < top_p).sum(-1, keepdim=True)
+    return descending.gather(-1, kept - 1).squeeze(-1)
 
 
-def test_nucleus_threshold_keeps_ties_at_the_boundary_and_matches_the_full_sort():
+@pytest.mark.parametrize("scale", [0.0, 0.5, 3.0, 8.0])  # uniform, flat (a nucleus of most tokens), moderate, peaked
+@pytest.mark.parametrize("tie_step", [None, 0.5])
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.999])
+def test_nucleus_threshold_equals_the_full_sort(scale, tie_step, top_p):
+    probs = _random_probs(32, 16384, seed=int(scale * 10), scale=scale, tie_step=tie_step)
+    assert torch.equal(core.nucleus_threshold(probs, top_p), sorted_nucleus_threshold(probs, top_p))
+
+
+def test_nucleus_threshold_cuts_a_crowded_band_again_and_keeps_leading_dimensions():
+    """Few buckets force more rounds (a band of more than 256 tokens is cut again); (B, T, V) inputs keep (B, T)."""
+    probs = _random_probs(24, 4096, seed=5, scale=1.0).reshape(4, 6, 4096)
+    for buckets in (2, 16, 1024):
+        assert torch.equal(core.nucleus_threshold(probs, 0.9, buckets), sorted_nucleus_threshold(probs, 0.9))
+
+
+def test_nucleus_threshold_keeps_ties_at_the_boundary():
     """[0.3, 0.3, 0.2, 0.1, 0.1] with top_p 0.65: the mass before the sorted values is 0, 0.3, 0.6, 0.8 — the first
     three are kept, τ = 0.2. With top_p 0.85 the fourth (mass before 0.8) is kept, τ = 0.1, and its tie with the
     fifth keeps both."""
     probs = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]] * 2)
     for top_p, expected in ((0.65, 0.2), (0.85, 0.1)):
-        for top_k in (2, 3, None):
-            assert_close(core.nucleus_threshold(probs, top_p, top_k), torch.full((2,), expected))
-    ties = torch.full((3, 100), 0.01)  # all tied: every token is in the nucleus, whatever top_k
-    assert torch.equal(core.nucleus_threshold(ties, 0.5, top_k=8), core.nucleus_threshold(ties, 0.5, None))
+        assert_close(core.nucleus_threshold(probs, top_p), torch.full((2,), expected))
+    ties = torch.full((3, 100), 0.01)  # all tied: every token is in the nucleus
+    assert torch.equal(core.nucleus_threshold(ties, 0.5), torch.full((3,), 0.01))
 
 
 def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
@@ -1169,7 +1187,7 @@ def test_nucleus_filter_keeps_what_transformers_top_p_keeps():
     gen = torch.Generator().manual_seed(3)
     for scale in (0.5, 2.0, 6.0):
         scores = torch.randn(32, 16384, generator=gen) * scale
-        ours = ~NucleusFilter(0.9, top_k=256)(None, scores.clone()).isinf()
+        ours = ~NucleusFilter(0.9)(None, scores.clone()).isinf()
         theirs = ~TopPLogitsWarper(0.9)(None, scores.clone()).isinf()
         assert (ours != theirs).sum(-1).max() <= 1 and (ours != theirs).sum() <= 2
         probs = scores.softmax(-1)

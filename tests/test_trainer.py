@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 from datasets import Dataset
@@ -486,3 +488,20 @@ def test_model_arguments_that_do_not_fit_together_are_refused():
         setup.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
     with pytest.raises(ValueError, match="already a PEFT model"):
         setup.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [({}, torch.float32), ({"bf16": True, "use_cpu": True}, torch.bfloat16)]
+)
+def test_generation_and_scoring_forwards_run_in_the_runs_precision(tmp_path, precision, dtype):
+    """Under ``bf16`` the rollout's generation, log-prob, value and reward forwards run in the update's autocast (trl
+    1.12 generated in fp32 whatever the precision); in fp32 nothing changes."""
+    trainer = make_trainer(tmp_path, **precision)
+    seen = defaultdict(set)
+    models = {"policy": trainer.model.policy, "critic": trainer.model.critic, "reward": trainer.reward_model}
+    for name, module in models.items():
+        last = [m for m in module.modules() if isinstance(m, torch.nn.Linear)][-1]  # the head: logits, value or score
+        last.register_forward_hook(lambda _m, _i, output, name=name: seen[name].add(output.dtype))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trainer.rollout(batch["input_ids"], batch["attention_mask"])
+    assert dict(seen) == {name: {dtype} for name in models}

@@ -115,16 +115,16 @@ class GeneratedTokensPenalty(LogitsProcessor):
 
 
 class NucleusFilter(LogitsProcessor):
-    """Top-p filtering as :func:`~trl_ppomax.ppo.core.nucleus_threshold` defines it: scores below the nucleus set to −∞, in
-    place. Sorts only the ``top_k`` most likely tokens of a row unless its nucleus reaches past them (transformers'
-    ``TopPLogitsWarper`` sorts the whole vocabulary at every step)."""
+    """Top-p filtering as :func:`~trl_ppomax.ppo.core.nucleus_threshold` defines it (the full sort's tokens, found
+    without sorting the vocabulary; transformers' ``TopPLogitsWarper`` sorts it at every step): scores below the nucleus
+    set to −∞, in place."""
 
-    def __init__(self, top_p: float, top_k: int | None = 256) -> None:
-        self.top_p, self.top_k = top_p, top_k
+    def __init__(self, top_p: float) -> None:
+        self.top_p = top_p
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         probs = scores.float().softmax(dim=-1)
-        threshold = nucleus_threshold(probs, self.top_p, self.top_k)
+        threshold = nucleus_threshold(probs, self.top_p)
         return scores.masked_fill_(probs < threshold.unsqueeze(-1), float("-inf"))
 
 

@@ -146,12 +146,10 @@ class VLLMEngine:
             for name, value in saved.items():
                 setattr(self.generation, name, value)
 
-    def importance_weights(
-        self, policy_logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, sampler_logprobs: torch.Tensor
-    ) -> torch.Tensor | None:
+    def importance_weights(self, policy_logits, logprobs, responses, mask, sampler_logprobs) -> torch.Tensor | None:
         """Per-token truncated importance weights (B, T) of the HF sampling distribution
-        (:func:`core.nucleus_logprobs`) over vLLM's, logging the gap; None when the correction is off. vLLM's
-        repetition penalty is not modelled."""
+        (:func:`core.nucleus_logprobs` of ``policy_logits``; the scored ``logprobs`` are not nucleus-renormalised)
+        over vLLM's, logging the gap; None when the correction is off. vLLM's repetition penalty is not modelled."""
         args = self.args
         target = core.nucleus_logprobs(policy_logits, responses, args.temperature, args.top_p)
         gap = (target - sampler_logprobs).abs()[mask.bool()]

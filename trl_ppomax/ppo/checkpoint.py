@@ -115,6 +115,7 @@ class CheckpointMixin:
         "num_samples_per_prompt",
         "num_ppo_epochs",
         "update_epochs",
+        "max_staleness",
         "world_size",
         "batch_size",
         "total_episodes",
@@ -343,6 +344,8 @@ class CheckpointMixin:
                 if self.args.should_save:
                     self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
                     write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
+                if self.lagged is not None:  # the rollouts generated ahead, not yet trained on
+                    self.lagged.save(folder, self.accelerator.process_index)
         except DiskFullError as err:
             raise DiskFullError(
                 f"{err} Training stopped at iteration {step}; the checkpoints written before are complete: once there "
@@ -459,6 +462,9 @@ class CheckpointMixin:
         else:
             with checkpoint_files.reading(path, "rng_state*.pth", loading=True):
                 self._load_rng_state(path)
+        if self.lagged is not None:
+            with checkpoint_files.reading(path, "lagged_rollouts_*.pt", loading=True):
+                self.lagged.load(path, self.accelerator.process_index, self.state.global_step)
         logger.info("Resumed from %s at iteration %d.", path, self.state.global_step)
 
     def _learning_rates_changed(self, saved: dict) -> bool:

@@ -31,6 +31,7 @@ VLLMMode = Literal["colocate", "server"]
 AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 KLPlacement = Literal["reward", "loss"]
+StalenessCorrection = Literal["tis", "icepop"]
 
 #: The tricks beyond the paper, off in the paper's and trl's presets.
 _BEYOND_PAPER_OFF = {"reward_norm_freeze": False, "reward_winsorize": None, "lam_critic": None, "lam_alpha": None}
@@ -165,6 +166,8 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("ptx_coef", "≥ 0", "λ_ptx of the PPO-ptx loss; 0 disables it."),
     ("entropy_coef", "≥ 0", "0 disables the entropy regulariser."),
     ("vllm_importance_sampling_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
+    ("staleness_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
+    ("max_staleness", "≥ 0", "0 generates each batch with the policy that trains on it."),
     ("reward_winsorize", "> 0, or None", "k of the raw-score clip at k scales of the center; None disables it."),
     ("lam_critic", "in [0, 1], or None", "The critic's GAE λ (1: Monte-Carlo returns); None uses lam."),
     ("lam_alpha", "> 0, or None", "α of the length-adaptive policy λ = 1 − 1/(α·l); None uses lam."),
@@ -466,6 +469,19 @@ class PPOMaxConfig(TrainingArguments):
     entropy_target: float | None = _field(None, "None: bonus −H; H*: the release's clipped |H − H*| (App. B.3).")
 
     # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
+    max_staleness: int = _field(
+        0,
+        "k ≥ 1: a producer thread generates the next rollout batches while the trainer updates; batch i is sampled by "
+        "the policy after max(0, i − 1 − k) iterations, exactly (a fixed lag: reproducible and resumable), and the "
+        "update corrects the gap with the decoupled objective (`staleness_correction`). 0: generate, then update.",
+    )
+    staleness_correction: StalenessCorrection = _field(  # noqa: RUF009
+        "tis",
+        "With max_staleness ≥ 1, each token's policy loss is weighted by w = π_prox/μ (the scoring policy over the "
+        "one that sampled; AReaL's decoupled PPO): 'tis' truncates it at `staleness_clip_max`, 'icepop' drops the "
+        "tokens whose w is outside [1/C, C].",
+    )
+    staleness_clip_max: float = _field(3.0, "C of the staleness correction (max_staleness ≥ 1).")
     use_vllm: bool = _field(False, "Generate rollouts with vLLM (other forwards stay in the trainer); needs `vllm`.")
     vllm_mode: VLLMMode = _field(  # noqa: RUF009
         "colocate",
@@ -552,6 +568,11 @@ class PPOMaxConfig(TrainingArguments):
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
         self._validate_estimator()
+        if self.max_staleness and self.use_vllm:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} generates with a copy of the policy through model.generate; "
+                "with use_vllm it is not supported yet: set max_staleness=0 or use_vllm=False."
+            )
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),
@@ -562,6 +583,7 @@ class PPOMaxConfig(TrainingArguments):
             ("vllm_mode", VLLMMode),
             ("kl_placement", KLPlacement),
             ("loss_aggregation", LossAggregation),
+            ("staleness_correction", StalenessCorrection),
         ):
             choices = get_args(allowed)
             if getattr(self, name) not in choices:

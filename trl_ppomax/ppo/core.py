@@ -321,27 +321,52 @@ def normalize_advantages(
 
 
 # -- Losses (§3.2.3, App. B.3): (loss, 0-d detached stats); an empty mask gives a zero loss and gradient, NaN stats --
-def nucleus_threshold(probs: torch.Tensor, top_p: float, top_k: int | None = 256) -> torch.Tensor:
-    """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). The nucleus is
-    every token with ``p ≥ τ``, τ the last sorted probability whose preceding mass is below ``top_p`` (ties kept).
+def nucleus_threshold(probs: torch.Tensor, top_p: float, buckets: int = 1024) -> torch.Tensor:
+    """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). Sorted
+    descending as d₁ ≥ d₂ ≥ …, the nucleus is d₁ … d_K with ``K`` the last index whose preceding mass ``Σ_{i<K} d_i``
+    is below ``top_p``, and every token tied with ``τ = d_K`` (what a full sort keeps; masses summed in float64).
 
-    Sorts only the ``top_k`` largest of a row (O(V + k log k)) when the nucleus lies inside them, else the whole row,
-    so the result is always the full sort's (``top_k=None``: always whole); one host sync per call."""
-    vocab = probs.shape[-1]
-    k = vocab if top_k is None else min(top_k, vocab)
-    threshold, inside = _last_kept(probs.topk(k, dim=-1).values, top_p)
-    wide = ~inside  # the nucleus may reach past the k-th token: sort those rows whole
-    if k < vocab and wide.any():
-        threshold[wide] = _last_kept(probs[wide].sort(dim=-1, descending=True).values, top_p)[0]
-    return threshold
+    Without sorting the vocabulary: τ is the smallest probability ``t`` with ``Σ_{p>t} p < top_p``, so the row's
+    range is cut into ``buckets`` bands (one scatter of the masses), the band holding τ is found from the masses above
+    each band, and only that band's tokens are sorted (a few per row; cut again while a band holds more than 256)."""
+    shape, vocab = probs.shape[:-1], probs.shape[-1]
+    rows = probs.reshape(-1, vocab)
+    band, above = _nucleus_band(rows, top_p, buckets)
+    row, column = band.nonzero(as_tuple=True)
+    values = rows[row, column]
+    order = values.argsort(descending=True, stable=True)
+    order = order[row[order].argsort(stable=True)]  # by row, then descending
+    row, values = row[order], values[order]
+    before = values.double().cumsum(0) - values.double()
+    counts = torch.bincount(row, minlength=len(rows))
+    first = counts.cumsum(0) - counts  # each row's first band entry
+    kept = above[row] + before - before[first][row] < top_p
+    threshold = torch.full((len(rows),), float("inf"), dtype=rows.dtype, device=rows.device)
+    return threshold.scatter_reduce_(0, row[kept], values[kept], reduce="amin").reshape(shape)
 
 
-def _last_kept(descending: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last value of each sorted row (..., n) whose preceding mass is below ``top_p`` (the first always is), and
-    whether the row's last value is outside the nucleus (so no unsorted smaller value can be inside it)."""
-    before = descending.cumsum(-1) - descending
-    kept = (before < top_p).sum(-1, keepdim=True)
-    return descending.gather(-1, kept - 1).squeeze(-1), before[..., -1] >= top_p
+def _nucleus_band(rows: torch.Tensor, top_p: float, buckets: int, rounds: int = 3, most: int = 256):
+    """The tokens of each row (N, V) in the value band holding its nucleus threshold (a (N, V) mask) and the float64
+    mass of the row's tokens above the band (N,): the band is the lowest non-empty one whose mass above is below
+    ``top_p``; every token above it is in the nucleus. Band indices are monotone in ``p``, so ties share a band."""
+    mass_of = rows.double()
+    low = torch.zeros(len(rows), 1, dtype=rows.dtype, device=rows.device)
+    high = rows.amax(-1, keepdim=True)
+    above = torch.zeros(len(rows), 1, dtype=torch.float64, device=rows.device)
+    band, order = None, torch.arange(buckets, device=rows.device)
+    for _ in range(rounds):
+        scale = buckets / (high - low).clamp_min(torch.finfo(rows.dtype).tiny)
+        index = ((rows - low) * scale).clamp_(0, buckets - 1).long()
+        weights = mass_of if band is None else mass_of * band
+        mass = torch.zeros(len(rows), buckets, dtype=torch.float64, device=rows.device).scatter_add_(1, index, weights)
+        above_each = above + mass.flip(-1).cumsum(-1).flip(-1) - mass
+        chosen = torch.where((above_each < top_p) & (mass > 0), order, buckets).amin(-1, keepdim=True)
+        above = above_each.gather(-1, chosen)
+        band = index == chosen if band is None else band & (index == chosen)
+        low, high = low + chosen / scale, low + (chosen + 1) / scale
+        if band.sum(-1).max() <= most:
+            break
+    return band, above.squeeze(-1)
 
 
 def nucleus_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

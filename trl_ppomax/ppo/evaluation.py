@@ -11,8 +11,10 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from trl.trainer.utils import print_prompt_completions_sample
 
+from trl_ppomax import data, models
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo.experience import Rollout
 from trl_ppomax.ppo.setup import prepare_eval_prompts
 from trl_ppomax.reporting.plotting import log_table
 from trl_ppomax.rewards import decode_texts
@@ -20,9 +22,29 @@ from trl_ppomax.rewards import decode_texts
 
 class EvaluationMixin:
     """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it). Besides
-    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout_rows(dataset, rows,
-    sampling, scores_only)`` → :class:`~trl_ppomax.ppo.experience.Rollout`, ``experience_maker`` (``shape_scores``,
-    ``response_metrics``) and ``reduce_sum``; it changes nothing but the log and the callbacks' control."""
+    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout``, ``rollout_context``,
+    ``generation``, ``scorer``, ``experience_maker`` (``shape_scores``, ``response_metrics``) and ``reduce_sum``; it
+    changes nothing but the log and the callbacks' control."""
+
+    @torch.no_grad()
+    def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
+        """Responses to left-padded prompts and their scores, for sample tables: a :class:`Rollout` without the
+        log-prob and value forwards of :meth:`rollout` (those fields are None)."""
+        self.model.eval()
+        with self.rollout_context():
+            with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
+                responses, mask, _ = self.generation.generate(query_ids, query_mask, sampling, 1)
+            rollout = self.scorer.sample_scores(query_ids, query_mask, responses, mask, columns)
+        self.model.train()
+        return rollout
+
+    def rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False) -> Rollout:
+        """The rollout of ``rows`` of a prepared prompt ``dataset`` (evaluation, win-rate callbacks); with
+        ``scores_only``, responses and scores alone (:meth:`sample_and_score`)."""
+        batch = self.data_collator([dataset[i] for i in rows])
+        batch, columns = data.split_batch(batch, self.accelerator.device)  # columns: for the reward functions
+        run = self.sample_and_score if scores_only else self.rollout
+        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)
 
     @torch.no_grad()
     def evaluate(

@@ -75,6 +75,13 @@ IS_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
 IS_RATIO_MAX = "sampling/importance_sampling_ratio/max"
 VLLM_SYNC_SECONDS = "vllm/sync_seconds"
 VLLM_GENERATION_SECONDS = "vllm/generation_seconds"
+IS_DROPPED = "sampling/importance_sampling_dropped"  # staleness_correction="icepop": share of tokens dropped
+STALENESS_MEAN = "rollout/staleness_mean"  # max_staleness ≥ 1: iterations between the sampling and the scoring policy
+STALENESS_MAX = "rollout/staleness_max"
+ROLLOUT_SECONDS = "timing/rollout"  # the trainer's rollout phase: generate and score (k ≥ 1: wait and score)
+GENERATION_SECONDS = "timing/generation"  # max_staleness ≥ 1: the producer's time on the batch
+ROLLOUT_WAIT_SECONDS = "timing/rollout_wait"  # max_staleness ≥ 1: the trainer's wait for the producer
+UPDATE_SECONDS = "timing/update"  # the PPO update
 
 # ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
 COLLAPSE_ANY = "collapse/any"

@@ -17,7 +17,8 @@ from trl_ppomax.ppo.experience import Rollout, merge_rollouts, take_rows
 
 class Scorer:
     """Scores rollouts for one trainer: the prepared ``ref_model`` (None: the PEFT policy with its adapter off), the
-    ``generation`` engine (its ``importance_weights`` when it has its own sampler) and ``stop_id``, the token the
+    ``generation`` engine or lagged producer (its ``importance_weights`` when rollouts come with their sampler's
+    log-probs) and ``stop_id``, the token the
     missing-stop-token penalty looks for."""
 
     def __init__(self, args, accelerator, tokenizer, reward_sources, ref_model, generation, stop_id: int) -> None:
@@ -50,8 +51,9 @@ class Scorer:
         policy_logits = models.response_logits(wrapper.policy, inputs, width)
         logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
         weights = None
-        if sampler_logprobs is not None:  # an engine with its own sampler (vLLM): the gap to the policy's forward
-            weights = self.generation.importance_weights(policy_logits, responses, mask, sampler_logprobs[:, :width])
+        if sampler_logprobs is not None:  # another sampler (vLLM, a lagged copy): the gap to the policy's forward
+            sampler = sampler_logprobs[:, :width]
+            weights = self.generation.importance_weights(policy_logits, logprobs, responses, mask, sampler)
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             ref_logits = models.response_logits(reference, inputs, width)
             ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
@@ -83,6 +85,14 @@ class Scorer:
         scores, _ = self._scores(inputs, query_mask, responses, mask, columns)
         unmeasured = dict.fromkeys(("logprobs", "ref_logprobs", "values", "policy_perplexity", "ref_perplexity"))
         return Rollout(query_ids, query_mask, responses, mask, scores=scores, **unmeasured)
+
+
+def policy_logprobs(model: nn.Module, query_ids, query_mask, responses, mask, args) -> torch.Tensor:
+    """Masked log-probs (B, T) of ``responses`` under ``model`` at the scoring temperature, as :class:`Scorer`'s
+    forwards compute them (for a lagged rollout's behaviour policy)."""
+    inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, args), responses, mask)
+    logits = models.response_logits(model, inputs, responses.shape[1])
+    return selective_log_softmax(logits, responses, temperature=args.effective_logprob_temperature) * mask
 
 
 def logprobs_and_perplexity(

@@ -5,6 +5,7 @@ in the first rollout or as silently wrong training (numeric settings: ``PPOMaxCo
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -412,6 +413,35 @@ def check_engine(fsdp_enabled: bool, distributed_type) -> None:
             "FSDP was requested (ACCELERATE_USE_FSDP=true) but is not active: accelerate enables it only on GPU "
             "process groups (this one is %s), so this run replicates every model on every process (DDP).",
             distributed_type,
+        )
+
+
+def lagged_rollouts(trainer, policy: nn.Module):
+    """The ``max_staleness`` ≥ 1 producer (:class:`~trl_ppomax.generation.lagged.LaggedRollouts`) of a trainer's
+    rollout batches, sampling with a copy of its unwrapped ``policy``; refused where the policy is sharded."""
+    from trl_ppomax.generation.lagged import LaggedRollouts
+    from trl_ppomax.ppo.scoring import policy_logprobs
+
+    check_lagged_engine(trainer.is_fsdp_enabled, trainer.accelerator)
+    accelerator, args = trainer.accelerator, trainer.args
+
+    def prompts(batch: int):
+        tensors, columns = data.split_batch(trainer.prompt_batches[batch - 1], accelerator.device)
+        return tensors["input_ids"], tensors["attention_mask"], columns
+
+    logprobs = functools.partial(policy_logprobs, args=args)
+    ids = (trainer.stop_token_id, trainer.processing_class.pad_token_id)
+    return LaggedRollouts(policy, args, *ids, logprobs, prompts, accelerator.autocast, accelerator.process_index)
+
+
+def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
+    """``max_staleness`` ≥ 1 copies the whole policy into the producer: refused where each process holds a shard."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):
+        engine = "FSDP" if fsdp_enabled else "DeepSpeed ZeRO-3"
+        raise ValueError(
+            f"max_staleness ≥ 1 generates with a full copy of the policy on each process, but {engine} shards it: "
+            "use DDP or ZeRO-1/2, or set max_staleness=0."
         )
 
 

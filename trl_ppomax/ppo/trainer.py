@@ -6,6 +6,7 @@ update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -112,8 +113,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # The phases' collaborators: generation (the policy's generate, or vLLM), scoring, experience
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
+        self.lagged = setup.lagged_rollouts(self, policy) if args.max_staleness else None  # generates ahead
         accelerator, sources, stop_id = self.accelerator, self.reward_sources, self.stop_id
-        self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, self.generation, stop_id)
+        sampler = self.lagged or self.generation  # whose importance_weights correct rollouts with sampler log-probs
+        self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, sampler, stop_id)
         metrics, state = dict(rollout_metrics or {}), self.ppo_state
         self.experience_maker = ExperienceMaker(args, state, accelerator, processing_class, sources, metrics, stop_id)
 
@@ -195,17 +198,21 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if not resume_from_checkpoint:  # a resumed run evaluated its step 0 before it stopped
             self._evaluate_initial_policy()
-        for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            for name, value in self.training_iteration(iteration).items():
-                pending[name].append(value)
-            self.state.global_step = iteration
-            self.state.episode = iteration * args.batch_size
-            self.state.epoch = self.state.episode / self._episodes_per_epoch
-            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._log_evaluate_save(pending, iteration, start)
-            if self.control.should_training_stop:
-                break
+        try:
+            for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
+                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                for name, value in self.training_iteration(iteration).items():
+                    pending[name].append(value)
+                self.state.global_step = iteration
+                self.state.episode = iteration * args.batch_size
+                self.state.epoch = self.state.episode / self._episodes_per_epoch
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                self._log_evaluate_save(pending, iteration, start)
+                if self.control.should_training_stop:
+                    break
+        finally:
+            if self.lagged is not None:  # the producer stops too (an error, Ctrl-C, SIGTERM)
+                self.lagged.close()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
             self._load_best_model()
@@ -214,17 +221,29 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """One PPO-max iteration on rollout batch ``iteration`` (§3.2): rollout (generate → score), experience (shape
         rewards, advantages), update; returns the metrics to log. A batch that cannot train (no finite reward, a
         non-finite number, every optimizer step skipped) is skipped and counted (:meth:`PPOState.count_iteration`)."""
-        args = self.args
-        batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
-        n = args.num_samples_per_prompt
-        rollout = self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
+        args, start = self.args, time.perf_counter()
+        rollout = self.training_rollout(iteration)
+        timings = {M.ROLLOUT_SECONDS: time.perf_counter() - start}
         experience, metrics, problem = self.make_experience(rollout)
         if experience is not None:
+            start = time.perf_counter()
             update_metrics, problem = self._update_and_sync(experience, iteration)
-            metrics.update(update_metrics)
+            metrics.update(update_metrics, **{M.UPDATE_SECONDS: time.perf_counter() - start})
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
         counters = {name: float(value) for name, value in self.ppo_state.counters.items()}
-        return {**metrics, **self.generation.pop_metrics(), **counters}
+        lagged = self.lagged.pop_metrics() if self.lagged is not None else {}
+        return {**metrics, **timings, **self.generation.pop_metrics(), **lagged, **counters}
+
+    def training_rollout(self, iteration: int) -> Rollout:
+        """Rollout batch ``iteration``: generated now by the policy, or (``max_staleness`` ≥ 1) taken from the
+        producer, which sampled it with an older copy (its log-probs the behaviour policy's), and scored now."""
+        n = self.args.num_samples_per_prompt
+        if self.lagged is None:
+            batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
+            return self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
+        lagged = self.lagged.take(iteration, self.num_total_batches)
+        generated = (lagged.response_ids, lagged.response_mask, lagged.behaviour_logprobs)
+        return self.score_rollout(lagged.query_ids, lagged.query_mask, lambda: generated, lagged.columns, n)
 
     def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
         """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new
@@ -278,12 +297,22 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded
         prompt, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for
         the reward functions). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
-        n, args = samples_per_prompt, self.args
+        n, args, pad_id = samples_per_prompt, self.args, self.processing_class.pad_token_id
+
+        def generate():
+            return generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
+
+        return self.score_rollout(query_ids, query_mask, generate, columns, n)
+
+    @torch.no_grad()
+    def score_rollout(self, query_ids, query_mask, generate: Callable, columns, samples_per_prompt: int) -> Rollout:
+        """The rollout of ``generate()``'s ``(response_ids, response_mask, sampler_logprobs)`` to the prompts, called
+        where the policy is ready to generate: the policy's and reference's log-probs, the values and the scores."""
+        n = samples_per_prompt
         self.model.eval()
-        with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
-            with models.policy_for_generation(self.model_wrapped, self.accelerator, args) as wrapper:
-                pad_id = self.processing_class.pad_token_id
-                generated = generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
+        with self.rollout_context():
+            with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
+                generated = generate()
                 queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
                 parts, real = self.scorer.log_probs(wrapper, *queries, *generated)
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
@@ -291,25 +320,13 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.model.train()
         return rollout
 
-    @torch.no_grad()
-    def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
-        """Responses to left-padded prompts and their scores, for sample tables: a :class:`Rollout` without the
-        log-prob and value forwards of :meth:`rollout` (those fields are None)."""
-        self.model.eval()
-        with models.fsdp_unsharded(self.model_wrapped, *(m for _, m in self.reward_sources.modules)):
-            with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
-                responses, mask, _ = self.generation.generate(query_ids, query_mask, sampling, 1)
-            rollout = self.scorer.sample_scores(query_ids, query_mask, responses, mask, columns)
-        self.model.train()
-        return rollout
-
-    def rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False) -> Rollout:
-        """The rollout of ``rows`` of a prepared prompt ``dataset`` (evaluation, win-rate callbacks); with
-        ``scores_only``, responses and scores alone (:meth:`sample_and_score`)."""
-        batch = self.data_collator([dataset[i] for i in rows])
-        batch, columns = data.split_batch(batch, self.accelerator.device)  # columns: for the reward functions
-        run = self.sample_and_score if scores_only else self.rollout
-        return run(batch["input_ids"], batch["attention_mask"], sampling=sampling, columns=columns)
+    @contextlib.contextmanager
+    def rollout_context(self):
+        """Where a rollout's generation and scoring forwards run: FSDP's parameters unsharded, and the run's mixed
+        precision (``bf16``/``fp16``: the update's autocast; nothing in fp32)."""
+        frozen = (m for _, m in self.reward_sources.modules)
+        with models.fsdp_unsharded(self.model_wrapped, *frozen), self.accelerator.autocast():
+            yield
 
     # -- Phase 2: rewards and advantages ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,214 @@
+"""max_staleness (issue 34): bounded-staleness rollouts from a producer thread — the synchronous loop unchanged at 0,
+the fixed-lag schedule, the decoupled objective's behaviour weights, resume, a failing producer, the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from helpers import StopAt, make_trainer
+from torch.testing import assert_close
+from transformers import TrainerCallback
+
+from trl_ppomax import PPOMaxConfig
+from trl_ppomax.generation import lagged
+from trl_ppomax.generation.lagged import GumbelSampler, behaviour_weights
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo import setup
+from trl_ppomax.ppo.scoring import policy_logprobs
+
+REFERENCE = Path(__file__).parent / "data" / "synchronous_reference.json"
+LAGGED = dict(total_episodes=64)  # four iterations of 16 responses
+
+
+def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
+    """The numbers of the loop before issue 34 (``tests/data/synchronous_reference.json``, written at its commit on
+    this library stack) are reproduced exactly: no producer, the same samples and weights."""
+    reference = json.loads(REFERENCE.read_text())
+    if (reference["torch"], reference["transformers"]) != (torch.__version__, transformers.__version__):
+        pytest.skip("the reference was recorded with another torch / transformers")
+    trainer = make_trainer(tmp_path, max_staleness=0, **LAGGED)
+    trainer.train()
+    assert trainer.lagged is None
+    logs = [{k: e[k] for k in reference["logs"][0]} for e in trainer.state.log_history if M.POLICY_LOSS in e]
+    assert logs == reference["logs"]
+    sums = {n: float(p.detach().double().sum()) for n, p in trainer.model.policy.named_parameters()}
+    assert sums == reference["policy_weight_sums"]
+
+
+class PolicyVersions(TrainerCallback):
+    """The policy's weights at every version: ``versions[v]`` after ``v`` iterations."""
+
+    def __init__(self, trainer) -> None:
+        self.policy = trainer.model.policy
+        self.versions = [self._copy()]
+
+    def _copy(self) -> dict:
+        return {name: p.detach().clone() for name, p in self.policy.state_dict().items()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.versions.append(self._copy())
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_batch_i_is_sampled_by_version_i_minus_1_minus_k_exactly(tmp_path, k):
+    """The schedule max(0, i − 1 − k), and each batch's behaviour log-probs are those of that version's weights (so
+    the sampler really was that version); the staleness is logged."""
+    trainer = make_trainer(tmp_path, max_staleness=k, **LAGGED)
+    versions = PolicyVersions(trainer)
+    trainer.add_callback(versions)
+    taken = []
+    take = trainer.lagged.take
+    trainer.lagged.take = lambda iteration, last: taken.append(take(iteration, last)) or taken[-1]
+    trainer.train()
+    assert [(b.index, b.version) for b in taken] == [(i, max(0, i - 1 - k)) for i in range(1, 5)]
+    model = trainer.model.policy
+    saved = versions._copy()
+    for batch in taken:
+        model.load_state_dict(versions.versions[batch.version])
+        n = trainer.args.num_samples_per_prompt
+        queries = (batch.query_ids.repeat_interleave(n, 0), batch.query_mask.repeat_interleave(n, 0))
+        with torch.no_grad():
+            expected = policy_logprobs(model, *queries, batch.response_ids, batch.response_mask, trainer.args)
+        assert torch.equal(expected, batch.behaviour_logprobs), batch.index
+    model.load_state_dict(saved)
+    staleness = [e[M.STALENESS_MAX] for e in trainer.state.log_history if M.STALENESS_MAX in e]
+    assert staleness == [min(i - 1, k) for i in range(1, 5)]
+    assert all(e[M.UPDATE_SECONDS] > 0 and M.ROLLOUT_WAIT_SECONDS in e for e in trainer.state.log_history[:4])
+
+
+def test_a_lagged_run_trains_and_corrects_with_behaviour_weights(tmp_path):
+    trainer = make_trainer(tmp_path, max_staleness=1, **LAGGED)
+    before = {n: p.clone() for n, p in trainer.model.policy.named_parameters()}
+    seen = []
+    weights = trainer.lagged.importance_weights
+    trainer.lagged.importance_weights = lambda *a: seen.append(weights(*a)) or seen[-1]
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.policy.named_parameters())
+    first, later = seen[0], torch.cat([w.flatten() for w in seen[1:]])
+    assert torch.equal(first, torch.ones_like(first))  # batch 1: the sampler is the scoring policy
+    assert (later != 1).any()  # then the copy lags one version behind
+    logged = trainer.state.log_history[2]
+    assert logged[M.IS_RATIO_MIN] <= logged[M.IS_RATIO_MEAN] <= logged[M.IS_RATIO_MAX]
+    assert logged[M.SAMPLING_LOGP_DIFF_MEAN] > 0
+
+
+def test_behaviour_weights_by_hand():
+    """ρ = exp(prox − behaviour) = [2, 0.25, 4, 1] (the last token masked): tis caps at C = 3 → [2, 0.25, 3, 1];
+    icepop drops what lies outside [1/3, 3] → [2, 0, 0, 1]."""
+    behaviour = torch.zeros(1, 4)
+    prox = torch.log(torch.tensor([[2.0, 0.25, 4.0, 7.0]]))
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert_close(behaviour_weights(prox, behaviour, mask, 3.0, "tis"), torch.tensor([[2.0, 0.25, 3.0, 1.0]]))
+    assert_close(behaviour_weights(prox, behaviour, mask, 3.0, "icepop"), torch.tensor([[2.0, 0.0, 0.0, 1.0]]))
+
+
+def test_importance_metrics_by_hand():
+    """The logged gap and ratios of one call: |log ρ| = [ln 2, ln 4] → mean 1.5·ln 2, max ln 4; ρ mean 1.25."""
+    producer = SimpleNamespace(
+        args=SimpleNamespace(staleness_clip_max=3.0, staleness_correction="icepop"), stats=lagged.defaultdict(list)
+    )
+    prox = torch.log(torch.tensor([[2.0, 0.5, 9.0]]))
+    mask = torch.tensor([[1, 1, 0]])
+    lagged.LaggedRollouts.importance_weights(producer, None, prox, None, mask, torch.zeros(1, 3))
+    stats = lagged.LaggedRollouts.pop_metrics(producer)
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    assert stats[M.SAMPLING_LOGP_DIFF_MEAN] == pytest.approx(ln2) and stats[M.SAMPLING_LOGP_DIFF_MAX] == pytest.approx(
+        ln2
+    )
+    assert stats[M.IS_RATIO_MEAN] == pytest.approx(1.25) and stats[M.IS_RATIO_MIN] == pytest.approx(0.5)
+    assert stats[M.IS_RATIO_MAX] == pytest.approx(2.0) and stats[M.IS_DROPPED] == 0.0
+
+
+def test_icepop_drops_tokens_in_a_run(tmp_path):
+    trainer = make_trainer(tmp_path, max_staleness=1, staleness_correction="icepop", staleness_clip_max=1.01, **LAGGED)
+    trainer.train()
+    dropped = [e[M.IS_DROPPED] for e in trainer.state.log_history if M.IS_DROPPED in e]
+    assert dropped[0] == 0 and max(dropped[1:]) > 0
+
+
+def test_gumbel_max_samples_the_softmax():
+    """argmax(s + Gumbel) over 40,000 draws hits each token at its softmax probability (±0.01), and the same
+    generator seed gives the same draws."""
+    scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(40_000, 4).clone()
+    draws = GumbelSampler(torch.Generator().manual_seed(0))(None, scores.clone()).argmax(-1)
+    assert_close(
+        torch.bincount(draws, minlength=4) / 40_000.0, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.01, rtol=0
+    )
+    again = GumbelSampler(torch.Generator().manual_seed(0))(None, scores.clone()).argmax(-1)
+    assert torch.equal(draws, again)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_kill_and_resume_is_bit_identical_for_a_fixed_lag(tmp_path, k):
+    """Stopped after iteration 2 (the batches generated ahead saved in the checkpoint) and resumed: the weights of
+    the uninterrupted run with the same k."""
+    settings = dict(max_staleness=k, save_strategy="steps", save_steps=1, **LAGGED)
+    whole = make_trainer(tmp_path / "whole", **settings)
+    whole.train()
+    stopped = make_trainer(tmp_path / "cut", callbacks=[StopAt(2)], **settings)
+    stopped.train()
+    assert (tmp_path / "cut" / "out" / "checkpoint-2" / "lagged_rollouts_0.pt").is_file()
+    resumed = make_trainer(tmp_path / "cut", **settings)
+    resumed.train(resume_from_checkpoint=True)
+    resumed_weights = resumed.model.policy.state_dict()
+    for name, weight in whole.model.policy.state_dict().items():
+        assert torch.equal(weight, resumed_weights[name]), name
+
+
+def test_resuming_with_another_lag_is_refused(tmp_path):
+    stopped = make_trainer(tmp_path, callbacks=[StopAt(1)], max_staleness=1, save_strategy="steps", save_steps=1)
+    stopped.train()
+    with pytest.raises(ValueError, match="max_staleness"):
+        make_trainer(tmp_path, max_staleness=2, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=True)
+
+
+def test_a_failing_producer_stops_training_with_its_error(tmp_path):
+    trainer = make_trainer(tmp_path, max_staleness=1, **LAGGED)
+    generate = trainer.lagged.engine.generate
+
+    def broken(query_ids, *args):
+        if trainer.lagged.asked >= 3:
+            raise OSError("disk on fire")
+        return generate(query_ids, *args)
+
+    trainer.lagged.engine.generate = broken
+    with pytest.raises(RuntimeError, match=r"rollout producer failed.*disk on fire"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # batches 1 and 2 trained; batch 3's generation failed
+
+
+def test_the_producer_stops_when_training_ends(tmp_path):
+    trainer = make_trainer(tmp_path, max_staleness=1, total_episodes=32)
+    trainer.train()
+    trainer.lagged.thread.join(timeout=30)
+    assert not trainer.lagged.thread.is_alive()
+
+
+def test_max_staleness_with_vllm_or_a_sharded_engine_is_refused_and_everyday_setups_pass(tmp_path):
+    with pytest.raises(ValueError, match="use_vllm"):
+        PPOMaxConfig(output_dir=str(tmp_path), max_staleness=1, use_vllm=True, report_to="none")
+    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        setup.check_lagged_engine(False, zero3)
+    with pytest.raises(ValueError, match="FSDP"):
+        setup.check_lagged_engine(True, SimpleNamespace(state=SimpleNamespace()))
+    zero2 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
+    setup.check_lagged_engine(False, zero2)  # ZeRO-2 and plain processes hold the whole policy
+    setup.check_lagged_engine(False, SimpleNamespace(state=SimpleNamespace()))
+    with pytest.raises(ValueError, match="max_staleness must be"):
+        PPOMaxConfig(output_dir=str(tmp_path), max_staleness=-1, report_to="none")
+
+
+def test_a_lagged_peft_policy_trains_its_adapter(tmp_path):
+    from peft import LoraConfig
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tmp_path, peft_config=peft, max_staleness=1, **LAGGED)
+    trainer.train()
+    adapters = {n: p for n, p in trainer.lagged.copy.named_parameters() if "lora_B" in n}
+    assert adapters and any((p != 0).any() for p in adapters.values())  # the copy got the trained adapter

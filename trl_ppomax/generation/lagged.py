@@ -1,0 +1,242 @@
+"""Bounded-staleness rollouts (``max_staleness = k ≥ 1``): a producer thread generates rollout batch ``j`` with a copy
+of the policy at **version** ``max(0, j − 1 − k)`` (the weights after that many iterations; the synchronous loop,
+k = 0, samples batch ``j`` with version ``j − 1``) while the trainer scores and updates the batches before it, as
+verl's one-step-off pipeline does with a fixed lag, so that a run is reproducible and resumable.
+
+Schedule: at the start of iteration ``i`` the batches up to ``i + k`` are asked for; the copy is brought to the live
+policy (version ``i − 1``) just before the first batch that needs it, once the producer has finished the older ones.
+Each batch keeps the version that sampled it and the **behaviour** log-probs ``log μ(y_t)`` of that copy. The trainer
+scores it with the current policy (``log π_prox``, the reference, the critic, the rewards), and the update uses the
+decoupled PPO objective (AReaL, arXiv 2505.24298): the clipped ratio ``π_θ / π_prox`` times the behaviour weight
+``w_t = π_prox(y_t) / μ(y_t)``, truncated at ``C`` (``"tis"``) or zero outside ``[1/C, C]`` (``"icepop"``).
+
+Sampling draws from a generator seeded by ``(seed, batch, process)`` (Gumbel-max over the processed scores, so no
+global random state is shared with the trainer's thread): a batch is the same whenever it is generated. A checkpoint
+holds the finished batches not yet trained on (``lagged_rollouts_<process>.pt``); the next one asked for after a resume
+needs the resumed weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, fields
+from statistics import fmean as mean
+
+import torch
+from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from trl_ppomax.generation import HFGeneration, generate_in_chunks
+from trl_ppomax.ppo import core
+from trl_ppomax.ppo import metrics as M
+
+__all__ = ["GumbelSampler", "LaggedBatch", "LaggedRollouts", "behaviour_weights"]
+
+QUEUE_FILE = "lagged_rollouts_{}.pt"
+#: How each sampling statistic of :meth:`LaggedRollouts.importance_weights` is reduced over an iteration's calls.
+REDUCERS = {M.SAMPLING_LOGP_DIFF_MAX: max, M.IS_RATIO_MAX: max, M.IS_RATIO_MIN: min, M.STALENESS_MAX: max}
+
+
+def behaviour_weights(prox_logprobs, behaviour_logprobs, mask, cap: float, correction: str = "tis") -> torch.Tensor:
+    """Per-token weights (B, T) of the decoupled objective, ``ρ_t = exp(log π_prox − log μ)``: ``min(ρ_t, C)``
+    (``"tis"``, truncated importance sampling) or ``ρ_t·[1/C ≤ ρ_t ≤ C]`` (``"icepop"``: tokens too far off-policy
+    dropped, arXiv 2510.18855); 1 outside ``mask``."""
+    if correction == "tis":
+        return core.truncated_importance_weights(prox_logprobs, behaviour_logprobs, mask, cap)
+    ratio = torch.exp(prox_logprobs - behaviour_logprobs)
+    kept = (ratio >= 1 / cap) & (ratio <= cap)
+    return torch.where(mask.bool(), ratio * kept, torch.ones_like(ratio))
+
+
+class GumbelSampler(LogitsProcessor):
+    """The last processor of a lagged rollout: ``s_v + g_v`` with Gumbel noise ``g = −log(−log u)`` drawn from its own
+    ``generator``, so that greedy decoding picks ``argmax_v (s_v + g_v)``, a sample of ``softmax(s)`` (Gumbel-max)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.rand(scores.shape, generator=self.generator, device=scores.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)))
+        return scores.float() + gumbel
+
+
+class SeededGeneration(HFGeneration):
+    """:class:`HFGeneration` on the producer's copy of the policy, sampling with :class:`GumbelSampler`."""
+
+    generator: torch.Generator | None = None
+
+    def generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
+        kwargs = super().generation_kwargs(sampling, prompt_width)
+        if sampling:
+            processors = LogitsProcessorList([*kwargs.pop("logits_processor"), GumbelSampler(self.generator)])
+            kwargs.update(do_sample=False, logits_processor=processors)
+            for name in ("temperature", "top_k", "top_p"):
+                kwargs.pop(name)
+        return kwargs
+
+
+@dataclass
+class LaggedBatch:
+    """One generated rollout batch: prompts (B, L), ``n`` responses each (B·n, T) and their behaviour log-probs."""
+
+    index: int  # the rollout batch (= the iteration that trains on it), 1-based
+    version: int  # the policy version that sampled it
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    columns: dict
+    seconds: float  # the producer's generation time
+
+
+class LaggedRollouts:
+    """The producer of bounded-staleness rollouts for one trainer process (see the module docstring).
+
+    Args:
+        policy: the live (unwrapped) policy; a frozen copy of it generates.
+        args: the run's config (``max_staleness``, sampling settings, ``seed``, the correction).
+        behaviour_logprobs: ``f(model, query_ids, query_mask, responses, mask) -> (B·n, T)`` masked log-probs, the
+            trainer's scoring forward (so that ``π_prox`` and ``μ`` are computed alike).
+        prompts: ``f(j) -> (query_ids, query_mask, columns)`` of rollout batch ``j``.
+        autocast: the run's mixed-precision context (thread-local, so entered again in the producer).
+    """
+
+    def __init__(
+        self, policy: nn.Module, args, stop_token_id, pad_token_id, behaviour_logprobs, prompts, autocast, process=0
+    ) -> None:
+        self.live, self.args, self.lag, self.process_index = policy, args, args.max_staleness, process
+        self.copy = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.engine = SeededGeneration(self.copy, args, stop_token_id, pad_token_id)
+        self.behaviour_logprobs, self.prompts, self.autocast = behaviour_logprobs, prompts, autocast
+        self.version, self.asked, self.taken = 0, 0, 0  # the copy's version; batches asked for and trained on
+        self.finished: dict[int, LaggedBatch] = {}
+        self.stats: dict[str, list[float]] = defaultdict(list)
+        self.requests: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._produce, name="trl-ppomax-rollouts", daemon=True)
+        self.thread.start()
+
+    def version_for(self, batch: int) -> int:
+        """The policy version that samples rollout batch ``batch``: ``max(0, batch − 1 − k)``."""
+        return max(0, batch - 1 - self.lag)
+
+    # -- the trainer's side -------------------------------------------------------------------------------------------
+    def take(self, iteration: int, last: int) -> LaggedBatch:
+        """Rollout batch ``iteration``, once generated; first asks for every batch up to ``iteration + k`` (at most
+        ``last``), the copy brought to the live policy (version ``iteration − 1``) before the first that needs it."""
+        for batch in range(self.asked + 1, min(iteration + self.lag, last) + 1):
+            if self.version_for(batch) != self.version:
+                self._wait(self._idle)
+                self.sync(self.version_for(batch))
+            self.requests.put(batch)
+            self.asked = batch
+        start = time.perf_counter()
+        self._wait(lambda: iteration in self.finished)
+        self.stats[M.ROLLOUT_WAIT_SECONDS].append(time.perf_counter() - start)
+        with self.ready:
+            generated = self.finished.pop(iteration)
+            self.taken += 1
+        age = iteration - 1 - generated.version
+        self.stats[M.STALENESS_MEAN].append(age)
+        self.stats[M.STALENESS_MAX].append(age)
+        self.stats[M.GENERATION_SECONDS].append(generated.seconds)
+        return generated
+
+    def sync(self, version: int) -> None:
+        """Copy the live policy's trainable weights (the others never change) into the producer's copy."""
+        with torch.no_grad():
+            for mine, live in zip(self.copy.parameters(), self.live.parameters(), strict=True):
+                if live.requires_grad:
+                    mine.copy_(live)
+        self.version = version
+
+    def importance_weights(self, policy_logits, logprobs, responses, mask, behaviour_logprobs) -> torch.Tensor:
+        """:func:`behaviour_weights` of the scored log-probs (``π_prox``) over the behaviour ones, logging the gap."""
+        args = self.args
+        weights = behaviour_weights(
+            logprobs, behaviour_logprobs, mask, args.staleness_clip_max, args.staleness_correction
+        )
+        real = mask.bool()
+        gap, ratios = (logprobs - behaviour_logprobs).abs()[real], torch.exp(logprobs - behaviour_logprobs)[real]
+        if gap.numel():
+            values = torch.stack([gap.mean(), gap.max(), ratios.mean(), ratios.min(), ratios.max()]).tolist()
+            names = (M.SAMPLING_LOGP_DIFF_MEAN, M.SAMPLING_LOGP_DIFF_MAX, M.IS_RATIO_MEAN, M.IS_RATIO_MIN)
+            for name, value in zip((*names, M.IS_RATIO_MAX), values, strict=True):
+                self.stats[name].append(value)
+            if args.staleness_correction == "icepop":
+                self.stats[M.IS_DROPPED].append(float((weights[real] == 0).float().mean()))
+        return weights
+
+    def pop_metrics(self) -> dict[str, float]:
+        out = {name: REDUCERS.get(name, mean)(values) for name, values in self.stats.items() if values}
+        self.stats.clear()
+        return out
+
+    def save(self, folder: str, process_index: int) -> None:
+        """The finished batches not yet trained on, after the producer has finished all it was asked for."""
+        self._wait(self._idle)
+        batches = [{f.name: getattr(b, f.name) for f in fields(LaggedBatch)} for b in self.finished.values()]
+        torch.save({"version": self.version, "asked": self.asked, "batches": batches},
+                   os.path.join(folder, QUEUE_FILE.format(process_index)))  # fmt: skip
+
+    def load(self, folder: str, process_index: int, iteration: int) -> None:
+        """The state :meth:`save` wrote at the end of iteration ``iteration``; the copy gets the resumed weights."""
+        saved = torch.load(os.path.join(folder, QUEUE_FILE.format(process_index)), weights_only=False)
+        self.finished = {b["index"]: LaggedBatch(**b) for b in saved["batches"]}
+        self.asked, self.taken = saved["asked"], saved["asked"] - len(self.finished)
+        self.sync(iteration)
+
+    def close(self) -> None:
+        """Stop the producer after its current batch."""
+        self.requests.put(None)
+
+    # -- the producer's side ------------------------------------------------------------------------------------------
+    def _idle(self) -> bool:
+        """Whether the producer has finished every batch it was asked for."""
+        return self.asked == len(self.finished) + self.taken
+
+    def _wait(self, condition) -> None:
+        """Block until ``condition()`` holds; the producer's error, if it failed, is raised here (never a hang)."""
+        with self.ready:
+            while not condition():
+                if self.error is not None:
+                    raise RuntimeError(f"The rollout producer failed: {self.error!r}") from self.error
+                if not self.thread.is_alive():
+                    raise RuntimeError("The rollout producer stopped before generating the batches asked for.")
+                self.ready.wait(timeout=1.0)
+
+    def _produce(self) -> None:
+        try:
+            while (batch := self.requests.get()) is not None:
+                generated = self._generate(batch)
+                with self.ready:
+                    self.finished[batch] = generated
+                    self.ready.notify_all()
+        except BaseException as error:  # told to the trainer, which raises it
+            with self.ready:
+                self.error = error
+                self.ready.notify_all()
+
+    def _generate(self, batch: int) -> LaggedBatch:
+        args, n = self.args, self.args.num_samples_per_prompt
+        query_ids, query_mask, columns = self.prompts(batch)
+        seed = hash((args.seed, batch, self.process_index)) % 2**63
+        self.engine.generator = torch.Generator(device=query_ids.device).manual_seed(seed)
+        start = time.perf_counter()
+        with torch.no_grad(), self.autocast():
+            responses, mask, _ = generate_in_chunks(self.engine, query_ids, query_mask, True, n, args, self.pad_id)
+            queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
+            behaviour = self.behaviour_logprobs(self.copy, *queries, responses, mask)
+        seconds = time.perf_counter() - start
+        return LaggedBatch(batch, self.version, query_ids, query_mask, responses, mask, behaviour, columns, seconds)
+
+    @property
+    def pad_id(self) -> int:
+        return self.engine.pad_token_id
