@@ -95,6 +95,15 @@ def varied_prompts(dataset, tokenizer, seed: int = 0):
     return dataset.map(prefixed, with_indices=True)
 
 
+def logged_timings(log_history: list[dict]) -> dict:
+    """The trainer's own phase times summed over the run (``timing/…``, one log per iteration), in seconds: with
+    ``max_staleness`` ≥ 1 generation runs in the producer thread, so the wrapped-function times above overlap."""
+    names = {"rollout_phase_seconds": "timing/rollout", "update_phase_seconds": "timing/update"}
+    names.update(rollout_wait_seconds="timing/rollout_wait", producer_generation_seconds="timing/generation")
+    sums = {field: sum(e[name] for e in log_history if name in e) for field, name in names.items()}
+    return {field: total for field, total in sums.items() if any(names[field] in e for e in log_history)}
+
+
 def peak_rss_bytes() -> int:
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read())[1]) * 1024
 
@@ -112,6 +121,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="ppomax: max_tokens_per_microbatch")
     parser.add_argument("--varied-lengths", action="store_true", help="prompts of widely varying lengths")
     parser.add_argument("--estimator", default="gae", help="ppomax: advantage_estimator (critic-free: no value model)")
+    parser.add_argument("--max-staleness", type=int, default=0, help="ppomax: max_staleness (a producer thread)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -127,7 +137,7 @@ def main() -> None:
         kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}
         extra.update(num_samples_per_prompt=args.samples_per_prompt, max_tokens_per_microbatch=args.max_tokens)
-        extra.update(advantage_estimator=args.estimator)
+        extra.update(advantage_estimator=args.estimator, max_staleness=args.max_staleness)
         if args.vanilla_sampling:
             extra.update(top_p=1.0, repetition_penalty=1.0)
         if args.impl == "ppomax+vllm":
@@ -201,6 +211,7 @@ def main() -> None:
                 "mean_response_length": sum(lengths) / len(lengths) if lengths else None,
                 "padded_tokens": TOKENS["padded"] or None,
                 "padding_share": 1 - TOKENS["real"] / TOKENS["padded"] if TOKENS["padded"] else None,
+                **logged_timings(trainer.state.log_history),
             }
         ),
         flush=True,

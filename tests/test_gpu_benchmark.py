@@ -67,6 +67,13 @@ def test_dry_run_counts_parameters_computes_mfu_and_trains_the_policy(report):
     assert run["policy_parameters_changed"] is True and run["policy_lm_head_max_abs_change"] > 0
 
 
+def test_dry_run_also_times_a_lagged_run_against_the_synchronous_one(report):
+    run = report["runs"]["ppomax+staleness1"]
+    assert run["trainer"]["max_staleness"] == 1 and run["policy_parameters_changed"] is True
+    assert run["generated_tokens"] == report["runs"]["ppomax"]["generated_tokens"]
+    assert report["staleness"]["episodes_per_second_k1_over_k0"] > 0
+
+
 def test_dry_run_records_the_runs_it_skipped(report):
     reasons = {entry["run"]: entry["reason"] for entry in report["skipped"]}
     assert reasons == {"trl112": "no --trl112-python given", "ppomax+vllm": "dry run: the vLLM run needs a GPU"}

@@ -212,3 +212,48 @@ def test_a_lagged_peft_policy_trains_its_adapter(tmp_path):
     trainer.train()
     adapters = {n: p for n, p in trainer.lagged.copy.named_parameters() if "lora_B" in n}
     assert adapters and any((p != 0).any() for p in adapters.values())  # the copy got the trained adapter
+
+
+INTERRUPTED_RUN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from helpers import make_trainer
+from transformers import TrainerCallback
+
+class Announce(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        print("iteration", state.global_step, flush=True)
+
+trainer = make_trainer(Path({folder!r}), callbacks=[Announce()], max_staleness=1, total_episodes=16 * 200)
+try:
+    trainer.train()
+except KeyboardInterrupt:
+    trainer.lagged.thread.join(timeout=60)
+    print("producer alive:", trainer.lagged.thread.is_alive(), flush=True)
+    raise
+"""
+
+
+@pytest.mark.slow  # two training processes started and interrupted (.ci/run runs it)
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_lagged_run_stops_both_sides(tmp_path, signal_name):
+    """Ctrl-C (SIGINT) stops the trainer and then its producer; SIGTERM ends the process: neither hangs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = INTERRUPTED_RUN.format(tests=str(Path(__file__).parent), folder=str(tmp_path))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    for line in process.stdout:  # wait for the first trained iteration: both sides are busy by then
+        if line.startswith(b"iteration"):
+            break
+    process.send_signal(getattr(signal, signal_name))
+    out, err = process.communicate(timeout=120)
+    assert process.returncode != 0
+    if signal_name == "SIGINT":
+        assert b"producer alive: False" in out and b"KeyboardInterrupt" in err
+    else:
+        assert process.returncode == -signal.SIGTERM

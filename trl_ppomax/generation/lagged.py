@@ -3,8 +3,9 @@ of the policy at **version** ``max(0, j − 1 − k)`` (the weights after that m
 k = 0, samples batch ``j`` with version ``j − 1``) while the trainer scores and updates the batches before it, as
 verl's one-step-off pipeline does with a fixed lag, so that a run is reproducible and resumable.
 
-Schedule: at the start of iteration ``i`` the batches up to ``i + k`` are asked for; the copy is brought to the live
-policy (version ``i − 1``) just before the first batch that needs it, once the producer has finished the older ones.
+Schedule: at the start of iteration ``i`` the batches up to ``i + k`` are asked for, and a snapshot of the live policy
+(version ``i − 1``) is queued before the first batch that needs it; the producer loads it into its copy once it has
+finished the older batches, so the trainer waits for nothing but the batch it trains on.
 Each batch keeps the version that sampled it and the **behaviour** log-probs ``log μ(y_t)`` of that copy. The trainer
 scores it with the current policy (``log π_prox``, the reference, the critic, the rewards), and the update uses the
 decoupled PPO objective (AReaL, arXiv 2505.24298): the clipped ratio ``π_θ / π_prox`` times the behaviour weight
@@ -115,6 +116,7 @@ class LaggedRollouts:
         self.engine = SeededGeneration(self.copy, args, stop_token_id, pad_token_id)
         self.behaviour_logprobs, self.prompts, self.autocast = behaviour_logprobs, prompts, autocast
         self.version, self.asked, self.taken = 0, 0, 0  # the copy's version; batches asked for and trained on
+        self.queued_version = 0  # the version of the last snapshot queued for the producer
         self.finished: dict[int, LaggedBatch] = {}
         self.stats: dict[str, list[float]] = defaultdict(list)
         self.requests: queue.Queue = queue.Queue()
@@ -130,11 +132,12 @@ class LaggedRollouts:
     # -- the trainer's side -------------------------------------------------------------------------------------------
     def take(self, iteration: int, last: int) -> LaggedBatch:
         """Rollout batch ``iteration``, once generated; first asks for every batch up to ``iteration + k`` (at most
-        ``last``), the copy brought to the live policy (version ``iteration − 1``) before the first that needs it."""
+        ``last``), a snapshot of the live policy (version ``iteration − 1``) queued before the first that needs it:
+        the producer loads it once it has finished the older batches, and the trainer never waits for that."""
         for batch in range(self.asked + 1, min(iteration + self.lag, last) + 1):
-            if self.version_for(batch) != self.version:
-                self._wait(self._idle)
-                self.sync(self.version_for(batch))
+            if self.version_for(batch) != self.queued_version:
+                self.queued_version = self.version_for(batch)
+                self.requests.put((self.queued_version, self._trainable(self.live, clone=True)))
             self.requests.put(batch)
             self.asked = batch
         start = time.perf_counter()
@@ -149,12 +152,18 @@ class LaggedRollouts:
         self.stats[M.GENERATION_SECONDS].append(generated.seconds)
         return generated
 
-    def sync(self, version: int) -> None:
-        """Copy the live policy's trainable weights (the others never change) into the producer's copy."""
+    @staticmethod
+    def _trainable(model: nn.Module, clone: bool = False) -> list[torch.Tensor]:
+        """The parameters that training changes (the others never do), detached (and cloned: a snapshot)."""
+        return [p.detach().clone() if clone else p for p in model.parameters() if p.requires_grad]
+
+    def load_weights(self, version: int, weights: list[torch.Tensor]) -> None:
+        """Copy ``weights`` (the live policy's trainable parameters, in order) into the producer's copy."""
+        trainable = [mine for mine, live in zip(self.copy.parameters(), self.live.parameters(), strict=True)
+                     if live.requires_grad]  # fmt: skip
         with torch.no_grad():
-            for mine, live in zip(self.copy.parameters(), self.live.parameters(), strict=True):
-                if live.requires_grad:
-                    mine.copy_(live)
+            for mine, weight in zip(trainable, weights, strict=True):
+                mine.copy_(weight)
         self.version = version
 
     def importance_weights(self, policy_logits, logprobs, responses, mask, behaviour_logprobs) -> torch.Tensor:
@@ -191,7 +200,8 @@ class LaggedRollouts:
         saved = torch.load(os.path.join(folder, QUEUE_FILE.format(process_index)), weights_only=False)
         self.finished = {b["index"]: LaggedBatch(**b) for b in saved["batches"]}
         self.asked, self.taken = saved["asked"], saved["asked"] - len(self.finished)
-        self.sync(iteration)
+        self.queued_version = iteration
+        self.load_weights(iteration, self._trainable(self.live))
 
     def close(self) -> None:
         """Stop the producer after its current batch."""
@@ -215,6 +225,9 @@ class LaggedRollouts:
     def _produce(self) -> None:
         try:
             while (batch := self.requests.get()) is not None:
+                if isinstance(batch, tuple):  # (version, weights): the snapshot the next batches need
+                    self.load_weights(*batch)
+                    continue
                 generated = self._generate(batch)
                 with self.ready:
                     self.finished[batch] = generated
