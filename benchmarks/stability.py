@@ -9,9 +9,10 @@ the same number of iterations; the gold reward is known, so over-optimisation of
 
 JSON: {"sft": {...}, "methods": {name: {<final fields, mean over seeds>, "seeds": [...], "curves": {...}}}}.
 
---stress: every method (default: vanilla_ppo, trl_ppo, ppo_max and ppo_max minus one trick at a time) under every
-condition of CONDITIONS (default: all; each applied identically to every method through the trainer's reward sources
-and config: baseline, reward_scale_10, reward_scale_0.1, reward_offset_5, reward_outliers, lr_x3, long), seeds 0 1 2,
+--stress: every method (default: STRESS_METHODS: trl_ppo, ppo_max, ppo_max_robust, the critic-free estimators, the
+KL as a k2 loss, clip-higher) under every condition of CONDITIONS (default: all; each applied
+identically to every method through the trainer's reward sources and config: baseline, reward_scale_10,
+reward_scale_0.1, reward_offset_5, reward_outliers, lr_x3, long, long_responses, reward_drift), seeds 0 1 2,
 60 iterations (`long`: 3×). Every finished (condition, method, seed) run is appended at once to <output
 stem>.runs.jsonl and not run again when the command is repeated (--fresh starts over); the runs' own output goes to
 <output stem>.runs.log. JSON (default benchmarks/results/stability_stress.json): {"sft": {...}, "conditions":
@@ -68,6 +69,15 @@ STRESS_METHODS = (
     "trl_ppo",
     "ppo_max",
     "ppo_max_robust",
+    # Issue 33: critic-free estimators, the KL as a loss (k2) and clip-higher
+    "rloo",
+    "reinforce_pp_baseline",
+    "grpo",
+    "ppo_max_kl_loss_k2",
+    "ppo_max_clip_higher",
+)
+#: The robust preset minus one option at a time (issue 24's grid): run them with --methods.
+ROBUST_ABLATIONS = (
     "ppo_max_robust_no_freeze",
     "ppo_max_robust_no_winsorize",
     "ppo_max_robust_no_lam_critic",

@@ -202,7 +202,7 @@ def test_reward_drift_flips_its_preference_halfway(stability):
     ],
 )
 def test_each_ablation_changes_exactly_one_option(stability, base, method, field, off):
-    assert method in (*stability.STRESS_METHODS, *stability.PAPER_ABLATIONS) and method in METHODS
+    assert method in (*stability.ROBUST_ABLATIONS, *stability.PAPER_ABLATIONS) and method in METHODS
     full, ablated = ppo_config("unused", base), ppo_config("unused", method)
     differ = [f.name for f in fields(full) if getattr(full, f.name) != getattr(ablated, f.name)]
     assert differ == [field] and getattr(ablated, field) == off
