@@ -143,6 +143,7 @@ def test_gumbel_max_samples_the_softmax():
     assert torch.equal(draws, again)
 
 
+@pytest.mark.slow  # six tiny runs (.ci/run runs it)
 @pytest.mark.parametrize("k", [1, 2])
 def test_kill_and_resume_is_bit_identical_for_a_fixed_lag(tmp_path, k):
     """Stopped after iteration 2 (the batches generated ahead saved in the checkpoint) and resumed: the weights of
@@ -204,6 +205,7 @@ def test_max_staleness_with_vllm_or_a_sharded_engine_is_refused_and_everyday_set
         PPOMaxConfig(output_dir=str(tmp_path), max_staleness=-1, report_to="none")
 
 
+@pytest.mark.slow  # a LoRA run (.ci/run runs it)
 def test_a_lagged_peft_policy_trains_its_adapter(tmp_path):
     from peft import LoraConfig
 

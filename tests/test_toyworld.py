@@ -65,6 +65,7 @@ def forty_iterations(world, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow  # a toy-world run (.ci/run runs it)
 def test_a_critic_free_method_runs_in_the_toy_world_without_a_value_curve(world, tmp_path):
     trainer, _, final, curves = run_method(world, "rloo", str(tmp_path), 2)
     assert trainer.model.critic is None and "value_loss" not in curves
