@@ -22,6 +22,7 @@ __all__ = [
     "SMOKE",
     "TINY",
     "TINY_RUN",
+    "PolicyVersions",
     "StopAt",
     "changed",
     "engine_name",
@@ -199,3 +200,17 @@ def run_distributed(*fns: Callable[[Callable], object]) -> list[object]:
         raise (real_errors or errors)[0]
     assert len(set(calls)) == 1, f"ranks made different numbers of reduce calls: {calls}"
     return results
+
+
+class PolicyVersions(TrainerCallback):
+    """The policy's weights at every version of a run: ``versions[v]`` after ``v`` iterations (``copy()``: now)."""
+
+    def __init__(self, trainer) -> None:
+        self.policy = trainer.accelerator.unwrap_model(trainer.model).policy
+        self.versions = [self.copy()]
+
+    def copy(self) -> dict:
+        return {name: p.detach().clone() for name, p in self.policy.state_dict().items()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.versions.append(self.copy())

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from helpers import StopAt, make_trainer
+from helpers import PolicyVersions, StopAt, make_trainer
 from torch.testing import assert_close
-from transformers import TrainerCallback
 
 from trl_ppomax import PPOMaxConfig
 from trl_ppomax.generation import lagged
@@ -40,20 +39,6 @@ def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path):
     assert sums == reference["policy_weight_sums"]
 
 
-class PolicyVersions(TrainerCallback):
-    """The policy's weights at every version: ``versions[v]`` after ``v`` iterations."""
-
-    def __init__(self, trainer) -> None:
-        self.policy = trainer.model.policy
-        self.versions = [self._copy()]
-
-    def _copy(self) -> dict:
-        return {name: p.detach().clone() for name, p in self.policy.state_dict().items()}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.versions.append(self._copy())
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_batch_i_is_sampled_by_version_i_minus_1_minus_k_exactly(tmp_path, k):
     """The schedule max(0, i − 1 − k), and each batch's behaviour log-probs are those of that version's weights (so
@@ -67,7 +52,7 @@ def test_batch_i_is_sampled_by_version_i_minus_1_minus_k_exactly(tmp_path, k):
     trainer.train()
     assert [(b.index, b.version) for b in taken] == [(i, max(0, i - 1 - k)) for i in range(1, 5)]
     model = trainer.model.policy
-    saved = versions._copy()
+    saved = versions.copy()
     for batch in taken:
         model.load_state_dict(versions.versions[batch.version])
         n = trainer.args.num_samples_per_prompt
@@ -110,7 +95,9 @@ def test_behaviour_weights_by_hand():
 def test_importance_metrics_by_hand():
     """The logged gap and ratios of one call: |log ρ| = [ln 2, ln 4] → mean 1.5·ln 2, max ln 4; ρ mean 1.25."""
     producer = SimpleNamespace(
-        args=SimpleNamespace(staleness_clip_max=3.0, staleness_correction="icepop"), stats=lagged.defaultdict(list)
+        args=SimpleNamespace(staleness_clip_max=3.0, staleness_correction="icepop"),
+        stats=lagged.defaultdict(list),
+        engine=SimpleNamespace(target_logprobs=lambda logits, logprobs, responses: logprobs),
     )
     prox = torch.log(torch.tensor([[2.0, 0.5, 9.0]]))
     mask = torch.tensor([[1, 1, 0]])
@@ -190,9 +177,12 @@ def test_the_producer_stops_when_training_ends(tmp_path):
     assert not trainer.lagged.thread.is_alive()
 
 
-def test_max_staleness_with_vllm_or_a_sharded_engine_is_refused_and_everyday_setups_pass(tmp_path):
-    with pytest.raises(ValueError, match="use_vllm"):
-        PPOMaxConfig(output_dir=str(tmp_path), max_staleness=1, use_vllm=True, report_to="none")
+def test_max_staleness_with_a_vllm_server_or_a_sharded_engine_is_refused_and_everyday_setups_pass(tmp_path):
+    vllm = dict(output_dir=str(tmp_path), max_staleness=1, use_vllm=True, report_to="none")
+    for setting in ({"vllm_mode": "server"}, {"vllm_enable_sleep_mode": True}, {"vllm_tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match=f"{next(iter(setting))}.*not supported"):
+            PPOMaxConfig(**vllm, **setting)
+    assert PPOMaxConfig(**vllm).vllm_mode == "colocate"  # a colocated engine generates ahead (tests/test_vllm.py)
     zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
     with pytest.raises(ValueError, match="ZeRO-3"):
         setup.check_lagged_engine(False, zero3)
@@ -212,7 +202,7 @@ def test_a_lagged_peft_policy_trains_its_adapter(tmp_path):
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = make_trainer(tmp_path, peft_config=peft, max_staleness=1, **LAGGED)
     trainer.train()
-    adapters = {n: p for n, p in trainer.lagged.copy.named_parameters() if "lora_B" in n}
+    adapters = {n: p for n, p in trainer.lagged.engine.policy.named_parameters() if "lora_B" in n}
     assert adapters and any((p != 0).any() for p in adapters.values())  # the copy got the trained adapter
 
 

@@ -35,7 +35,7 @@ from trl_ppomax.generation import HFGeneration, generate_in_chunks
 from trl_ppomax.ppo import core
 from trl_ppomax.ppo import metrics as M
 
-__all__ = ["GumbelSampler", "LaggedBatch", "LaggedRollouts", "behaviour_weights"]
+__all__ = ["GumbelSampler", "LaggedBatch", "LaggedRollouts", "PolicyCopy", "behaviour_weights"]
 
 QUEUE_FILE = "lagged_rollouts_{}.pt"
 #: How each sampling statistic of :meth:`LaggedRollouts.importance_weights` is reduced over an iteration's calls.
@@ -81,6 +81,36 @@ class SeededGeneration(HFGeneration):
         return kwargs
 
 
+class PolicyCopy(SeededGeneration):
+    """The producer's engine with ``model.generate``: a frozen copy of the live policy whose trainable weights take
+    the snapshots the schedule names; ``log μ`` is the copy's scoring forward (``behaviour``, as ``π_prox``'s).
+
+    The producer's engine interface (also :class:`~trl_ppomax.generation.vllm.VLLMEngine`'s, colocated):
+    ``generator`` (the batch's random stream), ``generate``, ``behaviour_logprobs``, ``target_logprobs`` (what
+    ``log μ`` estimates under the scoring policy), ``snapshot()`` (trainer's thread) and ``load_snapshot``."""
+
+    def __init__(self, policy: nn.Module, args, stop_token_id, pad_token_id, behaviour) -> None:
+        super().__init__(copy.deepcopy(policy).eval().requires_grad_(False), args, stop_token_id, pad_token_id)
+        self.live, self.behaviour = policy, behaviour
+
+    def behaviour_logprobs(self, query_ids, query_mask, responses, mask, sampler_logprobs) -> torch.Tensor:
+        return self.behaviour(self.policy, query_ids, query_mask, responses, mask)
+
+    def target_logprobs(self, policy_logits, logprobs, responses) -> torch.Tensor:
+        return logprobs
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """The live policy's trainable parameters (the others never change), cloned."""
+        return [p.detach().clone() for p in self.live.parameters() if p.requires_grad]
+
+    def load_snapshot(self, weights: list[torch.Tensor]) -> None:
+        trainable = [mine for mine, live in zip(self.policy.parameters(), self.live.parameters(), strict=True)
+                     if live.requires_grad]  # fmt: skip
+        with torch.no_grad():
+            for mine, weight in zip(trainable, weights, strict=True):
+                mine.copy_(weight)
+
+
 @dataclass
 class LaggedBatch:
     """One generated rollout batch: prompts (B, L), ``n`` responses each (B·n, T) and their behaviour log-probs."""
@@ -100,23 +130,18 @@ class LaggedRollouts:
     """The producer of bounded-staleness rollouts for one trainer process (see the module docstring).
 
     Args:
-        policy: the live (unwrapped) policy; a frozen copy of it generates.
+        engine: what samples, at the versions the schedule names: :class:`PolicyCopy` or a colocated
+            :class:`~trl_ppomax.generation.vllm.VLLMEngine` (its interface in :class:`PolicyCopy`).
         args: the run's config (``max_staleness``, sampling settings, ``seed``, the correction).
-        behaviour_logprobs: ``f(model, query_ids, query_mask, responses, mask) -> (B·n, T)`` masked log-probs, the
-            trainer's scoring forward (so that ``π_prox`` and ``μ`` are computed alike).
         prompts: ``f(j) -> (query_ids, query_mask, columns)`` of rollout batch ``j``.
         autocast: the run's mixed-precision context (thread-local, so entered again in the producer).
     """
 
-    def __init__(
-        self, policy: nn.Module, args, stop_token_id, pad_token_id, behaviour_logprobs, prompts, autocast, process=0
-    ) -> None:
-        self.live, self.args, self.lag, self.process_index = policy, args, args.max_staleness, process
-        self.copy = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.engine = SeededGeneration(self.copy, args, stop_token_id, pad_token_id)
-        self.behaviour_logprobs, self.prompts, self.autocast = behaviour_logprobs, prompts, autocast
-        self.version, self.asked, self.taken = 0, 0, 0  # the copy's version; batches asked for and trained on
-        self.queued_version = 0  # the version of the last snapshot queued for the producer
+    def __init__(self, engine, args, prompts, autocast, process=0) -> None:
+        self.engine, self.args, self.lag, self.process_index = engine, args, args.max_staleness, process
+        self.prompts, self.autocast = prompts, autocast
+        self.version, self.asked, self.taken = 0, 0, 0  # the engine's version; batches asked for and trained on
+        self.queued_version: int | None = None  # the version of the last snapshot queued (None: none yet)
         self.finished: dict[int, LaggedBatch] = {}
         self.stats: dict[str, list[float]] = defaultdict(list)
         self.requests: queue.Queue = queue.Queue()
@@ -137,7 +162,7 @@ class LaggedRollouts:
         for batch in range(self.asked + 1, min(iteration + self.lag, last) + 1):
             if self.version_for(batch) != self.queued_version:
                 self.queued_version = self.version_for(batch)
-                self.requests.put((self.queued_version, self._trainable(self.live, clone=True)))
+                self.requests.put((self.queued_version, self.engine.snapshot()))
             self.requests.put(batch)
             self.asked = batch
         start = time.perf_counter()
@@ -152,23 +177,15 @@ class LaggedRollouts:
         self.stats[M.GENERATION_SECONDS].append(generated.seconds)
         return generated
 
-    @staticmethod
-    def _trainable(model: nn.Module, clone: bool = False) -> list[torch.Tensor]:
-        """The parameters that training changes (the others never do), detached (and cloned: a snapshot)."""
-        return [p.detach().clone() if clone else p for p in model.parameters() if p.requires_grad]
-
-    def load_weights(self, version: int, weights: list[torch.Tensor]) -> None:
-        """Copy ``weights`` (the live policy's trainable parameters, in order) into the producer's copy."""
-        trainable = [mine for mine, live in zip(self.copy.parameters(), self.live.parameters(), strict=True)
-                     if live.requires_grad]  # fmt: skip
-        with torch.no_grad():
-            for mine, weight in zip(trainable, weights, strict=True):
-                mine.copy_(weight)
+    def load_weights(self, version: int, snapshot) -> None:
+        """The engine at ``version``: ``snapshot`` (the engine's ``snapshot()`` of the live policy) loaded into it."""
+        self.engine.load_snapshot(snapshot)
         self.version = version
 
     def importance_weights(self, policy_logits, logprobs, responses, mask, behaviour_logprobs) -> torch.Tensor:
         """:func:`behaviour_weights` of the scored log-probs (``π_prox``) over the behaviour ones, logging the gap."""
         args = self.args
+        logprobs = self.engine.target_logprobs(policy_logits, logprobs, responses)
         weights = behaviour_weights(
             logprobs, behaviour_logprobs, mask, args.staleness_clip_max, args.staleness_correction
         )
@@ -201,7 +218,7 @@ class LaggedRollouts:
         self.finished = {b["index"]: LaggedBatch(**b) for b in saved["batches"]}
         self.asked, self.taken = saved["asked"], saved["asked"] - len(self.finished)
         self.queued_version = iteration
-        self.load_weights(iteration, self._trainable(self.live))
+        self.load_weights(iteration, self.engine.snapshot())
 
     def close(self) -> None:
         """Stop the producer after its current batch."""
@@ -244,12 +261,9 @@ class LaggedRollouts:
         self.engine.generator = torch.Generator(device=query_ids.device).manual_seed(seed)
         start = time.perf_counter()
         with torch.no_grad(), self.autocast():
-            responses, mask, _ = generate_in_chunks(self.engine, query_ids, query_mask, True, n, args, self.pad_id)
+            pad_id = self.engine.pad_token_id
+            responses, mask, sampler = generate_in_chunks(self.engine, query_ids, query_mask, True, n, args, pad_id)
             queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
-            behaviour = self.behaviour_logprobs(self.copy, *queries, responses, mask)
+            behaviour = self.engine.behaviour_logprobs(*queries, responses, mask, sampler)
         seconds = time.perf_counter() - start
         return LaggedBatch(batch, self.version, query_ids, query_mask, responses, mask, behaviour, columns, seconds)
-
-    @property
-    def pad_id(self) -> int:
-        return self.engine.pad_token_id

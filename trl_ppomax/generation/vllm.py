@@ -68,7 +68,7 @@ class VLLMEngine:
         from trl.generation.vllm_generation import VLLMGeneration
 
         self.args, self.on_cpu = args, device == "cpu"
-        self.stop_id, self.pad_id = stop_id, tokenizer.pad_token_id
+        self.stop_id, self.pad_token_id = stop_id, tokenizer.pad_token_id
         extra = {"detokenize": False, "ignore_eos": True}  # stop at the configured stop token only, as generate() does
         if self.stop_id is not None:
             extra["stop_token_ids"] = [self.stop_id]
@@ -88,6 +88,7 @@ class VLLMEngine:
             )
         self.stale = True  # a policy built in code, or a PEFT adapter: push the trained weights before generating
         self.stats: dict[str, list[float]] = defaultdict(list)
+        self.generator: torch.Generator | None = None  # max_staleness ≥ 1: each request's seed drawn from it
 
     def on_policy_updated(self) -> None:
         """The policy changed (an optimizer step on it): push its weights before the next generation."""
@@ -97,15 +98,37 @@ class VLLMEngine:
         """Push the policy's weights: trl's ``sync_weights``; on a CPU engine (prepacked linear kernels), trl's
         parameter stream goes through vLLM's in-place ``reload_weights``, which re-runs the packing."""
         start = time.perf_counter()
-        generation = self.generation
-        if generation.mode == "colocate" and self.on_cpu:
-            runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
-            runner.reload_weights(weights_iterator=generation._iter_named_params())
-            generation.llm.reset_prefix_cache()
+        if self.generation.mode == "colocate" and self.on_cpu:
+            self.load_snapshot(self.generation._iter_named_params())
         else:
-            generation.sync_weights()
+            self.generation.sync_weights()
         self.stale = False
         self.stats[M.VLLM_SYNC_SECONDS].append(time.perf_counter() - start)
+
+    # -- max_staleness ≥ 1: the producer's engine (colocated), at the versions the schedule names ----------------------
+    def snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the policy's weights under vLLM's names (PEFT merged), taken in the trainer's thread."""
+        return [(name, tensor.detach().clone()) for name, tensor in self.generation._iter_named_params()]
+
+    def load_snapshot(self, named_weights) -> None:
+        """Load ``(name, tensor)`` pairs into the colocated engine (re-packed on CPU) and drop its prefix cache."""
+        llm = self.generation.llm
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+        if self.on_cpu:
+            runner.reload_weights(weights_iterator=iter(named_weights))
+        else:
+            runner.model.load_weights(named_weights)
+        llm.reset_prefix_cache()
+        self.stale = False
+
+    def behaviour_logprobs(self, query_ids, query_mask, responses, mask, sampler_logprobs) -> torch.Tensor:
+        """``log μ``: vLLM's own log-probs of what it sampled (after temperature and top-p)."""
+        return sampler_logprobs
+
+    def target_logprobs(self, policy_logits, logprobs, responses) -> torch.Tensor:
+        """What vLLM's log-probs estimate under the scoring policy: its sampling distribution
+        (:func:`core.nucleus_logprobs`: temperature, then top-p renormalised)."""
+        return core.nucleus_logprobs(policy_logits, responses, self.args.temperature, self.args.top_p)
 
     @torch.no_grad()
     def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1):
@@ -118,11 +141,14 @@ class VLLMEngine:
             row[mask.bool()].tolist() for row, mask in zip(query_ids, query_mask, strict=True) for _ in range(n)
         ]
         start = time.perf_counter()
-        with self._sampling(sampling):
-            _, completions, logprobs, _ = self.generation.generate(prompts, None, n)
+        if sampling and self.generator is not None:
+            completions, logprobs = self._seeded_generate(prompts)
+        else:
+            with self._sampling(sampling):
+                _, completions, logprobs, _ = self.generation.generate(prompts, None, n)
         self.stats[M.VLLM_GENERATION_SECONDS].append(time.perf_counter() - start)
         width = max(1, *(len(c) for c in completions))
-        responses = torch.full((len(completions), width), self.pad_id, dtype=torch.long)
+        responses = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(completions), width), dtype=torch.long)
         sampler = torch.zeros((len(completions), width))
         for i, completion in enumerate(completions):
@@ -131,6 +157,23 @@ class VLLMEngine:
             if logprobs is not None:
                 sampler[i, : len(completion)] = torch.tensor([float(lp[0]) for lp in logprobs[i]])
         return tuple(tensor.to(query_ids.device) for tensor in (responses, mask, sampler))
+
+    def _seeded_generate(self, prompts: list[list[int]]) -> tuple[list, list]:
+        """trl's colocated sampling, each request seeded from ``generator`` (the same samples whenever a batch is
+        generated): ``(completion_ids, logprobs)`` as ``VLLMGeneration.generate`` returns them."""
+        from trl.generation.vllm_generation import extract_logprobs
+        from vllm import SamplingParams
+
+        g = self.generation
+        settings = dict(
+            n=1, repetition_penalty=g.repetition_penalty, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+            min_p=g.min_p or 0.0, max_tokens=g.max_completion_length, logprobs=g.logprobs, **g.generation_kwargs,
+        )  # fmt: skip
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=self.generator).tolist()
+        requests = [{"prompt_token_ids": ids} for ids in prompts]
+        params = [SamplingParams(**settings, seed=seed) for seed in seeds]
+        outputs = g.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        return [output.outputs[0].token_ids for output in outputs], extract_logprobs(outputs)[0]
 
     @contextlib.contextmanager
     def _sampling(self, sampling: bool):
@@ -151,7 +194,7 @@ class VLLMEngine:
         (:func:`core.nucleus_logprobs` of ``policy_logits``; the scored ``logprobs`` are not nucleus-renormalised)
         over vLLM's, logging the gap; None when the correction is off. vLLM's repetition penalty is not modelled."""
         args = self.args
-        target = core.nucleus_logprobs(policy_logits, responses, args.temperature, args.top_p)
+        target = self.target_logprobs(policy_logits, logprobs, responses)
         gap = (target - sampler_logprobs).abs()[mask.bool()]
         weights = core.truncated_importance_weights(
             target, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max
@@ -164,10 +207,10 @@ class VLLMEngine:
         return weights if args.vllm_importance_sampling_correction else None
 
     def pop_metrics(self) -> dict[str, float]:
-        """This iteration's sampling gap and engine times on this process, reduced as ``REDUCERS`` says (else mean)."""
-        out = {name: REDUCERS.get(name, mean)(values) for name, values in self.stats.items() if values}
-        self.stats.clear()
-        return out
+        """This iteration's sampling gap and engine times on this process, reduced as ``REDUCERS`` says (else mean);
+        the statistics are swapped out first (a producer thread may be adding to them)."""
+        stats, self.stats = self.stats, defaultdict(list)
+        return {name: REDUCERS.get(name, mean)(values) for name, values in stats.items() if values}
 
 
 @contextlib.contextmanager

@@ -568,11 +568,7 @@ class PPOMaxConfig(TrainingArguments):
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
         self._validate_estimator()
-        if self.max_staleness and self.use_vllm:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} generates with a copy of the policy through model.generate; "
-                "with use_vllm it is not supported yet: set max_staleness=0 or use_vllm=False."
-            )
+        self._validate_lagged_vllm()
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),
@@ -588,6 +584,23 @@ class PPOMaxConfig(TrainingArguments):
             choices = get_args(allowed)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
+
+    def _validate_lagged_vllm(self) -> None:
+        """max_staleness ≥ 1 with vLLM: a colocated engine of one GPU, awake, owned by the producer thread."""
+        if not (self.max_staleness and self.use_vllm):
+            return
+        refused = {
+            "vllm_mode='server'": self.vllm_mode == "server",
+            "vllm_enable_sleep_mode=True": self.vllm_enable_sleep_mode,
+            f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}": self.vllm_tensor_parallel_size > 1,
+        }
+        for setting, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"max_staleness={self.max_staleness} with use_vllm generates on a colocated engine of one device, "
+                    f"awake while the trainer updates; {setting} is not supported with it yet: use vllm_mode="
+                    "'colocate' without sleep mode and tensor_parallel_size=1, or set max_staleness=0."
+                )
 
     def _validate_estimator(self) -> None:
         estimator = advantages.ESTIMATORS.get(self.advantage_estimator)

@@ -416,10 +416,14 @@ def check_engine(fsdp_enabled: bool, distributed_type) -> None:
         )
 
 
-def lagged_rollouts(trainer, policy: nn.Module):
+def lagged_rollouts(trainer, policy: nn.Module, engine):
     """The ``max_staleness`` ≥ 1 producer (:class:`~trl_ppomax.generation.lagged.LaggedRollouts`) of a trainer's
-    rollout batches, sampling with a copy of its unwrapped ``policy``; refused where the policy is sharded."""
-    from trl_ppomax.generation.lagged import LaggedRollouts
+    rollout batches, sampled by a copy of its unwrapped ``policy``, or by the colocated vLLM ``engine``
+    (``use_vllm``), which then becomes the producer's: returns the producer and the trainer's engine for evaluation
+    and samples (``model.generate`` on the live policy with vLLM, else ``engine``). Refused where the policy is
+    sharded."""
+    from trl_ppomax.generation import HFGeneration
+    from trl_ppomax.generation.lagged import LaggedRollouts, PolicyCopy
     from trl_ppomax.ppo.scoring import policy_logprobs
 
     check_lagged_engine(trainer.is_fsdp_enabled, trainer.accelerator)
@@ -429,9 +433,12 @@ def lagged_rollouts(trainer, policy: nn.Module):
         tensors, columns = data.split_batch(trainer.prompt_batches[batch - 1], accelerator.device)
         return tensors["input_ids"], tensors["attention_mask"], columns
 
-    logprobs = functools.partial(policy_logprobs, args=args)
     ids = (trainer.stop_token_id, trainer.processing_class.pad_token_id)
-    return LaggedRollouts(policy, args, *ids, logprobs, prompts, accelerator.autocast, accelerator.process_index)
+    if args.use_vllm:
+        producer_engine, engine = engine, HFGeneration(policy, args, *ids)
+    else:
+        producer_engine = PolicyCopy(policy, args, *ids, functools.partial(policy_logprobs, args=args))
+    return LaggedRollouts(producer_engine, args, prompts, accelerator.autocast, accelerator.process_index), engine
 
 
 def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:

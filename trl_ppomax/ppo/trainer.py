@@ -113,7 +113,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # The phases' collaborators: generation (the policy's generate, or vLLM), scoring, experience
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
-        self.lagged = setup.lagged_rollouts(self, policy) if args.max_staleness else None  # generates ahead
+        self.lagged = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
+        if args.max_staleness:
+            self.lagged, self.generation = setup.lagged_rollouts(self, policy, self.generation)
         accelerator, sources, stop_id = self.accelerator, self.reward_sources, self.stop_id
         sampler = self.lagged or self.generation  # whose importance_weights correct rollouts with sampler log-probs
         self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, sampler, stop_id)
@@ -122,8 +124,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
 
     @property
     def vllm(self) -> VLLMEngine | None:
-        """The vLLM engine when ``use_vllm=True`` (the generation engine then), else None."""
-        return self.generation if isinstance(self.generation, VLLMEngine) else None
+        """The vLLM engine when ``use_vllm=True`` (the generation engine, or with ``max_staleness`` ≥ 1 the
+        producer's), else None."""
+        engine = self.generation if self.lagged is None else self.lagged.engine
+        return engine if isinstance(engine, VLLMEngine) else None
 
     @property
     def rollout_metrics(self) -> dict[str, rewards.RewardFunction]:
