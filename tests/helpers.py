@@ -85,6 +85,7 @@ def make_trainer(
     base=TINY,
     callbacks=None,
     fsdp_on_cpu=False,
+    rollout_func=None,
     **overrides,
 ):
     """A :class:`PPOMaxTrainer` on the tiny ``arch`` models with the settings ``base`` (``overrides`` win), writing
@@ -106,6 +107,7 @@ def make_trainer(
         peft_config=peft_config,
         eval_dataset=eval_dataset,
         callbacks=callbacks,
+        rollout_func=rollout_func,
     )
 
 

@@ -165,7 +165,7 @@ def our_advantages(name: str, kl_in_reward: bool) -> torch.Tensor:
     from trl_ppomax.ppo.experience import ExperienceMaker
 
     inputs = {k: torch.tensor(v) for k, v in PEERS["inputs"].items() if k in ("scores", "kl", "mask")}
-    rollout = type("R", (), {"response_mask": inputs["mask"], "values": torch.zeros_like(inputs["kl"])})
+    rollout = type("R", (), {"policy_mask": inputs["mask"], "values": torch.zeros_like(inputs["kl"])})
     maker = ExperienceMaker.__new__(ExperienceMaker)
     maker.args = type(
         "A", (PeerArgs,), {"advantage_estimator": name, "kl_placement": "reward" if kl_in_reward else "loss"}

@@ -57,15 +57,16 @@ def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, en
     if args.max_tokens_per_microbatch is None:
         if aggregation == "token_mean":
             return [(rows, None) for rows in minibatch.split(rows_each)]
-        mask = rollout.response_mask
+        mask = rollout.policy_mask
         return [
             (rows, core.row_split_loss_weights(mask[rows], len(rows), aggregation))
             for rows in minibatch.split(rows_each)
         ]
-    mask = rollout.response_mask[minibatch]
     budget = args.max_tokens_per_microbatch
-    groups, count = token_budget_groups(rollout.query_mask[minibatch], mask, budget, accelerator)
-    weights = core.row_split_loss_weights(mask, rows_each, aggregation).float()
+    groups, count = token_budget_groups(
+        rollout.query_mask[minibatch], rollout.response_mask[minibatch], budget, accelerator
+    )
+    weights = core.row_split_loss_weights(rollout.policy_mask[minibatch], rows_each, aggregation).float()
     micro_batches = [(minibatch[g], weights[g] * (engine_divisor or count)) for g in groups]
     idle = (minibatch[:1], torch.zeros_like(weights[:1]))
     return micro_batches + [idle] * (count - len(groups))

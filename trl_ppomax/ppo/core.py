@@ -179,8 +179,10 @@ def ends_with_stop(responses: torch.Tensor, mask: torch.Tensor, stop_token_id: i
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index (B,) of the last 1 in each row of a right-padded mask (B, T); 0 for an empty row."""
-    return (mask.long().sum(dim=1) - 1).clamp(min=0)
+    """Index (B,) of the last 1 in each row of a mask (B, T), holes allowed (a multi-turn trajectory's policy tokens);
+    0 for an empty row."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask.long() != 0) * positions).amax(dim=1).sub(1).clamp(min=0)
 
 
 # -- Reward shaping (§5.3.1, §5.3.2) -----------------------------------------------------------------------------------
@@ -259,22 +261,24 @@ def token_rewards(
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over right-padded responses, (B, T) each: ``δ_t = r_t + γ·V_{t+1} − V_t`` and
-    ``A_t = δ_t + γλ·A_{t+1}``, where ``V_{t+1}`` and ``A_{t+1}`` are 0 past the last real token (no bootstrap past
-    the end). ``R_t = A_t + V_t``. Masked positions of both outputs are 0. ``lam`` is one number or one per response,
-    (B,) (:func:`length_adaptive_lam`)."""
+    """Generalised advantage estimation over the tokens of ``mask``, (B, T) each: ``δ_t = r_t + γ·V_{t'} − V_t`` and
+    ``A_t = δ_t + γλ·A_{t'}``, where ``t'`` is the next position of ``mask`` after ``t`` (``V_{t'} = A_{t'} = 0``
+    past the last: no bootstrap past the end). ``R_t = A_t + V_t``; both outputs are 0 off ``mask``. A right-padded
+    response has ``t' = t + 1``; a multi-turn trajectory's policy tokens skip the environment's (verl's multi-turn
+    GAE: the value after an observation bootstraps across it). ``lam`` is one number or one per response, (B,)
+    (:func:`length_adaptive_lam`)."""
     mask = mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = lam.to(values.dtype) if torch.is_tensor(lam) else lam
-    width = rewards.shape[1]
-    next_advantage = torch.zeros_like(values[:, 0])
+    next_value, next_advantage = values.new_zeros(len(values)), values.new_zeros(len(values))
     advantages = []
-    for t in reversed(range(width)):
-        next_mask = mask[:, t + 1] if t + 1 < width else torch.zeros_like(mask[:, 0])
-        next_value = values[:, t + 1] * next_mask if t + 1 < width else torch.zeros_like(values[:, 0])
+    for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage * next_mask
-        advantages.append(next_advantage)
+        advantage = delta + gamma * lam * next_advantage
+        advantages.append(advantage)
+        here = mask[:, t].bool()  # off the mask, t' and its carry stay those of the next masked token
+        next_value = torch.where(here, values[:, t], next_value)
+        next_advantage = torch.where(here, advantage, next_advantage)
     advantages = torch.stack(advantages[::-1], dim=1) * mask
     return advantages, (advantages + values) * mask
 

@@ -34,6 +34,14 @@ class Rollout:
     ref_perplexity: torch.Tensor  # (B,) perplexity of the reference model (temperature 1) on the same response
     source_scores: torch.Tensor | None = None  # (B, S) each reward source's score (rewards.RewardSources), if known
     sampling_weights: torch.Tensor | None = None  # (B, T) truncated importance weights of a vLLM rollout, if corrected
+    env_mask: torch.Tensor | None = None  # (B, T) 1 on the tokens the policy wrote, 0 on the environment's (tools)
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """(B, T) the tokens trained on: the response's, less the environment's (``env_mask`` 0) in a multi-turn
+        trajectory. The losses, the KL penalty, GAE, the whitening and the length metrics use it; the forwards
+        attend to the whole ``response_mask``."""
+        return self.response_mask if self.env_mask is None else self.response_mask * self.env_mask
 
     def select(self, index: torch.Tensor) -> Rollout:
         """Rows ``index`` of every field."""
@@ -142,7 +150,7 @@ class ExperienceMaker:
         estimate = self._estimate(rollout, scores, kl)
         normalised = estimate.advantages
         if self.args.advantage_whitening_scope == "batch":  # else per minibatch, in the update
-            normalised = self.whitened(estimate.advantages, rollout.response_mask)
+            normalised = self.whitened(estimate.advantages, rollout.policy_mask)
         if not self._all_finite(normalised, estimate.returns):
             moments.load_state_dict(before)
             return None, {}, "non-finite advantages or returns"
@@ -156,7 +164,7 @@ class ExperienceMaker:
         args, moments = self.args, self.ppo_state.running_reward
         raw = self.winsorized(rollout.scores)
         scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
-        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.response_mask
+        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.policy_mask
         return scores, kl
 
     def winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,7 +199,7 @@ class ExperienceMaker:
         """The ``advantage_estimator``'s estimate from the token rewards: the score (group-baselined first by a
         critic-free estimator) on the last token, −β·KL on every token with ``kl_placement="reward"``; whitened
         with ``whiten_rewards``."""
-        args, mask = self.args, rollout.response_mask
+        args, mask = self.args, rollout.policy_mask
         estimator = advantages.ESTIMATORS[args.advantage_estimator]
         if estimator.baseline is not None:
             scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt)
@@ -214,7 +222,7 @@ class ExperienceMaker:
         if not self.args.uses_critic:  # no critic, no values: the zeros stand in for none
             metrics.pop(M.VALUES)
         else:
-            mask = rollout.response_mask
+            mask = rollout.policy_mask
             explained = core.explained_variance(rollout.values, estimate.returns, mask, self.reduce)
             metrics[M.EXPLAINED_VARIANCE] = explained.item()
         if isinstance(estimate.lam_policy, torch.Tensor):

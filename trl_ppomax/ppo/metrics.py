@@ -116,7 +116,7 @@ def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) ->
         SCORES_NORMALIZED: scores,
         POLICY_PERPLEXITY: rollout.policy_perplexity,
         REF_PERPLEXITY: rollout.ref_perplexity,
-        RESPONSE_LENGTH: rollout.response_mask.float().sum(1),
+        RESPONSE_LENGTH: rollout.policy_mask.float().sum(1),  # the policy's tokens (a trajectory's, less the tools')
         STOP_TOKEN_MISSING: 1.0 - ends_with_stop(rollout.response_ids, rollout.response_mask, stop_token_id),
     }
 
@@ -131,7 +131,7 @@ def global_mean(per_sequence: torch.Tensor, reduce: Reduce) -> float:
 def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, gather: Reduce) -> dict[str, float]:
     """Statistics of one rollout batch over every process: score spread and tails, running reward moments, mean
     value, return and raw advantage over real tokens."""
-    mask = rollout.response_mask.float()
+    mask = rollout.policy_mask.float()
     all_scores = gather(rollout.scores).float()
     return {
         SCORES_STD: all_scores.std().item() if len(all_scores) > 1 else 0.0,

@@ -26,14 +26,22 @@ class Scorer:
         self.reward_sources, self.ref_model = reward_sources, ref_model
         self.generation, self.stop_id = generation, stop_id
 
-    def log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs) -> tuple[list, int]:
+    def log_probs(
+        self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask=None
+    ) -> tuple[list, int]:
         """The policy's and reference's log-probs of every forward micro-batch: ``(parts, real)``, a ``(rows, fields)``
         pair per forward (:class:`Rollout` fields) and how many are real: every process runs as many forwards as
-        the busiest (ZeRO-3 gathers parameters in each), the others repeating a row."""
+        the busiest (ZeRO-3 gathers parameters in each), the others repeating a row. ``env_mask`` (B, T): 0 on a
+        multi-turn trajectory's environment tokens (kept in the rollout, see :attr:`Rollout.policy_mask`)."""
         groups, count = forward_groups(query_mask, mask, self.args, self.accelerator)
         padded = groups + [groups[0][:1]] * (count - len(groups))
         rows = (query_ids, query_mask, responses, mask)
-        parts = [(g, self._log_probs(wrapper, *(t[g] for t in rows), take_rows(sampler_logprobs, g))) for g in padded]
+        parts = []
+        for g in padded:
+            fields = self._log_probs(wrapper, *(t[g] for t in rows), take_rows(sampler_logprobs, g))
+            if env_mask is not None:
+                fields["env_mask"] = env_mask[g][:, : fields["response_mask"].shape[1]]
+            parts.append((g, fields))
         return parts, len(groups)
 
     def values_and_rewards(self, critic: nn.Module | None, parts: list, real: int, columns) -> Rollout:

@@ -36,10 +36,11 @@ _MISSING = {
 
 
 def check_inputs(
-    args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None
-) -> tuple[object, dict]:
+    args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None,
+    custom_rollouts: bool = False,
+) -> tuple[object, dict]:  # fmt: skip
     """Check the constructor's arguments (``models``: ``model``, ``ref_model``, ``reward_model``, ``value_model`` as
-    passed) and load those given as paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is
+    passed; ``custom_rollouts``: a ``rollout_func`` writes the rollouts) and load those given as paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is
     loaded from ``model``'s path when ``processing_class`` is None."""
     if not isinstance(args, PPOMaxConfig):
         raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
@@ -50,7 +51,8 @@ def check_inputs(
         _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
         raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
-    rewards.check_reward_functions(models["reward_model"], train_dataset.column_names)
+    if not custom_rollouts:  # else a reward function may also take the rollout_func's extra keys
+        rewards.check_reward_functions(models["reward_model"], train_dataset.column_names)
     for name, value in models.items():  # a missing local folder, before loading anything (a tokenizer first)
         for item in value if isinstance(value, list | tuple) else [value]:
             check_model_path(name, item)
@@ -441,6 +443,20 @@ def lagged_rollouts(trainer, policy: nn.Module, engine):
     return LaggedRollouts(producer_engine, args, prompts, accelerator.autocast, accelerator.process_index), engine
 
 
+def checked_rollout_func(rollout_func, args):
+    """The user's ``rollout_func`` (or None), refused where it cannot generate the training rollouts."""
+    if rollout_func is None:
+        return None
+    if not callable(rollout_func):
+        raise TypeError(f"rollout_func must be a callable f(prompts, trainer) -> dict; got {type(rollout_func)}.")
+    if args.max_staleness:
+        raise ValueError(
+            f"rollout_func generates each batch when the trainer asks for it; max_staleness={args.max_staleness} "
+            "generates ahead with the trainer's own engine. Set max_staleness=0 with a rollout_func."
+        )
+    return rollout_func
+
+
 def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
     """``max_staleness`` ≥ 1 copies the whole policy into the producer: refused where each process holds a shard."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -456,7 +472,8 @@ def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
 class Setup:
     """What :func:`set_up` hands the trainer: the tokenizer, the built models, the reward sources (``reward_model``:
     trl 1.12's ``trainer.reward_model``, the one the critic was initialised from, else the first source), the prepared
-    prompt datasets, the stop token id (None: none) and the token the missing-stop-token penalty looks for."""
+    prompt datasets, the stop token id (None: none), the token the missing-stop-token penalty looks for and the
+    checked ``rollout_func``."""
 
     tokenizer: object
     policy: nn.Module
@@ -468,14 +485,25 @@ class Setup:
     eval_dataset: Dataset | dict[str, Dataset] | None
     stop_token_id: int | None
     stop_id: int
+    rollout_func: object | None = None
 
 
-def set_up(args, tokenizer, passed: dict, datasets: tuple, peft_config, reward_processing_classes, rollout_metrics):
+def set_up(
+    args,
+    tokenizer,
+    passed: dict,
+    datasets: tuple,
+    peft_config,
+    reward_processing_classes,
+    rollout_metrics,
+    rollout_func,
+):
     """:class:`~trl_ppomax.PPOMaxTrainer`'s set-up: arguments checked (:func:`check_inputs`; ``passed``: the model
     arguments by name, ``datasets``: train, eval and ptx), policy, reference and critic (if needed) built, then
     checked with the prepared prompt datasets (:func:`prepare_and_check`)."""
     train_dataset, eval_dataset, _ = datasets
-    tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config)
+    rollout_func = checked_rollout_func(rollout_func, args)
+    tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollout_func is not None)
     model, ref_model, value_model = loaded["model"], loaded["ref_model"], loaded["value_model"]
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
     sources = rewards.RewardSources(loaded["reward_model"], reward_processing_classes, args.reward_weights)
@@ -494,4 +522,5 @@ def set_up(args, tokenizer, passed: dict, datasets: tuple, peft_config, reward_p
     )
     stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     first = critic_source if critic_source is not None else sources.sources[0]
-    return Setup(tokenizer, policy, ref, critic, sources, first, train_dataset, eval_dataset, stop_token_id, stop_id)
+    datasets = (train_dataset, eval_dataset)
+    return Setup(tokenizer, policy, ref, critic, sources, first, *datasets, stop_token_id, stop_id, rollout_func)

@@ -6,7 +6,6 @@ update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.p
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -20,8 +19,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from trl_ppomax import data, models, rewards
-from trl_ppomax.generation import generate_in_chunks, generation_engine
-from trl_ppomax.generation.vllm import VLLMEngine
+from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import batching, optim, setup, update
 from trl_ppomax.ppo import metrics as M
@@ -29,6 +27,7 @@ from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin
 from trl_ppomax.ppo.experience import Experience, ExperienceMaker, Rollout, process_sum
+from trl_ppomax.ppo.rollouts import RolloutMixin
 from trl_ppomax.ppo.scoring import Scorer
 from trl_ppomax.ppo.state import PPOState, start_trainer_state
 from trl_ppomax.reporting.hub import TAGS
@@ -37,7 +36,7 @@ from trl_ppomax.reporting.plotting import DynamicsFigureCallback
 logger = logging.getLogger(__name__)
 
 
-class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
+class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
     """PPO-max trainer with the constructor of trl 1.12's ``PPOTrainer``.
 
     Args:
@@ -53,6 +52,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         train_dataset: prompts, as ``input_ids`` (trl 1.12 style) or ``prompt`` (text or conversation).
         value_model: the critic; ``None`` initialises it from the reward model (§5.3.3).
         ptx_dataset: texts (``text``/``input_ids``) for the PPO-ptx loss, used when ``args.ptx_coef > 0``.
+        rollout_func: TRL GRPO's ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs",
+            optional "env_mask", ...}`` generating the training rollouts (multi-turn, tools, an environment):
+            :mod:`~trl_ppomax.generation.custom`; tokens with ``env_mask`` 0 are never trained on.
         rollout_metrics: extra per-response measurements to log, ``{name: f(prompts, completions) -> list[float]}``
             on the decoded texts (e.g. a gold reward, a rule-based check); logged as ``name`` (and ``eval_name``).
     """
@@ -78,19 +80,19 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         rollout_metrics: dict[str, rewards.RewardFunction] | None = None,
         reward_funcs: nn.Module | rewards.RewardFunction | list | None = None,
         reward_processing_classes: list | None = None,
+        rollout_func: Callable | None = None,
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
         passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Arguments checked before anything expensive (each refusal names the fix), models built, prompts prepared
         datasets = (train_dataset, eval_dataset, ptx_dataset)
-        built = setup.set_up(
-            args, processing_class, passed, datasets, peft_config, reward_processing_classes, rollout_metrics
-        )
+        settings = (peft_config, reward_processing_classes, rollout_metrics, rollout_func)
+        built = setup.set_up(args, processing_class, passed, datasets, *settings)
         processing_class, self.ref_model, self.reward_sources = built.tokenizer, built.ref_model, built.reward_sources
         self.reward_model, self.stop_token_id, self.stop_id = built.reward_model, built.stop_token_id, built.stop_id
         self.is_peft_model = models.is_peft(built.policy)
         args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
-        self.ptx_dataset = ptx_dataset
+        self.ptx_dataset, self.rollout_func = ptx_dataset, built.rollout_func
 
         super().__init__(
             model=PolicyAndCritic(built.policy, built.critic),
@@ -110,7 +112,12 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
-        # The phases' collaborators: generation (the policy's generate, or vLLM), scoring, experience
+        self._build_phases(processing_class, rollout_metrics)
+
+    def _build_phases(self, processing_class, rollout_metrics) -> None:
+        """The phases' collaborators: generation (the policy's generate, or vLLM; a producer generating ahead with
+        ``max_staleness`` ≥ 1), scoring, experience."""
+        args = self.args
         policy = self.accelerator.unwrap_model(self.model_wrapped).policy
         self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
         self.lagged = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
@@ -121,13 +128,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, sampler, stop_id)
         metrics, state = dict(rollout_metrics or {}), self.ppo_state
         self.experience_maker = ExperienceMaker(args, state, accelerator, processing_class, sources, metrics, stop_id)
-
-    @property
-    def vllm(self) -> VLLMEngine | None:
-        """The vLLM engine when ``use_vllm=True`` (the generation engine, or with ``max_staleness`` ≥ 1 the
-        producer's), else None."""
-        engine = self.generation if self.lagged is None else self.lagged.engine
-        return engine if isinstance(engine, VLLMEngine) else None
 
     @property
     def rollout_metrics(self) -> dict[str, rewards.RewardFunction]:
@@ -238,17 +238,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         lagged = self.lagged.pop_metrics() if self.lagged is not None else {}
         return {**metrics, **timings, **self.generation.pop_metrics(), **lagged, **counters}
 
-    def training_rollout(self, iteration: int) -> Rollout:
-        """Rollout batch ``iteration``: generated now by the policy, or (``max_staleness`` ≥ 1) taken from the
-        producer, which sampled it with an older copy (its log-probs the behaviour policy's), and scored now."""
-        n = self.args.num_samples_per_prompt
-        if self.lagged is None:
-            batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
-            return self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
-        lagged = self.lagged.take(iteration, self.num_total_batches)
-        generated = (lagged.response_ids, lagged.response_mask, lagged.behaviour_logprobs)
-        return self.score_rollout(lagged.query_ids, lagged.query_mask, lambda: generated, lagged.columns, n)
-
     def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
         """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new
         policy; returns the update's metrics and why nothing trained, else None."""
@@ -292,45 +281,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, Trainer):
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-
-    # -- Phase 1: rollout = generate → score -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def rollout(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
-    ) -> Rollout:
-        """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded
-        prompt, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for
-        the reward functions). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
-        n, args, pad_id = samples_per_prompt, self.args, self.processing_class.pad_token_id
-
-        def generate():
-            return generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
-
-        return self.score_rollout(query_ids, query_mask, generate, columns, n)
-
-    @torch.no_grad()
-    def score_rollout(self, query_ids, query_mask, generate: Callable, columns, samples_per_prompt: int) -> Rollout:
-        """The rollout of ``generate()``'s ``(response_ids, response_mask, sampler_logprobs)`` to the prompts, called
-        where the policy is ready to generate: the policy's and reference's log-probs, the values and the scores."""
-        n = samples_per_prompt
-        self.model.eval()
-        with self.rollout_context():
-            with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                generated = generate()
-                queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
-                parts, real = self.scorer.log_probs(wrapper, *queries, *generated)
-            critic = self.accelerator.unwrap_model(self.model_wrapped).critic
-            rollout = self.scorer.values_and_rewards(critic, parts, real, data.repeat_rows(columns, n))
-        self.model.train()
-        return rollout
-
-    @contextlib.contextmanager
-    def rollout_context(self):
-        """Where a rollout's generation and scoring forwards run: FSDP's parameters unsharded, and the run's mixed
-        precision (``bf16``/``fp16``: the update's autocast; nothing in fp32)."""
-        frozen = (m for _, m in self.reward_sources.modules)
-        with models.fsdp_unsharded(self.model_wrapped, *frozen), self.accelerator.autocast():
-            yield
 
     # -- Phase 2: rewards and advantages ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -29,7 +29,7 @@ def whitened_per_minibatch(experience: Experience, rows: torch.Tensor, whiten: C
     """``experience`` with the advantages of ``rows`` whitened over the minibatch of every process (``whiten``,
     ``advantage_whitening_scope="minibatch"``, §5.3.1)."""
     advantages = experience.advantages.clone()
-    advantages[rows] = whiten(experience.raw_advantages[rows], experience.rollout.response_mask[rows])
+    advantages[rows] = whiten(experience.raw_advantages[rows], experience.rollout.policy_mask[rows])
     return dataclasses.replace(experience, advantages=advantages)
 
 
@@ -72,9 +72,11 @@ def micro_batch_loss(
     needs every parameter used)."""
     rollout = experience.rollout.select(rows)
     width = max(int(rollout.response_mask.sum(1).max()), 1)  # trim padding to this micro-batch's longest
-    mask, responses = rollout.response_mask[:, :width], rollout.response_ids[:, :width]
+    responses, attended = rollout.response_ids[:, :width], rollout.response_mask[:, :width]
+    mask = rollout.policy_mask[:, :width]  # the tokens trained on (a trajectory's environment tokens left out)
     weights = None if loss_weights is None else loss_weights[:, :width]
-    inputs = models.sequence_inputs(*forward_queries(rollout.query_ids, rollout.query_mask, args), responses, mask)
+    queries = forward_queries(rollout.query_ids, rollout.query_mask, args)
+    inputs = models.sequence_inputs(*queries, responses, attended)
     ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
     logits, values, ptx_logits = model(inputs, width, ptx_inputs=ptx_inputs)
     logprobs, entropy = _logprobs_and_entropy(logits, responses, args, log_entropy)

@@ -1,0 +1,172 @@
+"""Multi-turn trajectories (issue 35): the environment's tokens (``env_mask`` 0) attended to but never trained on —
+GAE over the policy's tokens only, the score on the last token the policy wrote, the losses and KL masked — and the
+user's ``rollout_func`` (TRL GRPO's contract) generating the training rollouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import make_trainer
+from torch.testing import assert_close
+
+from trl_ppomax.generation.custom import custom_rollout
+from trl_ppomax.ppo import core, update
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.toyworld.tiny import build_models
+
+
+# -- The maths, by hand ------------------------------------------------------------------------------------------------
+def test_gae_skips_the_environments_tokens_by_hand():
+    """Policy tokens at 0 and 3, a tool result at 1-2: γ = 1, λ = 0.5, r = [0, ·, ·, 1], V = [0.5, ·, ·, 0.2].
+    δ_3 = 1 − 0.2 = 0.8 = A_3; δ_0 = 0 + V_3 − V_0 = −0.3, A_0 = −0.3 + 0.5·0.8 = 0.1; R = A + V = [0.6, 0, 0, 1]."""
+    rewards = torch.tensor([[0.0, 9.0, 9.0, 1.0]])
+    values = torch.tensor([[0.5, 7.0, 7.0, 0.2]])  # the environment's values and rewards play no part
+    mask = torch.tensor([[1, 0, 0, 1]])
+    advantages, returns = core.compute_gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    assert_close(advantages, torch.tensor([[0.1, 0.0, 0.0, 0.8]]))
+    assert_close(returns, torch.tensor([[0.6, 0.0, 0.0, 1.0]]))
+
+
+def test_gae_with_holes_is_gae_over_the_policys_tokens_alone():
+    """Random trajectories: GAE with the environment's tokens left in place equals GAE on the policy's tokens
+    packed together (verl's multi-turn GAE), scattered back."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        mask = (torch.rand(3, 9, generator=g) < 0.6).long()
+        rewards, values = torch.randn(3, 9, generator=g), torch.randn(3, 9, generator=g)
+        advantages, returns = core.compute_gae(rewards, values, mask, 0.9, 0.8)
+        for row in range(3):
+            kept = mask[row].bool()
+            if not kept.any():
+                continue
+            packed = core.compute_gae(
+                rewards[row, kept][None], values[row, kept][None], mask[row, kept][None], 0.9, 0.8
+            )
+            assert_close(advantages[row, kept], packed[0][0])
+            assert_close(returns[row, kept], packed[1][0])
+            assert (advantages[row, ~kept] == 0).all()
+
+
+def test_the_score_lands_on_the_last_token_the_policy_wrote():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert core.last_token_index(mask).tolist() == [4, 0, 0]
+    rewards, _ = core.token_rewards(torch.tensor([2.0, 3.0, 5.0]), torch.zeros(3, 6), mask, kl_coef=0.1)
+    assert rewards[0].tolist() == [0, 0, 0, 0, 2.0, 0] and rewards[1].tolist() == [3.0, 0, 0, 0, 0, 0]
+
+
+# -- rollout_func: a two-turn "tool" trajectory ------------------------------------------------------------------------
+TOOL_RESULT = [5, 6, 7]  # the environment's tokens inserted between the two turns
+
+
+def two_turn_rollout(prompts, trainer):
+    """Turn 1 (3 tokens) by the policy, a tool result (3 tokens, env_mask 0), turn 2 (2 tokens) by the policy."""
+    tokenizer, policy = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model).policy
+    n, out = (
+        trainer.args.num_samples_per_prompt,
+        {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []},
+    )
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        for _ in range(n):
+            first = policy.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=3, min_new_tokens=3)[
+                0, len(ids) :
+            ]
+            context = torch.tensor([ids + first.tolist() + TOOL_RESULT])
+            second = policy.generate(context, do_sample=True, max_new_tokens=2, min_new_tokens=2)[
+                0, context.shape[1] :
+            ]
+            completion = first.tolist() + TOOL_RESULT + second.tolist()
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append([0.0] * len(completion))
+            out["env_mask"].append([1] * len(first) + [0] * len(TOOL_RESULT) + [1] * len(second))
+    out["tool_calls"] = [1] * len(out["completion_ids"])  # an extra key: forwarded to the reward functions
+    return out
+
+
+def counted_reward(prompts, completions, tool_calls, **kwargs):
+    assert len(tool_calls) == len(completions)
+    return [float(len(c.split())) / 10 + calls for c, calls in zip(completions, tool_calls, strict=True)]
+
+
+def test_a_rollout_func_run_trains_on_the_policys_tokens_only(tmp_path):
+    seen = []
+    critic = build_models(seed=1)[2]
+    trainer = make_trainer(
+        tmp_path, reward=counted_reward, value_model=critic, rollout_func=two_turn_rollout, total_episodes=16
+    )
+    make = trainer.experience_maker.make
+    trainer.experience_maker.make = lambda rollout, step: seen.append(result := make(rollout, step)) or result
+    before = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.policy.named_parameters())
+    experience = seen[0][0]
+    rollout = experience.rollout
+    tool = rollout.env_mask == 0
+    assert tool.sum() == 3 * len(rollout.scores) and (rollout.response_mask[tool] == 1).all()  # attended to
+    assert (experience.advantages[tool] == 0).all() and (experience.returns[tool] == 0).all()
+    assert (experience.raw_advantages[~tool & rollout.response_mask.bool()] != 0).any()
+    logged = [e for e in trainer.state.log_history if M.RESPONSE_LENGTH in e]
+    assert logged and all(e[M.RESPONSE_LENGTH] == 5 for e in logged)  # the policy's tokens: 3 + 2
+    assert all(e[M.SCORES] > 1 for e in logged)  # the extra key reached the reward function
+
+
+def test_the_environments_tokens_add_nothing_to_the_loss(tmp_path):
+    """Whatever the targets at the environment's positions (old log-probs, reference, values, returns, advantages),
+    the micro-batch loss and every statistic are the same."""
+    trainer = make_trainer(tmp_path, rollout_func=two_turn_rollout, total_episodes=16, kl_placement="loss")
+    seen = []
+    make = trainer.experience_maker.make
+    trainer.experience_maker.make = lambda rollout, step: seen.append(result := make(rollout, step)) or result
+    trainer.train()
+    experience = seen[-1][0]
+    tool = experience.rollout.env_mask == 0
+
+    def noisy(tensor):
+        return torch.where(tool, tensor + 100.0 * torch.randn_like(tensor.float()), tensor)
+
+    rollout = dataclasses.replace(
+        experience.rollout,
+        ref_logprobs=noisy(experience.rollout.ref_logprobs),
+        values=noisy(experience.rollout.values),
+    )
+    changed = dataclasses.replace(
+        experience,
+        rollout=rollout,
+        old_logprobs=noisy(experience.old_logprobs),
+        advantages=noisy(experience.advantages),
+        returns=noisy(experience.returns),
+    )
+    rows = torch.arange(len(experience.rollout.scores))
+    torch.manual_seed(0)
+    loss, stats = update.micro_batch_loss(trainer.model, experience, rows, False, trainer.args)
+    torch.manual_seed(0)
+    loss_changed, stats_changed = update.micro_batch_loss(trainer.model, changed, rows, False, trainer.args)
+    assert_close(loss, loss_changed)
+    for name, value in stats.items():
+        assert_close(value, stats_changed[name], msg=name)
+
+
+# -- rollout_func's contract: clear errors, and the everyday setups ----------------------------------------------------
+def test_rollout_func_output_is_checked_with_the_fix_named():
+    prompts = ["a b", "c d"]
+    good = {"prompt_ids": [[1, 2]] * 2, "completion_ids": [[3, 4], [5]], "logprobs": [[0.0, 0.0], [0.0]]}
+    batch = custom_rollout(lambda p, t: good, prompts, None, 1, 0, "cpu")
+    assert batch.env_mask is None and batch.response_mask.tolist() == [[1, 1], [1, 0]]
+    with pytest.raises(ValueError, match=r"\['logprobs'\] missing"):
+        custom_rollout(lambda p, t: {"prompt_ids": [], "completion_ids": []}, prompts, None, 1, 0, "cpu")
+    with pytest.raises(ValueError, match="one per completion \\(4\\)"):
+        custom_rollout(lambda p, t: good, prompts, None, 2, 0, "cpu")
+    with pytest.raises(ValueError, match="'env_mask' row 1 has 2 entries for 1"):
+        custom_rollout(lambda p, t: {**good, "env_mask": [[1, 0], [1, 1]]}, prompts, None, 1, 0, "cpu")
+    with pytest.raises(ValueError, match="0 \\(environment\\) or 1"):
+        custom_rollout(lambda p, t: {**good, "env_mask": [[1, 2], [1]]}, prompts, None, 1, 0, "cpu")
+    with pytest.raises(TypeError, match="must return a dict"):
+        custom_rollout(lambda p, t: [], prompts, None, 1, 0, "cpu")
+
+
+def test_rollout_func_with_max_staleness_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness=0 with a rollout_func"):
+        make_trainer(tmp_path, rollout_func=two_turn_rollout, max_staleness=1)

@@ -1,0 +1,93 @@
+"""Rollouts written by the user's ``rollout_func`` (TRL ``GRPOTrainer``'s contract): ``rollout_func(prompts, trainer)
+-> {"prompt_ids", "completion_ids", "logprobs", optional "env_mask", ...}``, one entry per completion,
+``num_samples_per_prompt`` completions per prompt in a row per prompt. ``env_mask`` marks, per completion token, what
+the policy wrote (1) and what an environment or tool inserted (0): those tokens are attended to but never trained on
+(:attr:`~trl_ppomax.ppo.experience.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
+columns. The trainer scores the trajectories with its own forwards, so ``logprobs`` is checked, not used."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["REQUIRED_KEYS", "CustomBatch", "custom_rollout"]
+
+REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+@dataclass
+class CustomBatch:
+    """A ``rollout_func`` batch as tensors: prompts (N, L) left-padded, completions (N, T) right-padded, N = B·n."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    env_mask: torch.Tensor | None
+    columns: dict[str, list]  # the extra keys, one value per completion
+
+
+def custom_rollout(
+    rollout_func: Callable, prompts: Sequence, trainer, samples_per_prompt: int, pad_token_id: int, device
+) -> CustomBatch:
+    """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix)."""
+    output = rollout_func(list(prompts), trainer)
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict with the keys {list(REQUIRED_KEYS)}; got {type(output)}.")
+    missing = [key for key in REQUIRED_KEYS if key not in output]
+    if missing:
+        raise ValueError(
+            f"rollout_func must return the keys {list(REQUIRED_KEYS)} (and optionally 'env_mask'); {missing} missing."
+        )
+    rows = len(prompts) * samples_per_prompt
+    completions = [list(ids) for ids in output["completion_ids"]]
+    for key in (*REQUIRED_KEYS, "env_mask"):
+        if key in output and len(output[key]) != rows:
+            raise ValueError(
+                f"rollout_func returned {len(output[key])} '{key}' for {len(prompts)} prompts × "
+                f"num_samples_per_prompt={samples_per_prompt}: one per completion ({rows}) is needed."
+            )
+    _check_per_token(output, completions)
+    query_ids, query_mask = _padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
+    response_ids, response_mask = _padded(completions, pad_token_id, "right")
+    env_mask = None
+    if "env_mask" in output:
+        env_mask = _padded([list(m) for m in output["env_mask"]], 0, "right")[0] * response_mask
+    extra = {
+        key: _per_completion(value, rows) for key, value in output.items() if key not in (*REQUIRED_KEYS, "env_mask")
+    }
+    tensors = (query_ids, query_mask, response_ids, response_mask)
+    return CustomBatch(*(t.to(device) for t in tensors), None if env_mask is None else env_mask.to(device), extra)
+
+
+def _check_per_token(output: dict, completions: list[list[int]]) -> None:
+    """``logprobs`` and ``env_mask`` hold one entry per completion token; ``env_mask`` is 0/1; a completion has one."""
+    for row, ids in enumerate(completions):
+        if not ids:
+            raise ValueError(f"rollout_func returned an empty completion (row {row}): every row needs a token.")
+        for key in ("logprobs", "env_mask"):
+            if key in output and len(output[key][row]) != len(ids):
+                raise ValueError(
+                    f"rollout_func's '{key}' row {row} has {len(output[key][row])} entries for {len(ids)} completion "
+                    "tokens: one per token is needed."
+                )
+        if "env_mask" in output and not set(output["env_mask"][row]) <= {0, 1}:
+            raise ValueError(f"rollout_func's 'env_mask' row {row} must hold 0 (environment) or 1 (policy) only.")
+
+
+def _padded(rows: list[list[int]], value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as (N, max length) ids padded with ``value`` on ``side``, and the mask of the real entries."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, span], mask[i, span] = torch.as_tensor(row, dtype=torch.long), 1
+    return ids, mask
+
+
+def _per_completion(value, rows: int) -> list:
+    """An extra key as a column: a list of one value per completion, or one value for all."""
+    return list(value) if isinstance(value, list | tuple) and len(value) == rows else [value] * rows
