@@ -207,7 +207,10 @@ def test_a_lagged_peft_policy_trains_its_adapter(tmp_path):
 
 
 INTERRUPTED_RUN = """
+import signal
 import sys
+# Ctrl-C as in a terminal, even where this test runs in a background job (which starts with SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from helpers import make_trainer
