@@ -97,7 +97,7 @@ def test_importance_metrics_by_hand():
     producer = SimpleNamespace(
         args=SimpleNamespace(staleness_clip_max=3.0, staleness_correction="icepop"),
         stats=lagged.defaultdict(list),
-        engine=SimpleNamespace(target_logprobs=lambda logits, logprobs, responses: logprobs),
+        engine=SimpleNamespace(target_logprobs=lambda logits, logprobs, responses: logprobs, pop_metrics=dict),
     )
     prox = torch.log(torch.tensor([[2.0, 0.5, 9.0]]))
     mask = torch.tensor([[1, 1, 0]])

@@ -222,6 +222,7 @@ def test_a_lagged_colocated_run_samples_each_batch_with_the_scheduled_version(tm
     staleness = [e[M.STALENESS_MAX] for e in trainer.state.log_history if M.STALENESS_MAX in e]
     assert staleness == [0, 1, 1, 1]
     assert all(M.SAMPLING_LOGP_DIFF_MEAN in e for e in trainer.state.log_history[:4])
+    assert any(M.VLLM_GENERATION_SECONDS in e for e in trainer.state.log_history[:4])  # the engine's times, popped
 
 
 def test_seeded_engine_samples_are_reproducible_and_differ_across_rows(trained):

@@ -201,9 +201,10 @@ class LaggedRollouts:
         return weights
 
     def pop_metrics(self) -> dict[str, float]:
+        """This iteration's staleness, timing and sampling statistics, and the engine's own (vLLM's times)."""
         out = {name: REDUCERS.get(name, mean)(values) for name, values in self.stats.items() if values}
         self.stats.clear()
-        return out
+        return {**self.engine.pop_metrics(), **out}
 
     def save(self, folder: str, process_index: int) -> None:
         """The finished batches not yet trained on, after the producer has finished all it was asked for."""
