@@ -77,12 +77,15 @@ class ShuffledBatches:
         return self.collate([self.dataset[i] for i in self._order[start : start + self.local_batch].tolist()])
 
 
-def tokenize_prompt(prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids of one prompt as the model family was trained: a conversation's chat-template text with only the
-    template's special tokens (``add_special_tokens=False``, as TRL's SFT); plain text by the tokenizer's own rule
-    (e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: the text's own and the tokenizer's."""
+def tokenize_prompt(
+    prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase, tools: list | None = None
+) -> list[int]:
+    """The ids of one prompt as the model family was trained: a conversation's chat-template text (with the ``tools``'
+    JSON schemas, if any) with only the template's special tokens (``add_special_tokens=False``, as TRL's SFT); plain
+    text by the tokenizer's own rule (e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: the text's
+    own and the tokenizer's."""
     if is_conversational({"prompt": prompt}):
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]

@@ -1,15 +1,17 @@
 """Generation engines behind one interface, the first half of the rollout (**generate → score**; scoring is the
 trainer's and the same for every engine).
 
-An engine has ``generate(query_ids, query_mask, sampling=True, n=1) -> (response_ids, response_mask,
-sampler_logprobs)``: ``n`` responses (B·n, T) to each left-padded prompt (B, L), in a row per prompt, right-padded, the
-mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None when the sampler is
-the policy itself). ``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()``
+An engine has ``generate(query_ids, query_mask, sampling=True, n=1, max_new_tokens=None) -> (response_ids,
+response_mask, sampler_logprobs)``: ``n`` responses (B·n, T) to each left-padded prompt (B, L), in a row per prompt,
+right-padded, the mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None
+when the sampler is the policy itself); at most ``max_new_tokens`` (None: ``response_length``) tokens each. ``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()``
 returns what the engine measured since the last call. :class:`HFGeneration` samples with the policy's ``generate``;
 :class:`~trl_ppomax.generation.vllm.VLLMEngine` with vLLM (``use_vllm=True``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,7 +19,30 @@ from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogits
 
 from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
 
-__all__ = ["HFGeneration", "generate_in_chunks", "generate_responses", "generation_engine", "generation_kwargs"]
+__all__ = [
+    "Generated",
+    "HFGeneration",
+    "generate_in_chunks",
+    "generate_responses",
+    "generation_engine",
+    "generation_kwargs",
+]
+
+
+@dataclass
+class Generated:
+    """What a rollout's generation wrote, to be scored: prompts (N, L) left-padded, responses (N, T) right-padded, the
+    sampler's log-probs (N, T) when another sampler wrote them (vLLM, a lagged copy), ``env_mask`` (N, T) 0 on a
+    multi-turn trajectory's environment tokens, and ``columns``: per-row values for the reward functions (a
+    ``rollout_func``'s extra keys, the agent's ``environments``)."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor | None = None
+    env_mask: torch.Tensor | None = None
+    columns: dict[str, list] = field(default_factory=dict)
 
 
 class HFGeneration:
@@ -34,9 +59,13 @@ class HFGeneration:
         return generation_kwargs(self.args, self.stop_token_id, self.pad_token_id, sampling, prompt_width)
 
     @torch.no_grad()
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1):
+    def generate(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1, max_new_tokens=None
+    ):
         """See the module docstring; the sampler's log-probs are None (``generate`` samples from the policy itself)."""
         kwargs = {**self.generation_kwargs(sampling, query_ids.shape[1]), "num_return_sequences": n}
+        if max_new_tokens is not None:
+            kwargs["max_new_tokens"] = max_new_tokens
         return *generate_responses(self.policy, query_ids, query_mask, kwargs), None
 
     def on_policy_updated(self) -> None:

@@ -8,31 +8,22 @@ columns. The trainer scores the trajectories with its own forwards, so ``logprob
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["REQUIRED_KEYS", "CustomBatch", "custom_rollout"]
+from trl_ppomax.generation import Generated
+
+__all__ = ["REQUIRED_KEYS", "custom_rollout", "padded"]
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
-@dataclass
-class CustomBatch:
-    """A ``rollout_func`` batch as tensors: prompts (N, L) left-padded, completions (N, T) right-padded, N = B·n."""
-
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    env_mask: torch.Tensor | None
-    columns: dict[str, list]  # the extra keys, one value per completion
-
-
 def custom_rollout(
     rollout_func: Callable, prompts: Sequence, trainer, samples_per_prompt: int, pad_token_id: int, device
-) -> CustomBatch:
-    """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix)."""
+):
+    """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix): a
+    :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys."""
+
     output = rollout_func(list(prompts), trainer)
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict with the keys {list(REQUIRED_KEYS)}; got {type(output)}.")
@@ -50,16 +41,17 @@ def custom_rollout(
                 f"num_samples_per_prompt={samples_per_prompt}: one per completion ({rows}) is needed."
             )
     _check_per_token(output, completions)
-    query_ids, query_mask = _padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
-    response_ids, response_mask = _padded(completions, pad_token_id, "right")
+    query_ids, query_mask = padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
+    response_ids, response_mask = padded(completions, pad_token_id, "right")
     env_mask = None
     if "env_mask" in output:
-        env_mask = _padded([list(m) for m in output["env_mask"]], 0, "right")[0] * response_mask
+        env_mask = padded([list(m) for m in output["env_mask"]], 0, "right")[0] * response_mask
     extra = {
         key: _per_completion(value, rows) for key, value in output.items() if key not in (*REQUIRED_KEYS, "env_mask")
     }
     tensors = (query_ids, query_mask, response_ids, response_mask)
-    return CustomBatch(*(t.to(device) for t in tensors), None if env_mask is None else env_mask.to(device), extra)
+    env_mask = None if env_mask is None else env_mask.to(device)
+    return Generated(*(t.to(device) for t in tensors), None, env_mask, extra)
 
 
 def _check_per_token(output: dict, completions: list[list[int]]) -> None:
@@ -77,7 +69,7 @@ def _check_per_token(output: dict, completions: list[list[int]]) -> None:
             raise ValueError(f"rollout_func's 'env_mask' row {row} must hold 0 (environment) or 1 (policy) only.")
 
 
-def _padded(rows: list[list[int]], value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def padded(rows: list[list[int]], value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` as (N, max length) ids padded with ``value`` on ``side``, and the mask of the real entries."""
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), value, dtype=torch.long)

@@ -131,7 +131,9 @@ class VLLMEngine:
         return core.nucleus_logprobs(policy_logits, responses, self.args.temperature, self.args.top_p)
 
     @torch.no_grad()
-    def generate(self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1):
+    def generate(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1, max_new_tokens=None
+    ):
         """See :mod:`~trl_ppomax.generation`; the log-probs are vLLM's. The prompt is repeated as trl's
         ``VLLMGeneration`` expects (the server samples it ``n`` times, colocated engines share its prefill through the
         prefix cache)."""
@@ -142,9 +144,9 @@ class VLLMEngine:
         ]
         start = time.perf_counter()
         if sampling and self.generator is not None:
-            completions, logprobs = self._seeded_generate(prompts)
+            completions, logprobs = self._seeded_generate(prompts, max_new_tokens)
         else:
-            with self._sampling(sampling):
+            with self._sampling(sampling, max_new_tokens):
                 _, completions, logprobs, _ = self.generation.generate(prompts, None, n)
         self.stats[M.VLLM_GENERATION_SECONDS].append(time.perf_counter() - start)
         width = max(1, *(len(c) for c in completions))
@@ -158,7 +160,7 @@ class VLLMEngine:
                 sampler[i, : len(completion)] = torch.tensor([float(lp[0]) for lp in logprobs[i]])
         return tuple(tensor.to(query_ids.device) for tensor in (responses, mask, sampler))
 
-    def _seeded_generate(self, prompts: list[list[int]]) -> tuple[list, list]:
+    def _seeded_generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> tuple[list, list]:
         """trl's colocated sampling, each request seeded from ``generator`` (the same samples whenever a batch is
         generated): ``(completion_ids, logprobs)`` as ``VLLMGeneration.generate`` returns them."""
         from trl.generation.vllm_generation import extract_logprobs
@@ -167,7 +169,7 @@ class VLLMEngine:
         g = self.generation
         settings = dict(
             n=1, repetition_penalty=g.repetition_penalty, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-            min_p=g.min_p or 0.0, max_tokens=g.max_completion_length, logprobs=g.logprobs, **g.generation_kwargs,
+            min_p=g.min_p or 0.0, max_tokens=max_new_tokens or g.max_completion_length, logprobs=g.logprobs, **g.generation_kwargs,
         )  # fmt: skip
         seeds = torch.randint(0, 2**62, (len(prompts),), generator=self.generator).tolist()
         requests = [{"prompt_token_ids": ids} for ids in prompts]
@@ -176,13 +178,16 @@ class VLLMEngine:
         return [output.outputs[0].token_ids for output in outputs], extract_logprobs(outputs)[0]
 
     @contextlib.contextmanager
-    def _sampling(self, sampling: bool):
-        """Greedy decoding (temperature 0, no top-p, no penalty) for ``sampling=False``, as ``generate()`` does."""
-        settings = ("temperature", "top_p", "repetition_penalty")
+    def _sampling(self, sampling: bool, max_new_tokens: int | None = None):
+        """Greedy decoding (temperature 0, no top-p, no penalty) for ``sampling=False``, as ``generate()`` does; at
+        most ``max_new_tokens`` tokens (None: ``response_length``)."""
+        settings = ("temperature", "top_p", "repetition_penalty", "max_completion_length")
         saved = {name: getattr(self.generation, name) for name in settings}
         if not sampling:
-            for name, value in zip(settings, (0.0, 1.0, 1.0), strict=True):
+            for name, value in zip(settings, (0.0, 1.0, 1.0), strict=False):
                 setattr(self.generation, name, value)
+        if max_new_tokens is not None:
+            self.generation.max_completion_length = max_new_tokens
         try:
             yield
         finally:

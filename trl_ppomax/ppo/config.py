@@ -168,6 +168,12 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("vllm_importance_sampling_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
     ("staleness_clip_max", "≥ 1", "A cap below 1 shrinks every token's weight."),
     ("max_staleness", "≥ 0", "0 generates each batch with the policy that trains on it."),
+    (
+        "max_tool_turns",
+        "≥ 0, or None",
+        "None lets the policy call tools until it stops or a budget ends the trajectory.",
+    ),
+    ("max_completion_tokens", "≥ 1, or None", "None bounds a trajectory by response_length and max_tool_turns alone."),
     ("reward_winsorize", "> 0, or None", "k of the raw-score clip at k scales of the center; None disables it."),
     ("lam_critic", "in [0, 1], or None", "The critic's GAE λ (1: Monte-Carlo returns); None uses lam."),
     ("lam_alpha", "> 0, or None", "α of the length-adaptive policy λ = 1 − 1/(α·l); None uses lam."),
@@ -467,6 +473,23 @@ class PPOMaxConfig(TrainingArguments):
     )
     entropy_coef: float = _field(0.0, "Weight of the entropy regulariser (App. B.3); 0 disables it (paper default).")
     entropy_target: float | None = _field(None, "None: bonus −H; H*: the release's clipped |H − H*| (App. B.3).")
+
+    # ---- Agent rollouts: tools and environments (TRL GRPO's tools= / environment_factory=) -------------------------
+    max_tool_turns: int | None = _field(
+        None,
+        "The most tool-result turns in a trajectory (TRL GRPO's max_tool_calling_iterations); None: the policy calls "
+        "tools until it answers without one or a token budget ends the trajectory.",
+    )
+    max_completion_tokens: int | None = _field(
+        None,
+        "A trajectory's budget of tokens, the policy's and the tools' together (response_length bounds the policy's "
+        "alone; a tool result that does not fit is cut and ends the trajectory); None: no bound beyond those.",
+    )
+    train_on_env_tokens: bool = _field(
+        False,
+        "An ablation: train on the tokens a tool or environment inserted (env_mask ignored), as if the policy wrote "
+        "them. False masks them out of the losses, the KL, GAE, whitening and the metrics (verl's multi-turn rule).",
+    )
 
     # ---- vLLM rollouts (TRL GRPO's field names) ----------------------------------------------------------------------
     max_staleness: int = _field(

@@ -22,7 +22,7 @@ from trl_ppomax.rewards import decode_texts
 
 class EvaluationMixin:
     """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it). Besides
-    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout``, ``rollout_context``,
+    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout``, ``generate_rollout``, ``rollout_context``,
     ``generation``, ``scorer``, ``experience_maker`` (``shape_scores``, ``response_metrics``) and ``reduce_sum``; it
     changes nothing but the log and the callbacks' control."""
 
@@ -33,8 +33,11 @@ class EvaluationMixin:
         self.model.eval()
         with self.rollout_context():
             with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args):
-                responses, mask, _ = self.generation.generate(query_ids, query_mask, sampling, 1)
-            rollout = self.scorer.sample_scores(query_ids, query_mask, responses, mask, columns)
+                out = self.generate_rollout(query_ids, query_mask, sampling, 1, columns or {})
+            columns = {**(columns or {}), **out.columns}
+            rollout = self.scorer.sample_scores(
+                out.query_ids, out.query_mask, out.response_ids, out.response_mask, columns
+            )
         self.model.train()
         return rollout
 

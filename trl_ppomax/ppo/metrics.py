@@ -83,6 +83,11 @@ GENERATION_SECONDS = "timing/generation"  # max_staleness ≥ 1: the producer's 
 ROLLOUT_WAIT_SECONDS = "timing/rollout_wait"  # max_staleness ≥ 1: the trainer's wait for the producer
 UPDATE_SECONDS = "timing/update"  # the PPO update
 
+# ---- with tools or environment_factory (TRL GRPO's call frequency), per rollout batch
+TOOL_CALL_FREQUENCY = "tools/call_frequency"  # tool calls per trajectory (malformed ones included)
+TOOL_FAILURE_RATE = "tools/failure_rate"  # share of calls that failed (raised, unknown tool, bad arguments, malformed)
+TOOL_TURNS = "tools/turns"  # tool-result turns per trajectory
+
 # ---- added by CollapseMonitor ------------------------------------------------------------------------------------------
 COLLAPSE_ANY = "collapse/any"
 

@@ -5,12 +5,13 @@ written by the user's ``rollout_func``, then scored with the trainer's forwards 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 
 from trl_ppomax import data, models, rewards
-from trl_ppomax.generation import generate_in_chunks
+from trl_ppomax.generation import Generated, generate_in_chunks
 from trl_ppomax.generation.custom import custom_rollout
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.ppo.experience import Rollout
@@ -19,7 +20,7 @@ from trl_ppomax.ppo.experience import Rollout
 class RolloutMixin:
     """``rollout``, ``score_rollout`` and the training batch's sources for :class:`~trl_ppomax.PPOMaxTrainer`.
     Besides ``transformers.Trainer``'s attributes it uses the trainer's ``generation``, ``lagged``, ``scorer``,
-    ``rollout_func``, ``prompt_batches``, ``reward_sources`` and ``num_total_batches``."""
+    ``rollout_func``, ``agent``, ``prompt_batches``, ``reward_sources`` and ``num_total_batches``."""
 
     @property
     def vllm(self) -> VLLMEngine | None:
@@ -29,8 +30,9 @@ class RolloutMixin:
         return engine if isinstance(engine, VLLMEngine) else None
 
     def training_rollout(self, iteration: int) -> Rollout:
-        """Rollout batch ``iteration``: generated now by the policy, or (``max_staleness`` ≥ 1) taken from the
-        producer, which sampled it with an older copy (its log-probs the behaviour policy's), and scored now."""
+        """Rollout batch ``iteration``: generated now by the policy (or its agent loop, or the user's
+        ``rollout_func``), or (``max_staleness`` ≥ 1) taken from the producer, which sampled it with an older copy (its
+        log-probs the behaviour policy's), and scored now."""
         n = self.args.num_samples_per_prompt
         if self.lagged is None:
             batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
@@ -38,46 +40,67 @@ class RolloutMixin:
                 return self.custom_rollout(batch["input_ids"], batch["attention_mask"], columns)
             return self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
         lagged = self.lagged.take(iteration, self.num_total_batches)
-        generated = (lagged.response_ids, lagged.response_mask, lagged.behaviour_logprobs)
-        return self.score_rollout(lagged.query_ids, lagged.query_mask, lambda: generated, lagged.columns, n)
+        generated = Generated(
+            lagged.query_ids, lagged.query_mask, lagged.response_ids, lagged.response_mask, lagged.behaviour_logprobs
+        )
+        return self.score_rollout(lambda: generated, lagged.columns, n)
 
     def custom_rollout(self, query_ids, query_mask, columns: dict) -> Rollout:
         """The rollout of the user's ``rollout_func`` on the batch's prompts (the ``prompt`` column, else the decoded
-        prompts), scored with the trainer's forwards; its extra keys go to the reward functions."""
+        prompts), called where the policy is ready to generate and scored with the trainer's forwards; its extra keys
+        go to the reward functions."""
         n, pad_id = self.args.num_samples_per_prompt, self.processing_class.pad_token_id
-        prompts = columns.get("prompt") or rewards.decode_texts(self.processing_class, query_ids, query_mask)
-        batch = custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
-        generated = (batch.response_ids, batch.response_mask, None, batch.env_mask)
-        columns = {**data.repeat_rows(columns, n), **batch.columns}
-        return self.score_rollout(batch.query_ids, batch.query_mask, lambda: generated, columns, 1)
+        prompts = self.prompts_of(query_ids, query_mask, columns)
+
+        def generate():
+            return custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
+
+        return self.score_rollout(generate, data.repeat_rows(columns, n), 1)
+
+    def prompts_of(self, query_ids, query_mask, columns: dict) -> list:
+        """A batch's prompts as the dataset gave them (the ``prompt`` column), else decoded."""
+        return columns.get("prompt") or rewards.decode_texts(self.processing_class, query_ids, query_mask)
 
     @torch.no_grad()
     def rollout(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling=True, columns=None, samples_per_prompt=1
     ) -> Rollout:
         """Sample (or, ``sampling=False``, greedily decode) ``samples_per_prompt`` responses to each left-padded
-        prompt, then score them (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for
-        the reward functions). Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
-        n, args, pad_id = samples_per_prompt, self.args, self.processing_class.pad_token_id
+        prompt (trajectories of the agent loop with ``tools`` or ``environment_factory``), then score them
+        (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for the reward functions).
+        Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
+        n, columns = samples_per_prompt, columns or {}
+        generate = functools.partial(self.generate_rollout, query_ids, query_mask, sampling, n, columns)
+        return self.score_rollout(generate, data.repeat_rows(columns, n), 1)
 
-        def generate():
-            return generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
-
-        return self.score_rollout(query_ids, query_mask, generate, columns, n)
+    def generate_rollout(self, query_ids, query_mask, sampling: bool, n: int, columns: dict) -> Generated:
+        """``n`` responses to each prompt by the trainer's engine, or trajectories of its agent loop (``tools``,
+        ``environment_factory``), where the policy is ready to generate: prompts and responses (B·n rows)."""
+        args, pad_id = self.args, self.processing_class.pad_token_id
+        if self.agent is not None:
+            prompts = self.prompts_of(query_ids, query_mask, columns)
+            others = {key: values for key, values in columns.items() if key != "prompt"}
+            return self.agent.generate(self.generation, prompts, others, sampling, n, pad_id, query_ids.device)
+        written = generate_in_chunks(self.generation, query_ids, query_mask, sampling, n, args, pad_id)
+        return Generated(query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0), *written)
 
     @torch.no_grad()
-    def score_rollout(self, query_ids, query_mask, generate: Callable, columns, samples_per_prompt: int) -> Rollout:
-        """The rollout of ``generate()``'s ``(response_ids, response_mask, sampler_logprobs)`` to the prompts, called
-        where the policy is ready to generate: the policy's and reference's log-probs, the values and the scores."""
+    def score_rollout(self, generate: Callable[[], Generated], columns: dict, samples_per_prompt: int) -> Rollout:
+        """The rollout of ``generate()``'s :class:`~trl_ppomax.generation.Generated`, called where the policy is ready
+        to generate: the policy's and reference's log-probs, the values and the scores. ``columns``: the prompts'
+        columns, repeated ``samples_per_prompt`` times as the generated prompts are."""
         n = samples_per_prompt
         self.model.eval()
         with self.rollout_context():
             with models.policy_for_generation(self.model_wrapped, self.accelerator, self.args) as wrapper:
-                generated = generate()
-                queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
-                parts, real = self.scorer.log_probs(wrapper, *queries, *generated)
+                out = generate()
+                queries = (out.query_ids.repeat_interleave(n, 0), out.query_mask.repeat_interleave(n, 0))
+                env_mask = None if self.args.train_on_env_tokens else out.env_mask
+                written = (out.response_ids, out.response_mask, out.sampler_logprobs, env_mask)
+                parts, real = self.scorer.log_probs(wrapper, *queries, *written)
             critic = self.accelerator.unwrap_model(self.model_wrapped).critic
-            rollout = self.scorer.values_and_rewards(critic, parts, real, data.repeat_rows(columns, n))
+            columns = {**data.repeat_rows(columns, n), **out.columns}
+            rollout = self.scorer.values_and_rewards(critic, parts, real, columns)
         self.model.train()
         return rollout
 

@@ -35,12 +35,10 @@ class Scorer:
         multi-turn trajectory's environment tokens (kept in the rollout, see :attr:`Rollout.policy_mask`)."""
         groups, count = forward_groups(query_mask, mask, self.args, self.accelerator)
         padded = groups + [groups[0][:1]] * (count - len(groups))
-        rows = (query_ids, query_mask, responses, mask)
+        rows, extra = (query_ids, query_mask, responses, mask), (sampler_logprobs, env_mask)
         parts = []
         for g in padded:
-            fields = self._log_probs(wrapper, *(t[g] for t in rows), take_rows(sampler_logprobs, g))
-            if env_mask is not None:
-                fields["env_mask"] = env_mask[g][:, : fields["response_mask"].shape[1]]
+            fields = self._log_probs(wrapper, *(t[g] for t in rows), *(take_rows(t, g) for t in extra))
             parts.append((g, fields))
         return parts, len(groups)
 
@@ -51,9 +49,11 @@ class Scorer:
         groups = [g for g, _ in parts[:real]]
         return merge_rollouts(scored[:real], groups, self.tokenizer.pad_token_id)
 
-    def _log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs) -> dict:
+    def _log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask) -> dict:
         width = max(int(mask.sum(1).max()), 1)  # the responses trimmed to this micro-batch's longest
         responses, mask = responses[:, :width], mask[:, :width]
+        env_mask = None if env_mask is None else env_mask[:, :width]
+        policy_mask = mask if env_mask is None else mask * env_mask  # the sampler wrote these
         inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, self.args), responses, mask)
         temperature = self.args.effective_logprob_temperature
         policy_logits = models.response_logits(wrapper.policy, inputs, width)
@@ -61,11 +61,12 @@ class Scorer:
         weights = None
         if sampler_logprobs is not None:  # another sampler (vLLM, a lagged copy): the gap to the policy's forward
             sampler = sampler_logprobs[:, :width]
-            weights = self.generation.importance_weights(policy_logits, logprobs, responses, mask, sampler)
+            weights = self.generation.importance_weights(policy_logits, logprobs, responses, policy_mask, sampler)
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             ref_logits = models.response_logits(reference, inputs, width)
             ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
         fields = dict(query_ids=query_ids, query_mask=query_mask, response_ids=responses, response_mask=mask)
+        fields.update(env_mask=env_mask)
         fields.update(logprobs=logprobs, ref_logprobs=ref_logprobs, sampling_weights=weights)
         return dict(fields, policy_perplexity=policy_perplexity, ref_perplexity=ref_perplexity)
 

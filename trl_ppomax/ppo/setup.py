@@ -37,22 +37,26 @@ _MISSING = {
 
 def check_inputs(
     args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None,
-    custom_rollouts: bool = False,
+    rollouts: dict | None = None,
 ) -> tuple[object, dict]:  # fmt: skip
     """Check the constructor's arguments (``models``: ``model``, ``ref_model``, ``reward_model``, ``value_model`` as
-    passed; ``custom_rollouts``: a ``rollout_func`` writes the rollouts) and load those given as paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is
-    loaded from ``model``'s path when ``processing_class`` is None."""
+    passed; ``rollouts``: the checked ``rollout_func``, ``tools`` and ``environment_factory``) and load those given as
+    paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is loaded from ``model``'s path when
+    ``processing_class`` is None."""
     if not isinstance(args, PPOMaxConfig):
         raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
+    rollouts = rollouts or {}
+    environment = rollouts.get("environment_factory") is not None
     for name, value in {**models, "train_dataset": train_dataset}.items():
-        if name in _MISSING and value is None:
-            raise ValueError(f"{name} is None: {_MISSING[name]}.")
+        if name in _MISSING and value is None and not (name == "reward_model" and environment):
+            raise ValueError(f"{name} is None: {_MISSING[name]}.")  # an environment may own the reward
     for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
         _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
         raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
-    if not custom_rollouts:  # else a reward function may also take the rollout_func's extra keys
-        rewards.check_reward_functions(models["reward_model"], train_dataset.column_names)
+    if rollouts.get("rollout_func") is None:  # else a reward function may also take the rollout_func's extra keys
+        columns = [*train_dataset.column_names, *(["environments"] if environment else [])]
+        rewards.check_reward_functions(models["reward_model"], columns)
     for name, value in models.items():  # a missing local folder, before loading anything (a tokenizer first)
         for item in value if isinstance(value, list | tuple) else [value]:
             check_model_path(name, item)
@@ -443,18 +447,60 @@ def lagged_rollouts(trainer, policy: nn.Module, engine):
     return LaggedRollouts(producer_engine, args, prompts, accelerator.autocast, accelerator.process_index), engine
 
 
-def checked_rollout_func(rollout_func, args):
-    """The user's ``rollout_func`` (or None), refused where it cannot generate the training rollouts."""
-    if rollout_func is None:
-        return None
-    if not callable(rollout_func):
+def check_rollout_sources(args, rollout_func=None, tools=None, environment_factory=None) -> dict:
+    """The user's ``rollout_func``, ``tools`` and ``environment_factory`` (TRL GRPO's), refused where they cannot
+    generate the training rollouts; returned by name."""
+    if rollout_func is not None and not callable(rollout_func):
         raise TypeError(f"rollout_func must be a callable f(prompts, trainer) -> dict; got {type(rollout_func)}.")
-    if args.max_staleness:
-        raise ValueError(
-            f"rollout_func generates each batch when the trainer asks for it; max_staleness={args.max_staleness} "
-            "generates ahead with the trainer's own engine. Set max_staleness=0 with a rollout_func."
+    if tools is not None and (not isinstance(tools, list | tuple) or not all(callable(t) for t in tools)):
+        raise TypeError(f"tools must be a list of functions (sync or async); got {tools!r}.")
+    if environment_factory is not None and not callable(environment_factory):
+        raise TypeError(
+            f"environment_factory must be a callable returning an environment (e.g. its class); got "
+            f"{type(environment_factory).__name__}."
         )
-    return rollout_func
+    agent = bool(tools) or environment_factory is not None
+    if rollout_func is not None and agent:
+        raise ValueError(
+            "rollout_func writes the whole rollout, so it cannot be combined with tools or environment_factory (the "
+            "trainer's agent loop): call your tools inside rollout_func, or drop rollout_func."
+        )
+    if args.max_staleness and (agent or rollout_func is not None):
+        what, fix = ("rollout_func", "a rollout_func") if rollout_func is not None else ("The agent loop", "tools")
+        raise ValueError(
+            f"{what} generates each batch when the trainer asks for it; max_staleness={args.max_staleness} "
+            f"generates ahead with the trainer's own engine. Set max_staleness=0 with {fix}."
+        )
+    return dict(rollout_func=rollout_func, tools=list(tools or []), environment_factory=environment_factory)
+
+
+def agent_and_reward_sources(args, tokenizer, reward_model, processing_classes, rollouts: dict, stop_id: int):
+    """The agent loop (None without ``tools`` and ``environment_factory``) and the reward sources: the user's, and the
+    environment's ``get_reward`` (weight 1, named after its class) when it has one."""
+    from trl_ppomax.generation.agent import AgentRollouts, EnvironmentReward
+
+    agent = None
+    if rollouts["tools"] or rollouts["environment_factory"] is not None:
+        agent = AgentRollouts(args, tokenizer, rollouts["tools"], rollouts["environment_factory"], stop_id)
+    owned = agent is not None and callable(getattr(agent.environment_type, "get_reward", None))
+    if not owned:
+        if reward_model is None:
+            raise ValueError(
+                f"reward_model is None: {_MISSING['reward_model']}; or an environment_factory whose environment "
+                "defines get_reward()."
+            )
+        return agent, rewards.RewardSources(reward_model, processing_classes, args.reward_weights)
+    given = (
+        []
+        if reward_model is None
+        else list(reward_model)
+        if isinstance(reward_model, list | tuple)
+        else [reward_model]
+    )
+    classes = [None] * len(given) if processing_classes is None else list(processing_classes)
+    weights = None if args.reward_weights is None else [*args.reward_weights, 1.0]
+    sources = [*given, EnvironmentReward(agent.environment_type)]
+    return agent, rewards.RewardSources(sources, [*classes, None], weights)
 
 
 def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
@@ -473,7 +519,7 @@ class Setup:
     """What :func:`set_up` hands the trainer: the tokenizer, the built models, the reward sources (``reward_model``:
     trl 1.12's ``trainer.reward_model``, the one the critic was initialised from, else the first source), the prepared
     prompt datasets, the stop token id (None: none), the token the missing-stop-token penalty looks for and the
-    checked ``rollout_func``."""
+    checked ``rollout_func`` and agent loop."""
 
     tokenizer: object
     policy: nn.Module
@@ -486,6 +532,7 @@ class Setup:
     stop_token_id: int | None
     stop_id: int
     rollout_func: object | None = None
+    agent: object | None = None
 
 
 def set_up(
@@ -496,17 +543,19 @@ def set_up(
     peft_config,
     reward_processing_classes,
     rollout_metrics,
-    rollout_func,
+    rollouts: dict,
 ):
     """:class:`~trl_ppomax.PPOMaxTrainer`'s set-up: arguments checked (:func:`check_inputs`; ``passed``: the model
     arguments by name, ``datasets``: train, eval and ptx), policy, reference and critic (if needed) built, then
     checked with the prepared prompt datasets (:func:`prepare_and_check`)."""
     train_dataset, eval_dataset, _ = datasets
-    rollout_func = checked_rollout_func(rollout_func, args)
-    tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollout_func is not None)
+    rollouts = check_rollout_sources(args, **rollouts)
+    tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollouts)
     model, ref_model, value_model = loaded["model"], loaded["ref_model"], loaded["value_model"]
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-    sources = rewards.RewardSources(loaded["reward_model"], reward_processing_classes, args.reward_weights)
+    stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+    reward_model, classes = loaded["reward_model"], reward_processing_classes
+    agent, sources = agent_and_reward_sources(args, tokenizer, reward_model, classes, rollouts, stop_id)
     if not args.uses_critic and value_model is not None:
         raise ValueError(
             f"value_model was passed, but advantage_estimator={args.advantage_estimator!r} needs no critic and builds "
@@ -520,7 +569,8 @@ def set_up(
     train_dataset, eval_dataset = prepare_and_check(
         args, tokenizer, built, stop_token_id, train_dataset, eval_dataset, rollout_metrics
     )
-    stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     first = critic_source if critic_source is not None else sources.sources[0]
-    datasets = (train_dataset, eval_dataset)
-    return Setup(tokenizer, policy, ref, critic, sources, first, *datasets, stop_token_id, stop_id, rollout_func)
+    datasets, rollout_func = (train_dataset, eval_dataset), rollouts["rollout_func"]
+    return Setup(
+        tokenizer, policy, ref, critic, sources, first, *datasets, stop_token_id, stop_id, rollout_func, agent
+    )

@@ -55,6 +55,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         rollout_func: TRL GRPO's ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs",
             optional "env_mask", ...}`` generating the training rollouts (multi-turn, tools, an environment):
             :mod:`~trl_ppomax.generation.custom`; tokens with ``env_mask`` 0 are never trained on.
+        tools: TRL GRPO's tools, Python functions (sync or async, type hints and a Google-style docstring) the policy
+            calls through its chat template over several turns (:mod:`~trl_ppomax.generation.agent`; ``max_tool_turns``,
+            ``max_completion_tokens``); the tools' results are attended to, never trained on.
+        environment_factory: TRL GRPO's: a callable making one environment per trajectory, ``reset(**row)``, its
+            public methods as tools, its optional ``get_reward()`` a reward source (then ``reward_model`` may be None).
         rollout_metrics: extra per-response measurements to log, ``{name: f(prompts, completions) -> list[float]}``
             on the decoded texts (e.g. a gold reward, a rule-based check); logged as ``name`` (and ``eval_name``).
     """
@@ -81,18 +86,21 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         reward_funcs: nn.Module | rewards.RewardFunction | list | None = None,
         reward_processing_classes: list | None = None,
         rollout_func: Callable | None = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable | None = None,
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
         passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Arguments checked before anything expensive (each refusal names the fix), models built, prompts prepared
         datasets = (train_dataset, eval_dataset, ptx_dataset)
-        settings = (peft_config, reward_processing_classes, rollout_metrics, rollout_func)
+        rollouts = dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory)
+        settings = (peft_config, reward_processing_classes, rollout_metrics, rollouts)
         built = setup.set_up(args, processing_class, passed, datasets, *settings)
         processing_class, self.ref_model, self.reward_sources = built.tokenizer, built.ref_model, built.reward_sources
         self.reward_model, self.stop_token_id, self.stop_id = built.reward_model, built.stop_token_id, built.stop_id
         self.is_peft_model = models.is_peft(built.policy)
         args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
-        self.ptx_dataset, self.rollout_func = ptx_dataset, built.rollout_func
+        self.ptx_dataset, self.rollout_func, self.agent = ptx_dataset, built.rollout_func, built.agent
 
         super().__init__(
             model=PolicyAndCritic(built.policy, built.critic),
@@ -235,8 +243,9 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             metrics.update(update_metrics, **{M.UPDATE_SECONDS: time.perf_counter() - start})
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
         counters = {name: float(value) for name, value in self.ppo_state.counters.items()}
-        lagged = self.lagged.pop_metrics() if self.lagged is not None else {}
-        return {**metrics, **timings, **self.generation.pop_metrics(), **lagged, **counters}
+        engines = [e for e in (self.generation, self.lagged, self.agent) if e is not None]
+        measured = {name: value for engine in engines for name, value in engine.pop_metrics().items()}
+        return {**metrics, **timings, **measured, **counters}
 
     def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
         """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new

@@ -1,0 +1,228 @@
+"""Agent rollouts: the policy calls tools (``tools=[…]``) or acts in an environment (``environment_factory=…``) over
+several turns, as TRL ``GRPOTrainer``'s. Each trajectory is::
+
+    prompt (with the tools' schemas) → policy turn → [tool messages → policy turn] × ≤ max_tool_turns
+
+A turn ends at the stop token (the template's end of turn). A turn with tool calls, ended by the stop token, gets the
+calls' results as tool messages (:mod:`~trl_ppomax.generation.tools`), then the policy writes again; a turn without a
+call, cut by a budget, or past ``max_tool_turns`` ends the trajectory. ``env_mask`` marks the policy's tokens (1) and the
+inserted ones (0): the environment's tokens are attended to, never trained on. Budgets: ``response_length`` bounds
+the policy's tokens over all turns, ``max_completion_tokens`` (None: no bound) the whole trajectory, tool tokens
+included (a result that does not fit is cut and ends the trajectory).
+
+``environment_factory()`` makes one instance per trajectory (pooled and reset, as TRL): ``reset(**row)`` gets the
+dataset row and may return a string appended to the last user message; its public methods are the trajectory's tools
+(besides ``tools``); its ``get_reward()``, if any, scores the trajectory (:class:`EnvironmentReward`)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from trl_ppomax import data
+from trl_ppomax.generation import Generated
+from trl_ppomax.generation.custom import padded
+from trl_ppomax.generation.tools import ToolRunner, ToolTurnTokens, tool_call_parser, tool_schema
+from trl_ppomax.ppo import metrics as M
+from trl_ppomax.rewards import RewardSource
+
+__all__ = ["AgentRollouts", "EnvironmentReward", "environment_methods"]
+
+_NOT_TOOLS = ("reset", "get_reward")
+
+
+def environment_methods(environment) -> dict[str, Callable]:
+    """An environment's tools: its public methods (the class's functions, so properties are not evaluated), less
+    ``reset`` and ``get_reward``."""
+    names = [name for name, _ in inspect.getmembers(type(environment), inspect.isfunction)]
+    return {name: getattr(environment, name) for name in names if not name.startswith("_") and name not in _NOT_TOOLS}
+
+
+class EnvironmentReward(RewardSource):
+    """The reward an environment owns: ``get_reward()`` of each trajectory's instance (the ``environments`` column),
+    NaN for a trajectory whose environment is of another class; logged as ``rewards/<class name>/mean``."""
+
+    def __init__(self, environment_type: type) -> None:
+        self.environment_type, self.name = environment_type, environment_type.__name__
+
+    def score(self, batch):
+        environments = (batch.columns or {}).get("environments")
+        if environments is None:  # e.g. a sample table scored without the agent loop
+            return torch.full((len(batch.query_mask),), float("nan"))
+        mine = [e if type(e) is self.environment_type else None for e in environments]
+        if inspect.iscoroutinefunction(self.environment_type.get_reward):
+
+            async def rewards():
+                return torch.tensor([float("nan") if e is None else float(await e.get_reward()) for e in mine])
+
+            return rewards()
+        return torch.tensor([float("nan") if e is None else float(e.get_reward()) for e in mine])
+
+
+class AgentRollouts:
+    """The multi-turn loop for one trainer (see the module docstring). ``tools``: the functions every trajectory may
+    call; ``environment_factory``: a zero-argument callable making an environment (checked here: it needs ``reset``).
+    :meth:`generate` returns a :class:`~trl_ppomax.generation.Generated` of trajectories and the tool statistics
+    (``pop_metrics``)."""
+
+    def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int) -> None:
+        self.args, self.tokenizer, self.stop_token_id = args, tokenizer, stop_token_id
+        self.tools, self.factory = {tool.__name__: tool for tool in tools or []}, environment_factory
+        self.pool: list = []
+        functions = list(self.tools.values())
+        if environment_factory is not None:
+            probe = self._new_environment()
+            self.pool.append(probe)
+            functions += list(environment_methods(probe).values())
+        if not functions:
+            raise ValueError("The agent has no tool: pass tools=[...] or an environment with public methods.")
+        self.schemas = [tool_schema(function) for function in functions]
+        self.parse = tool_call_parser(tokenizer)
+        self.turn_tokens = ToolTurnTokens(tokenizer, stop_token_id)
+        self.runner, self.stats = ToolRunner(), defaultdict(list)
+
+    @property
+    def environment_type(self) -> type | None:
+        return type(self.pool[0]) if self.pool else None
+
+    def _new_environment(self):
+        environment = self.factory()
+        if not callable(getattr(environment, "reset", None)):
+            raise ValueError(
+                f"environment_factory made a {type(environment).__name__} without a reset() method: an environment "
+                "needs reset(**row) -> str | None, called before each trajectory (TRL's contract)."
+            )
+        return environment
+
+    def generate(self, engine, prompts: Sequence, rows: dict[str, list], sampling: bool, n: int, pad_id: int, device):
+        """``n`` trajectories per prompt (row ``i·n + j``: prompt ``i``'s ``j``-th), ``prompts`` the batch's ``prompt``
+        column (conversations get the tools' schemas through the chat template) and ``rows`` its other columns."""
+
+        rows = data.repeat_rows({**rows, "prompt": list(prompts)}, n)
+        environments = self._environments(len(rows["prompt"]))
+        prompts = [self._prompt(i, rows, environments) for i in range(len(rows["prompt"]))]
+        prompt_ids = [data.tokenize_prompt(p, self.tokenizer, self.schemas) for p in prompts]
+        toolboxes = [{**self.tools, **(environment_methods(e) if e is not None else {})} for e in environments]
+        trajectories = _Trajectories(prompt_ids)
+        self._turns(engine, trajectories, toolboxes, sampling, device)
+        query_ids, query_mask = padded(prompt_ids, pad_id, "left")
+        response_ids, response_mask = padded(trajectories.ids, pad_id, "right")
+        env_mask = padded(trajectories.env_mask, 0, "right")[0]
+        sampler = None
+        if trajectories.has_sampler_logprobs:
+            sampler = torch.zeros(response_ids.shape)
+            for i, row in enumerate(trajectories.logprobs):
+                sampler[i, : len(row)] = torch.tensor(row)
+        columns = {"environments": environments} if self.factory is not None else {}
+        self._record(trajectories)
+        tensors = (query_ids, query_mask, response_ids, response_mask, sampler, env_mask)
+        return Generated(*(None if t is None else t.to(device) for t in tensors), columns)
+
+    def _environments(self, count: int) -> list:
+        if self.factory is None:
+            return [None] * count
+        while len(self.pool) < count:
+            self.pool.append(self._new_environment())
+        return self.pool[:count]
+
+    @staticmethod
+    def _prompt(i: int, rows: dict[str, list], environments: list):
+        """Prompt ``i`` after its environment's ``reset(**row)`` (a returned string is appended to the last user
+        message, or to a text prompt)."""
+        prompt, environment = rows["prompt"][i], environments[i]
+        if environment is None:
+            return prompt
+        observation = environment.reset(**{key: values[i] for key, values in rows.items()})
+        if not observation:
+            return prompt
+        if isinstance(prompt, str):
+            return prompt + observation
+        return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+
+    def _turns(self, engine, trajectories: _Trajectories, toolboxes: list[dict], sampling: bool, device) -> None:
+        """Policy turns and tool results until every trajectory ended."""
+        active = list(range(len(toolboxes)))
+        for turn in itertools.count():
+            budgets = {i: self._budget(trajectories, i) for i in active}
+            active = [i for i in active if budgets[i] > 0]
+            if not active:
+                return
+            contexts = [trajectories.context(i) for i in active]
+            query_ids, query_mask = (t.to(device) for t in padded(contexts, self.tokenizer.pad_token_id, "left"))
+            ids, mask, logprobs = engine.generate(query_ids, query_mask, sampling, 1, max(budgets.values()))
+            calling = []
+            for k, i in enumerate(active):
+                length = min(int(mask[k].sum()), budgets[i])
+                written = ids[k, :length].tolist()
+                trajectories.add(i, written, 1, None if logprobs is None else logprobs[k, :length].tolist())
+                if not written or written[-1] != self.stop_token_id:
+                    continue  # cut by a budget: the trajectory ends
+                calls = self.parse(self.tokenizer.decode(written), self.tokenizer.decode(contexts[k]), self.schemas)
+                trajectories.calls[i] += len(calls)
+                if calls and (self.args.max_tool_turns is None or turn < self.args.max_tool_turns):
+                    calling.append((i, calls))
+            active = [i for i, _ in calling]
+            self._tool_results(trajectories, toolboxes, calling)
+
+    def _budget(self, trajectories: _Trajectories, i: int) -> int:
+        """The most tokens trajectory ``i``'s next policy turn may write: what is left of ``response_length`` and of
+        ``max_completion_tokens``."""
+        left = self.args.response_length - trajectories.policy_tokens(i)
+        if self.args.max_completion_tokens is not None:
+            left = min(left, self.args.max_completion_tokens - len(trajectories.ids[i]))
+        return 0 if trajectories.ended[i] else left
+
+    def _tool_results(self, trajectories: _Trajectories, toolboxes: list[dict], calling: list) -> None:
+        """Run the calls of this turn and insert their results (cut to ``max_completion_tokens``, ending the
+        trajectory if cut)."""
+        results = self.runner.run([(toolboxes[i], calls) for i, calls in calling])
+        for (i, _), outcomes in zip(calling, results, strict=True):
+            trajectories.failures[i] += sum(failed for _, failed in outcomes)
+            tokens = self.turn_tokens([message for message, _ in outcomes])
+            bound = self.args.max_completion_tokens
+            if bound is not None and len(trajectories.ids[i]) + len(tokens) >= bound:
+                tokens = tokens[: max(0, bound - len(trajectories.ids[i]))]
+                trajectories.ended[i] = True
+            trajectories.add(i, tokens, 0, [0.0] * len(tokens))
+            trajectories.tool_turns[i] += 1
+
+    def _record(self, trajectories: _Trajectories) -> None:
+        calls, failures = sum(trajectories.calls), sum(trajectories.failures)
+        self.stats[M.TOOL_CALL_FREQUENCY].append(calls / len(trajectories.ids))
+        self.stats[M.TOOL_TURNS].append(sum(trajectories.tool_turns) / len(trajectories.ids))
+        if calls:
+            self.stats[M.TOOL_FAILURE_RATE].append(failures / calls)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The tool statistics since the last call, averaged over batches."""
+        stats, self.stats = self.stats, defaultdict(list)
+        return {name: sum(values) / len(values) for name, values in stats.items() if values}
+
+
+class _Trajectories:
+    """The growing completions of a batch: token ids, env_mask, sampler log-probs (0 on inserted tokens), counters."""
+
+    def __init__(self, prompt_ids: list[list[int]]) -> None:
+        count = len(prompt_ids)
+        self.prompt_ids, self.ids, self.env_mask = prompt_ids, [[] for _ in range(count)], [[] for _ in range(count)]
+        self.logprobs: list[list[float]] = [[] for _ in range(count)]
+        self.has_sampler_logprobs = True
+        self.ended, self.calls, self.failures, self.tool_turns = [False] * count, [0] * count, [0] * count, [0] * count
+
+    def add(self, i: int, tokens: list[int], env: int, logprobs: list[float] | None) -> None:
+        self.ids[i] += tokens
+        self.env_mask[i] += [env] * len(tokens)
+        if logprobs is None:
+            self.has_sampler_logprobs = False
+        else:
+            self.logprobs[i] += logprobs
+
+    def context(self, i: int) -> list[int]:
+        return self.prompt_ids[i] + self.ids[i]
+
+    def policy_tokens(self, i: int) -> int:
+        return sum(self.env_mask[i])

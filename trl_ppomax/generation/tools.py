@@ -1,0 +1,200 @@
+"""Tool calling for agent rollouts, as TRL ``GRPOTrainer``'s ``tools=`` (transformers' tool-use chat format): tools are
+Python functions, sync or ``async def``, with type hints and a Google-style docstring, described to the model by their
+JSON schema (``transformers.utils.get_json_schema``) through the chat template's ``tools=``. A call is parsed from the
+policy's turn by the tokenizer's ``response_template`` (``tokenizer.parse_response``; trl's ``add_response_schema``
+sets one for the chat templates it knows: Qwen, Llama 3, GLM, gpt-oss, …), else from Hermes-style
+``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` blocks. Results come back as ``{"role": "tool"}`` messages,
+whose tokens (:class:`ToolTurnTokens`) the environment inserts after the policy's stop token.
+
+A tool that raises, a call to an unknown tool, bad arguments or a malformed call is a **failure**: its error is the
+tool message the policy reads, and it is counted (``tools/failure_rate``), never raised."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from transformers.utils import get_json_schema
+
+__all__ = ["ToolCall", "ToolRunner", "ToolTurnTokens", "parse_tool_calls", "tool_call_parser", "tool_schema"]
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_SENTINEL = "\u2063TRL_PPOMAX_TURN\u2063"  # an assistant turn's content when rendering the environment's tokens
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: ``name`` and ``arguments`` (a dict), or ``error`` (a malformed call: why)."""
+
+    name: str = ""
+    arguments: dict | None = None
+    error: str | None = None
+
+
+def tool_schema(function: Callable) -> dict:
+    """The tool's JSON schema from its type hints and Google-style docstring, or a ``ValueError`` naming the tool
+    and what to write."""
+    try:
+        return get_json_schema(function)
+    except Exception as error:  # transformers' TypeError / DocstringParsingException
+        name = getattr(function, "__name__", repr(function))
+        raise ValueError(
+            f"Tool {name!r} cannot be described to the model: {error}. A tool needs type hints on every argument and "
+            "a Google-style docstring with a description and an 'Args:' entry per argument."
+        ) from error
+
+
+def tool_call_parser(tokenizer) -> Callable[[str, str, list[dict]], list[ToolCall]]:
+    """``parse(turn_text, prefix_text, schemas) -> calls`` for ``tokenizer``: its ``response_template`` (set by trl's
+    ``add_response_schema`` when the chat template is one trl knows), else the Hermes ``<tool_call>`` format."""
+    if getattr(tokenizer, "response_template", None) is None:
+        from trl.chat_template_utils import add_response_schema
+
+        try:
+            add_response_schema(tokenizer)
+        except ValueError:  # a chat template trl does not know: Hermes blocks
+            return lambda text, prefix, schemas: parse_tool_calls(text)
+
+    def parse(text: str, prefix: str, schemas: list[dict]) -> list[ToolCall]:
+        try:
+            message = tokenizer.parse_response(text, prefix=prefix, tools=schemas)
+        except Exception as error:  # the template's parser refused the turn
+            return [ToolCall(error=f"the tool call could not be parsed: {error}")]
+        return [_from_message_call(call) for call in message.get("tool_calls") or []]
+
+    return parse
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The Hermes-style calls of a turn: one per ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` block (an
+    unclosed block is malformed too)."""
+    calls = [_from_json(block) for block in _HERMES.findall(text)]
+    if text.count("<tool_call>") > len(calls):
+        calls.append(ToolCall(error="a <tool_call> block was not closed with </tool_call>"))
+    return calls
+
+
+def _from_json(block: str) -> ToolCall:
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError as error:
+        return ToolCall(error=f"the tool call is not JSON ({error.msg}): {block.strip()!r}")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall(error=f'a tool call needs {{"name": …, "arguments": {{…}}}}; got {block.strip()!r}')
+    return _checked(call["name"], call.get("arguments", {}))
+
+
+def _from_message_call(call: dict) -> ToolCall:
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return ToolCall(error=f"a tool call without a name: {call!r}")
+    return _checked(function["name"], function.get("arguments", {}))
+
+
+def _checked(name: str, arguments) -> ToolCall:
+    if isinstance(arguments, str):  # some templates emit the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments or "{}")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, error=f"the arguments of {name!r} must be an object; got {arguments!r}")
+    return ToolCall(name, arguments)
+
+
+class ToolRunner:
+    """Runs parsed calls against a trajectory's tools (by name): sync tools in order, ``async def`` ones concurrently
+    across the whole batch on a private event loop (so an already running loop, e.g. Jupyter's, is never blocked).
+    Returns, per call, ``(tool message, failed)``."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, batch: Sequence[tuple[dict[str, Callable], list[ToolCall]]]) -> list[list[tuple[dict, bool]]]:
+        """``batch``: per trajectory, its tools by name and its calls of this turn."""
+        results: list[list] = [[None] * len(calls) for _, calls in batch]
+        pending = []
+        for row, (tools, calls) in enumerate(batch):
+            for index, call in enumerate(calls):
+                outcome = self._start(tools, call)
+                if inspect.isawaitable(outcome):
+                    pending.append((row, index, call.name, outcome))
+                else:
+                    results[row][index] = outcome
+        if pending:
+            finished = self._await([outcome for *_, outcome in pending])
+            for (row, index, name, _), value in zip(pending, finished, strict=True):
+                results[row][index] = _message(name, value)
+        return results
+
+    def _start(self, tools: dict[str, Callable], call: ToolCall):
+        if call.error is not None:
+            return _failure(call.name or "unknown", call.error)
+        if call.name not in tools:
+            return _failure(call.name, f"there is no tool {call.name!r}; the tools are {sorted(tools)}")
+        try:
+            value = tools[call.name](**call.arguments)
+        except Exception as error:  # a tool's own error, or arguments that do not fit its signature
+            return _failure(call.name, f"{type(error).__name__}: {error}")
+        return value if inspect.isawaitable(value) else _message(call.name, value)
+
+    def _await(self, awaitables: list) -> list:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="trl-ppomax-tools", daemon=True).start()
+
+        async def gather():
+            return await asyncio.gather(*awaitables, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+
+def _message(name: str, value) -> tuple[dict, bool]:
+    if isinstance(value, BaseException):
+        return _failure(name, f"{type(value).__name__}: {value}")
+    content = value if isinstance(value, str) else json.dumps(value, default=str)
+    return {"role": "tool", "name": name, "content": content}, False
+
+
+def _failure(name: str, error: str) -> tuple[dict, bool]:
+    return {"role": "tool", "name": name, "content": json.dumps({"error": error})}, True
+
+
+class ToolTurnTokens:
+    """The tokens the environment inserts after a policy turn that ended with the stop token: the chat template's
+    rendering of the tool messages and the next generation prompt, i.e. what follows ``<stop>`` in
+    ``template([…, assistant, *tool messages], add_generation_prompt=True)``. The policy's own tokens are kept as it
+    wrote them (token in, token out); only this suffix is tokenized. Checked at construction: a template that does not
+    end an assistant turn with the stop token, or renders no tool messages, is refused with the fix."""
+
+    def __init__(self, tokenizer, stop_token_id: int, chat_template_kwargs: dict | None = None) -> None:
+        self.tokenizer, self.kwargs = tokenizer, dict(chat_template_kwargs or {})
+        self.stop_text = tokenizer.decode([stop_token_id])
+        probe = self.text([{"role": "tool", "name": "probe", "content": "probe result"}])
+        if "probe result" not in probe:
+            raise ValueError(
+                "The chat template does not render {'role': 'tool'} messages: tools need a template that shows tool "
+                "results to the model (e.g. Qwen's, Llama 3's), set with tokenizer.chat_template = …."
+            )
+
+    def text(self, tool_messages: list[dict]) -> str:
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, *tool_messages]
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.kwargs
+        )
+        after = rendered.find(_SENTINEL) + len(_SENTINEL)
+        stop = rendered.find(self.stop_text, after)
+        if rendered.find(_SENTINEL) < 0 or stop < 0 or rendered[after:stop].strip():
+            raise ValueError(
+                f"The chat template must end an assistant turn with the stop token {self.stop_text!r} (the token "
+                "the policy's turn ends with) for tool results to follow it; set stop_token_id to the template's "
+                "end-of-turn token."
+            )
+        return rendered[stop + len(self.stop_text) :]
+
+    def __call__(self, tool_messages: list[dict]) -> list[int]:
+        return self.tokenizer(self.text(tool_messages), add_special_tokens=False)["input_ids"]
