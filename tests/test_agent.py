@@ -10,15 +10,12 @@ import json
 import pytest
 import torch
 from helpers import changed, snapshot
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    PreTrainedTokenizerFast,
 )
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-from trl.chat_template_utils import qwen2_5_chat_template
+from user_setups import qwen_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, data
 from trl_ppomax.generation.agent import AgentRollouts, EnvironmentReward
@@ -191,19 +188,6 @@ def test_async_tools_run_concurrently_on_a_private_loop_even_inside_a_running_on
 
 
 # ---- Qwen 2.5's real template and trl's parser --------------------------------------------------------------------------
-
-
-def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (every byte a token, no merges) with Qwen's special tokens and Qwen 2.5's chat template."""
-    vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = qwen2_5_chat_template
-    return tokenizer
 
 
 def multiply(a: int, b: int) -> int:
@@ -382,3 +366,31 @@ def test_the_agent_tasks_gold_reward_reads_the_final_answer_against_the_secret_t
     trajectory = f"{TOOL_CALL} </s> tool: dog </s> assistant: please the dog is nice </s>"
     assert final_answer(trajectory) == "please the dog is nice </s>"
     assert agent_gold_reward(None, [trajectory, "please the cat is nice </s>"], ["dog", "dog"]) == [1.5, 0.0]
+
+
+@pytest.mark.slow  # two small toy-world agent runs in their own processes (.ci/run runs it)
+def test_the_agent_example_script_and_benchmark_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRL_PPOMAX_CACHE": str(tmp_path / "cache")}
+    example = [
+        sys.executable,
+        str(root / "examples/ppo_max_agent.py"),
+        "--quick",
+        "--output-dir",
+        str(tmp_path / "ex"),
+    ]
+    out = subprocess.run(example, env=env, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert "gold reward:" in out and "tool-call rate:" in out
+    output = tmp_path / "agent.json"
+    benchmark = [sys.executable, str(root / "benchmarks/agent.py"), "--small", "--iterations", "2", "--seed", "0"]
+    subprocess.run([*benchmark, "--output", str(output)], env=env, check=True, cwd=tmp_path, capture_output=True)
+    results = json.loads(output.read_text())
+    assert set(results["conditions"]) == {"tool", "no_tool", "tool_train_on_env_tokens"}
+    for condition in results["conditions"].values():
+        assert len(condition["curves"]["gold_reward"]) == 2 and 0 <= condition["tool_call_rate_final"] <= 1
+    assert len((tmp_path / "agent.runs.jsonl").read_text().splitlines()) == 3

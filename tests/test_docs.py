@@ -27,7 +27,7 @@ import yaml
 from sybil import Document
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
-from user_setups import build_llama_style_tokenizer, write_plain_folders
+from user_setups import build_llama_style_tokenizer, write_plain_folders, write_qwen_instruct_folder
 
 from trl_ppomax.moss import setup_tokenizer
 from trl_ppomax.toyworld.tiny import llama_config
@@ -96,13 +96,15 @@ def save_moss_models(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """The docs' Hub ids as local folders: the cleanrl pythia SFT and reward models as pythia-shaped folders whose
-    tokenizer has no pad token, and the MOSS-RLHF models as ``moss recover`` writes them."""
+    tokenizer has no pad token, the MOSS-RLHF models as ``moss recover`` writes them, and Qwen 2.5 Instruct (its own
+    chat template, tool calling included)."""
     folder = tmp_path_factory.mktemp("docs-models")
     plain = write_plain_folders(folder / "plain", "gpt_neox", embedding="padded", pad=None)
     for kind in ("sft", "reward"):
         (folder / "cleanrl").mkdir(exist_ok=True)
         os.symlink(plain[kind], folder / "cleanrl" / f"EleutherAI_pythia-1b-deduped__{kind}__tldr")
     save_moss_models(folder)
+    write_qwen_instruct_folder(folder / "Qwen" / "Qwen2.5-0.5B-Instruct")
     return folder
 
 

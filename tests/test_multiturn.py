@@ -170,3 +170,40 @@ def test_rollout_func_output_is_checked_with_the_fix_named():
 def test_rollout_func_with_max_staleness_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=0 with a rollout_func"):
         make_trainer(tmp_path, rollout_func=two_turn_rollout, max_staleness=1)
+
+
+def fixed_rollout(offset: float):
+    """A rollout_func writing the same two-turn completions each call, with log-probs ``offset`` (another sampler's)."""
+
+    def rollout_func(prompts, trainer):
+        completion, env_mask = [4, 5, 6, 7, 8, 3], [1, 1, 0, 0, 1, 1]
+        rows = len(prompts) * trainer.args.num_samples_per_prompt
+        ids = trainer.processing_class(prompts[0])["input_ids"]
+        return {"prompt_ids": [ids] * rows, "completion_ids": [completion] * rows, "env_mask": [env_mask] * rows,
+                "logprobs": [[offset] * len(completion)] * rows}  # fmt: skip
+
+    return rollout_func
+
+
+def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens_only(tmp_path):
+    """w = π/μ: halving log μ by one nat multiplies every policy token's weight by e; environment tokens get none."""
+    weights = {}
+    for offset in (-3.0, -4.0):
+        trainer = make_trainer(
+            tmp_path, rollout_func=fixed_rollout(offset), rollout_func_importance_sampling=True,
+            vllm_importance_sampling_clip_max=1e9, output_dir=tmp_path / str(offset),
+        )  # fmt: skip
+        batch = trainer.prompt_batches[0]
+        rollout = trainer.custom_rollout(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]})
+        weights[offset] = rollout.sampling_weights
+        policy = rollout.policy_mask.bool()
+        assert (rollout.sampling_weights[~policy] <= 1).all()
+        assert M.SAMPLING_LOGP_DIFF_MEAN in trainer.generation.pop_metrics()  # the gap is logged
+    policy = rollout.policy_mask.bool()
+    assert_close(weights[-4.0][policy] / weights[-3.0][policy], torch.full((int(policy.sum()),), 2.718281828))
+    off = make_trainer(tmp_path, rollout_func=fixed_rollout(-3.0), output_dir=tmp_path / "off")
+    batch = off.prompt_batches[0]
+    assert (
+        off.custom_rollout(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]}).sampling_weights
+        is None
+    )

@@ -265,3 +265,33 @@ def test_lagged_colocated_kill_and_resume_samples_the_same_batches(tmp_path):
         assert_close(batch.behaviour_logprobs, same.behaviour_logprobs, atol=1e-5, rtol=0)
     for name, weight in whole.model.policy.state_dict().items():
         assert_close(resumed.model.policy.state_dict()[name], weight, atol=1e-5, rtol=0)
+
+
+def test_an_agent_runs_its_tool_loop_on_the_colocated_engine(tmp_path):
+    """Multi-turn with vLLM: each turn is one engine call; the importance weights compare vLLM's log-probs with the
+    policy's on the policy's tokens only (the tool's tokens have no sampler log-prob), so the gap stays tiny."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ppomax.toyworld.agent import AgentSettings, LookupEnvironment, agent_gold_reward, agent_prompts
+    from trl_ppomax.toyworld.agent import prepare_agent_policy
+
+    settings = AgentSettings(hidden_size=128, heads=2, sft_dialogues=600, sft_epochs=3, p_tool=0.8)
+    sft = prepare_agent_policy(settings, cache_dir=tmp_path / "agents")
+    policy = AutoModelForCausalLM.from_pretrained(sft)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    args = {**SETTINGS, "response_length": 24, "max_completion_tokens": 40, "total_episodes": 8}
+    trainer = PPOMaxTrainer(
+        args=PPOMaxConfig(output_dir=str(tmp_path / "out"), **args),
+        processing_class=AutoTokenizer.from_pretrained(sft),
+        model=policy,
+        ref_model=None,
+        reward_model=agent_gold_reward,
+        value_model=AutoModelForSequenceClassification.from_pretrained(sft, num_labels=1),
+        train_dataset=agent_prompts(8),
+        environment_factory=LookupEnvironment,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if M.TOOL_CALL_FREQUENCY in entry]
+    assert len(logs) == 2 and sum(entry[M.TOOL_CALL_FREQUENCY] for entry in logs) > 0
+    assert all(entry[M.SAMPLING_LOGP_DIFF_MAX] < 1e-2 for entry in logs)  # policy tokens only
+    assert any(not torch.equal(before[n], p) for n, p in policy.named_parameters())

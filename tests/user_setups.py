@@ -38,8 +38,10 @@ __all__ = [
     "LLAMA_STYLE_SPECIALS",
     "build_llama_style_tokenizer",
     "pythia_style_tokenizer",
+    "qwen_style_tokenizer",
     "user_tokenizer",
     "write_plain_folders",
+    "write_qwen_instruct_folder",
     "write_user_folders",
 ]
 
@@ -59,6 +61,40 @@ def pythia_style_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = "<|endoftext|>"
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special, eos_token=special, unk_token=special)
+
+
+def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Shaped like Qwen 2.5 Instruct's: byte-level (here every byte a token, no merges), ``<|endoftext|>`` the pad,
+    ``<|im_end|>`` the eos, ``<|im_start|>`` special, ``<tool_call>`` / ``</tool_call>`` added tokens, and Qwen 2.5's
+    own chat template (tools and tool messages included)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(bytes_to_unicode().values())}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer
+
+
+def write_qwen_instruct_folder(folder: Path) -> Path:
+    """``folder`` as a downloaded Qwen 2.5 Instruct checkpoint: a tiny random Qwen2 causal LM, embeddings padded past
+    the tokenizer, with :func:`qwen_style_tokenizer` beside the weights."""
+    from transformers import Qwen2Config
+
+    tokenizer = qwen_style_tokenizer()
+    config = Qwen2Config(
+        vocab_size=embedding_rows(tokenizer, "padded"), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def user_tokenizer(arch: str) -> PreTrainedTokenizerFast:

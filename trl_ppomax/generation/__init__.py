@@ -11,12 +11,14 @@ returns what the engine measured since the last call. :class:`HFGeneration` samp
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
+from trl_ppomax.generation import correction
 from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
 
 __all__ = [
@@ -53,6 +55,7 @@ class HFGeneration:
     def __init__(self, policy: nn.Module, args, stop_token_id: int | None, pad_token_id: int) -> None:
         self.policy, self.args = policy, args
         self.stop_token_id, self.pad_token_id = stop_token_id, pad_token_id
+        self.stats: dict[str, list[float]] = defaultdict(list)
 
     def generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
         """The ``generate()`` arguments of a rollout whose prompts are ``prompt_width`` columns wide."""
@@ -71,8 +74,15 @@ class HFGeneration:
     def on_policy_updated(self) -> None:
         """Nothing to do: ``generate`` reads the trained weights themselves."""
 
+    def importance_weights(self, policy_logits, logprobs, responses, mask, sampler_logprobs) -> torch.Tensor:
+        """Truncated importance weights of rollouts another sampler wrote (a ``rollout_func``'s log-probs, with
+        ``rollout_func_importance_sampling``): :func:`~trl_ppomax.generation.correction.sampler_weights`."""
+        return correction.sampler_weights(self.args, self.stats, policy_logits, responses, mask, sampler_logprobs)
+
     def pop_metrics(self) -> dict[str, float]:
-        return {}
+        """The sampling gap of such rollouts since the last call (nothing for the engine's own)."""
+        stats, self.stats = self.stats, defaultdict(list)
+        return correction.reduced(stats)
 
 
 def generation_engine(args, accelerator, policy: nn.Module, tokenizer, stop_token_id: int | None):

@@ -3,7 +3,8 @@
 ``num_samples_per_prompt`` completions per prompt in a row per prompt. ``env_mask`` marks, per completion token, what
 the policy wrote (1) and what an environment or tool inserted (0): those tokens are attended to but never trained on
 (:attr:`~trl_ppomax.ppo.experience.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
-columns. The trainer scores the trajectories with its own forwards, so ``logprobs`` is checked, not used."""
+columns. The trainer scores the trajectories with its own forwards; ``logprobs`` (the sampler's, 0 where the
+environment wrote) corrects for another sampler with ``rollout_func_importance_sampling``, else it is checked only."""
 
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ def custom_rollout(
     extra = {
         key: _per_completion(value, rows) for key, value in output.items() if key not in (*REQUIRED_KEYS, "env_mask")
     }
-    tensors = (query_ids, query_mask, response_ids, response_mask)
+    logprobs = torch.zeros(response_ids.shape)
+    for row, values in enumerate(output["logprobs"]):
+        logprobs[row, : len(values)] = torch.as_tensor([float(v) for v in values])
+    tensors = (query_ids, query_mask, response_ids, response_mask, logprobs)
     env_mask = None if env_mask is None else env_mask.to(device)
-    return Generated(*(t.to(device) for t in tensors), None, env_mask, extra)
+    return Generated(*(t.to(device) for t in tensors), env_mask, extra)
 
 
 def _check_per_token(output: dict, completions: list[list[int]]) -> None:

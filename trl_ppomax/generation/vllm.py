@@ -14,22 +14,15 @@ import os
 import tempfile
 import time
 from collections import defaultdict
-from statistics import fmean as mean
 
 import torch
 
+from trl_ppomax.generation import correction
 from trl_ppomax.ppo import core
 from trl_ppomax.ppo import metrics as M
 
-#: What ``importance_weights`` records per rollout chunk, in order, and how ``pop_metrics`` reduces each.
-SAMPLING_STATS = (M.SAMPLING_LOGP_DIFF_MEAN, M.SAMPLING_LOGP_DIFF_MAX, M.IS_RATIO_MEAN, M.IS_RATIO_MIN, M.IS_RATIO_MAX)
-REDUCERS = {
-    M.SAMPLING_LOGP_DIFF_MAX: max,
-    M.IS_RATIO_MAX: max,
-    M.IS_RATIO_MIN: min,
-    M.VLLM_SYNC_SECONDS: sum,
-    M.VLLM_GENERATION_SECONDS: sum,
-}
+#: How ``pop_metrics`` reduces each statistic: the sampling gap's, and the engine's times summed.
+REDUCERS = {**correction.REDUCERS, M.VLLM_SYNC_SECONDS: sum, M.VLLM_GENERATION_SECONDS: sum}
 #: The ``VLLMGeneration`` arguments given by the config field ``vllm_<name>``.
 VLLM_SETTINGS = (
     "mode", "server_base_url", "server_host", "server_port", "server_timeout", "group_port", "tensor_parallel_size",
@@ -198,24 +191,14 @@ class VLLMEngine:
         """Per-token truncated importance weights (B, T) of the HF sampling distribution
         (:func:`core.nucleus_logprobs` of ``policy_logits``; the scored ``logprobs`` are not nucleus-renormalised)
         over vLLM's, logging the gap; None when the correction is off. vLLM's repetition penalty is not modelled."""
-        args = self.args
-        target = self.target_logprobs(policy_logits, logprobs, responses)
-        gap = (target - sampler_logprobs).abs()[mask.bool()]
-        weights = core.truncated_importance_weights(
-            target, sampler_logprobs, mask, args.vllm_importance_sampling_clip_max
-        )
-        ratios = weights[mask.bool()]
-        if gap.numel():
-            values = torch.stack([gap.mean(), gap.max(), ratios.mean(), ratios.min(), ratios.max()]).tolist()  # 1 sync
-            for name, value in zip(SAMPLING_STATS, values, strict=True):
-                self.stats[name].append(value)
-        return weights if args.vllm_importance_sampling_correction else None
+        weights = correction.sampler_weights(self.args, self.stats, policy_logits, responses, mask, sampler_logprobs)
+        return weights if self.args.vllm_importance_sampling_correction else None
 
     def pop_metrics(self) -> dict[str, float]:
         """This iteration's sampling gap and engine times on this process, reduced as ``REDUCERS`` says (else mean);
         the statistics are swapped out first (a producer thread may be adding to them)."""
         stats, self.stats = self.stats, defaultdict(list)
-        return {name: REDUCERS.get(name, mean)(values) for name, values in stats.items() if values}
+        return correction.reduced(stats, REDUCERS)
 
 
 @contextlib.contextmanager

@@ -485,6 +485,12 @@ class PPOMaxConfig(TrainingArguments):
         "A trajectory's budget of tokens, the policy's and the tools' together (response_length bounds the policy's "
         "alone; a tool result that does not fit is cut and ends the trajectory); None: no bound beyond those.",
     )
+    rollout_func_importance_sampling: bool = _field(
+        False,
+        "With a rollout_func whose logprobs μ come from another sampler (e.g. a vLLM server of its own): weight each "
+        "policy token's loss by min(π/μ, `vllm_importance_sampling_clip_max`), π the scoring policy's sampling "
+        "distribution (temperature, top-p), and log the gap (sampling/…). False: its logprobs are checked only.",
+    )
     train_on_env_tokens: bool = _field(
         False,
         "An ablation: train on the tokens a tool or environment inserted (env_mask ignored), as if the policy wrote "

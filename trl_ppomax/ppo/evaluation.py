@@ -22,9 +22,9 @@ from trl_ppomax.rewards import decode_texts
 
 class EvaluationMixin:
     """``evaluate()`` and ``generate_completions()`` of :class:`~trl_ppomax.PPOMaxTrainer` (mixed into it). Besides
-    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout``, ``generate_rollout``, ``rollout_context``,
-    ``generation``, ``scorer``, ``experience_maker`` (``shape_scores``, ``response_metrics``) and ``reduce_sum``; it
-    changes nothing but the log and the callbacks' control."""
+    ``transformers.Trainer``'s attributes it uses the trainer's public hooks only: ``rollout``, ``generate_rollout``,
+    ``rollout_context``, ``agent``, ``scorer``, ``experience_maker`` (``shape_scores``, ``response_metrics``) and
+    ``reduce_sum``; it changes nothing but the log and the callbacks' control."""
 
     @torch.no_grad()
     def sample_and_score(self, query_ids, query_mask, sampling=True, columns=None) -> Rollout:
@@ -98,6 +98,8 @@ class EvaluationMixin:
             weight = torch.tensor(weights[start : start + chunk], device=device)
             for name, values in maker.response_metrics(rollout, *maker.shape_scores(rollout)).items():
                 totals[name] += (values.float() * weight).sum()
+            for name, value in self._trajectory_tool_metrics().items():  # per-trajectory means of this chunk
+                totals[name] += value * weight.sum()
             totals["count"] += weight.sum()
         bar.close()
         return totals
@@ -110,6 +112,7 @@ class EvaluationMixin:
         with self._own_random_stream():
             rows = list(range(min(num_prompts, len(dataset))))
             rollout = self.rollout_rows(dataset, rows, sampling, scores_only=True)
+        self._trajectory_tool_metrics()  # not training's
         tokenizer = self.processing_class
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
@@ -122,6 +125,12 @@ class EvaluationMixin:
             print_prompt_completions_sample(queries, responses, scores, None, self.state.global_step)
             log_table(self.args, "completions", rows, self.state.global_step, self.callback_handler.callbacks)
         return rows
+
+    def _trajectory_tool_metrics(self) -> dict[str, float]:
+        """The agent loop's tool calls and turns per trajectory since its last rollout (popped, so they never reach
+        training's log); empty without an agent."""
+        measured = self.agent.pop_metrics() if self.agent is not None else {}
+        return {name: measured[name] for name in (M.TOOL_CALL_FREQUENCY, M.TOOL_TURNS) if name in measured}
 
     def _own_random_stream(self):
         """torch's random state forked and restored: sampling here never changes what training samples next, so the

@@ -53,7 +53,10 @@ class RolloutMixin:
         prompts = self.prompts_of(query_ids, query_mask, columns)
 
         def generate():
-            return custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
+            out = custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
+            if not self.args.rollout_func_importance_sampling:
+                out.sampler_logprobs = None  # checked, not used: the policy itself sampled
+            return out
 
         return self.score_rollout(generate, data.repeat_rows(columns, n), 1)
 

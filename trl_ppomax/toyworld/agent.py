@@ -17,6 +17,7 @@ over a word-level vocabulary, a tool call as ``<tool_call> {"name": "lookup", "a
 from __future__ import annotations
 
 import hashlib
+import inspect
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -115,6 +116,7 @@ class AgentSettings:
     seed: int = 0
     hidden_size: int = 64
     layers: int = 2
+    heads: int = 4  # vLLM's CPU attention needs a head size of at least 64: hidden_size / heads
     sft_dialogues: int = 8000
     sft_epochs: int = 16  # a 2-layer network learns to copy the tool's result only after ~4k steps
     sft_learning_rate: float = 3e-3
@@ -122,8 +124,10 @@ class AgentSettings:
     p_copy: float = 0.8  # after the tool, the share of answers that start by naming the looked-up topic
 
     def key(self) -> str:
-        source = Path(__file__).read_bytes()
-        identity = repr((asdict(self), build_fingerprint(), hashlib.sha256(source).hexdigest()))
+        """The cache folder's name: a hash of these settings, the world's build fingerprint and the code that writes
+        the demonstrations and trains on them."""
+        code = [inspect.getsource(f) for f in (agent_tokenizer, sft_rows, train_agent_sft, WorldSampler)]
+        identity = repr((asdict(self), build_fingerprint(), code, CHAT_TEMPLATE, TOOL_CALL, QUESTION))
         return "agent-" + hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
@@ -156,7 +160,7 @@ def train_agent_sft(settings: AgentSettings, output: Path) -> None:
 
     tokenizer = agent_tokenizer()
     torch.manual_seed(settings.seed)
-    config = llama_config(tokenizer, settings.hidden_size, settings.layers, heads=4, max_position_embeddings=96)
+    config = llama_config(tokenizer, settings.hidden_size, settings.layers, settings.heads, max_position_embeddings=96)
     trainer = SFTTrainer(
         model=LlamaForCausalLM(config),
         args=SFTConfig(
@@ -184,3 +188,45 @@ def prepare_agent_policy(settings: AgentSettings | None = None, cache_dir=None) 
         with atomic_directory(folder) as temporary:
             train_agent_sft(settings, Path(temporary))
     return str(folder)
+
+
+#: The benchmark's conditions: PPO-max with the environment's ``lookup`` tool, without it, and with the tool's tokens
+#: trained on as if the policy wrote them (the masking ablated).
+CONDITIONS: dict[str, dict] = {
+    "tool": dict(environment=True),
+    "no_tool": dict(environment=False),
+    "tool_train_on_env_tokens": dict(environment=True, train_on_env_tokens=True),
+}
+#: The per-trajectory measurements logged next to the reward (and as ``eval_…``).
+AGENT_METRICS = {"agent/tool_call_rate": tool_call_rate}
+
+
+def agent_ppo_trainer(
+    sft: str, output_dir: str, condition: str = "tool", iterations: int = 60, seed: int = 0, **overrides
+):
+    """PPOMaxTrainer (the ``ppo_max`` preset, the toy world's PPO settings) on the SFT agent under ``condition``: the
+    reward is :func:`agent_gold_reward`, the critic starts from the SFT agent; trajectories of at most 24 policy
+    tokens, 40 in all, 2 tool turns."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ppomax.ppo.trainer import PPOMaxTrainer
+    from trl_ppomax.toyworld.pipeline import ppo_config
+
+    if condition not in CONDITIONS:
+        raise ValueError(f"Unknown condition {condition!r}; choose one of {sorted(CONDITIONS)}.")
+    spec = dict(CONDITIONS[condition])
+    environment = LookupEnvironment if spec.pop("environment") else None
+    budgets = dict(max_completion_tokens=40, max_tool_turns=2)
+    config = ppo_config(output_dir, "ppo_max", iterations=iterations, seed=seed, **{**budgets, **spec, **overrides})
+    return PPOMaxTrainer(
+        args=config,
+        processing_class=AutoTokenizer.from_pretrained(sft),
+        model=AutoModelForCausalLM.from_pretrained(sft),
+        ref_model=None,
+        reward_model=agent_gold_reward,
+        train_dataset=agent_prompts(32 * 64, seed=seed),
+        value_model=AutoModelForSequenceClassification.from_pretrained(sft, num_labels=1),
+        eval_dataset=agent_prompts(64, seed=1234),
+        environment_factory=environment,
+        rollout_metrics=AGENT_METRICS,
+    )
