@@ -74,6 +74,7 @@ def test_a_critic_free_method_runs_in_the_toy_world_without_a_value_curve(world,
 
 # Margins: measured on fresh worlds (vanilla: KL 14.8–17.3, proxy +1.6, gold 0.45 under its best; PPO-max: KL 4.1,
 # gold 0.5 above vanilla's), each assertion holds with room to spare on a world built by other hardware or libraries.
+@pytest.mark.slow  # 40 toy-world iterations of two methods, 40 s cold (.ci/run runs it)
 def test_vanilla_ppo_collapses_and_the_monitor_fires(forty_iterations):
     sft, final, curves, signals = forty_iterations["vanilla_ppo"]
     assert final["proxy_reward"] > sft["proxy_reward"] + 0.8  # the proxy keeps rising …
@@ -82,6 +83,7 @@ def test_vanilla_ppo_collapses_and_the_monitor_fires(forty_iterations):
     assert signals & {"kl", "perplexity"}
 
 
+@pytest.mark.slow  # 40 toy-world iterations of two methods, 40 s cold (.ci/run runs it)
 def test_ppo_max_stays_stable_and_the_monitor_stays_quiet(forty_iterations):
     _, final, _, signals = forty_iterations["ppo_max"]
     _, vanilla, _, _ = forty_iterations["vanilla_ppo"]
