@@ -40,6 +40,7 @@ def report(tmp_path_factory):
     return json.loads(output.read_text())
 
 
+@pytest.mark.slow  # the dry run: 17 s of the default suite's cold time (.ci/run runs it)
 def test_dry_run_reports_throughput_and_a_time_split_that_adds_up(report):
     run, settings = report["runs"]["ppomax"], report["settings"]
     assert report["dry_run"] and report["device"] == "cpu" and report["failed"] == []
@@ -54,6 +55,7 @@ def test_dry_run_reports_throughput_and_a_time_split_that_adds_up(report):
     assert run["trainer"]["preset"] == "ppo_max" and run["trainer"]["stop_token"] is None
 
 
+@pytest.mark.slow  # the dry run: 17 s of the default suite's cold time (.ci/run runs it)
 def test_dry_run_counts_parameters_computes_mfu_and_trains_the_policy(report):
     settings, parameters, run = report["settings"], report["parameters"], report["runs"]["ppomax"]
     shape = settings["policy"]
@@ -67,6 +69,7 @@ def test_dry_run_counts_parameters_computes_mfu_and_trains_the_policy(report):
     assert run["policy_parameters_changed"] is True and run["policy_lm_head_max_abs_change"] > 0
 
 
+@pytest.mark.slow  # the dry run: 17 s of the default suite's cold time (.ci/run runs it)
 def test_dry_run_also_times_a_lagged_run_against_the_synchronous_one(report):
     run = report["runs"]["ppomax+staleness1"]
     assert run["trainer"]["max_staleness"] == 1 and run["policy_parameters_changed"] is True
@@ -75,6 +78,7 @@ def test_dry_run_also_times_a_lagged_run_against_the_synchronous_one(report):
     assert report["staleness"]["episodes_per_second_k1_over_k0"] > 0
 
 
+@pytest.mark.slow  # the dry run: 17 s of the default suite's cold time (.ci/run runs it)
 def test_dry_run_records_the_runs_it_skipped(report):
     reasons = {entry["run"]: entry["reason"] for entry in report["skipped"]}
     assert reasons == {"trl112": "no --trl112-python given", "ppomax+vllm": "dry run: the vLLM run needs a GPU"}
