@@ -272,8 +272,13 @@ def test_an_agent_runs_its_tool_loop_on_the_colocated_engine(tmp_path):
     policy's on the policy's tokens only (the tool's tokens have no sampler log-prob), so the gap stays tiny."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from trl_ppomax.toyworld.agent import AgentSettings, LookupEnvironment, agent_gold_reward, agent_prompts
-    from trl_ppomax.toyworld.agent import prepare_agent_policy
+    from trl_ppomax.toyworld.agent import (
+        AgentSettings,
+        LookupEnvironment,
+        agent_gold_reward,
+        agent_prompts,
+        prepare_agent_policy,
+    )
 
     settings = AgentSettings(hidden_size=128, heads=2, sft_dialogues=600, sft_epochs=3, p_tool=0.8)
     sft = prepare_agent_policy(settings, cache_dir=tmp_path / "agents")

@@ -4,8 +4,9 @@ trainer's and the same for every engine).
 An engine has ``generate(query_ids, query_mask, sampling=True, n=1, max_new_tokens=None) -> (response_ids,
 response_mask, sampler_logprobs)``: ``n`` responses (B·n, T) to each left-padded prompt (B, L), in a row per prompt,
 right-padded, the mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None
-when the sampler is the policy itself); at most ``max_new_tokens`` (None: ``response_length``) tokens each. ``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()``
-returns what the engine measured since the last call. :class:`HFGeneration` samples with the policy's ``generate``;
+when the sampler is the policy itself); at most ``max_new_tokens`` (None: ``response_length``) tokens each.
+``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()`` returns what the
+engine measured since the last call. :class:`HFGeneration` samples with the policy's ``generate``;
 :class:`~trl_ppomax.generation.vllm.VLLMEngine` with vLLM (``use_vllm=True``).
 """
 

@@ -101,7 +101,6 @@ class AgentRollouts:
     def generate(self, engine, prompts: Sequence, rows: dict[str, list], sampling: bool, n: int, pad_id: int, device):
         """``n`` trajectories per prompt (row ``i·n + j``: prompt ``i``'s ``j``-th), ``prompts`` the batch's ``prompt``
         column (conversations get the tools' schemas through the chat template) and ``rows`` its other columns."""
-
         rows = data.repeat_rows({**rows, "prompt": list(prompts)}, n)
         environments = self._environments(len(rows["prompt"]))
         prompts = [self._prompt(i, rows, environments) for i in range(len(rows["prompt"]))]

@@ -24,7 +24,6 @@ def custom_rollout(
 ):
     """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix): a
     :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys."""
-
     output = rollout_func(list(prompts), trainer)
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict with the keys {list(REQUIRED_KEYS)}; got {type(output)}.")

@@ -174,13 +174,12 @@ class VLLMEngine:
     def _sampling(self, sampling: bool, max_new_tokens: int | None = None):
         """Greedy decoding (temperature 0, no top-p, no penalty) for ``sampling=False``, as ``generate()`` does; at
         most ``max_new_tokens`` tokens (None: ``response_length``)."""
-        settings = ("temperature", "top_p", "repetition_penalty", "max_completion_length")
-        saved = {name: getattr(self.generation, name) for name in settings}
-        if not sampling:
-            for name, value in zip(settings, (0.0, 1.0, 1.0), strict=False):
-                setattr(self.generation, name, value)
+        changed = {} if sampling else dict(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
         if max_new_tokens is not None:
-            self.generation.max_completion_length = max_new_tokens
+            changed["max_completion_length"] = max_new_tokens
+        saved = {name: getattr(self.generation, name) for name in changed}
+        for name, value in changed.items():
+            setattr(self.generation, name, value)
         try:
             yield
         finally:

@@ -55,7 +55,7 @@ class RolloutMixin:
         def generate():
             out = custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
             if not self.args.rollout_func_importance_sampling:
-                out.sampler_logprobs = None  # checked, not used: the policy itself sampled
+                out.sampler_logprobs = None  # checked only: taken to be the policy's own samples
             return out
 
         return self.score_rollout(generate, data.repeat_rows(columns, n), 1)
