@@ -254,11 +254,97 @@ def test_evaluate_takes_temperature_zero_with_greedy(evaluate_base):
         main([*evaluate_base, "--temperature", "0", "--greedy"])
 
 
-def test_consolidate_names_what_is_missing(tmp_path, capsys):
-    """``trl-ppomax consolidate`` on a folder without an engine checkpoint: a one-line error, exit 2 (the real
-    consolidation runs on a ZeRO-3 run's checkpoint in tests/test_engines.py)."""
+def without_deepspeed(monkeypatch) -> None:
+    """``import deepspeed`` (and any submodule) fails in this process, as after the README's ``pip install -e
+    ".[dev]"``, whether or not the extra is installed here."""
+    for name in [n for n in sys.modules if n.startswith("deepspeed.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+
+
+def engine_only_folder(tmp_path) -> Path:
+    """A save_model folder as a ZeRO-3 run without gathering writes it: configs, tokenizer, DeepSpeed's ``latest``
+    and its engine folder, no plain weights (the real one is made in tests/test_engines.py)."""
     from trl_ppomax.toyworld.tiny import save_tiny_models
 
+    sft = Path(save_tiny_models(tmp_path / "tiny")["sft"])
+    folder = tmp_path / "engine-only"
+    folder.mkdir()
+    for entry in sft.iterdir():
+        if entry.is_file() and not entry.name.endswith(".safetensors"):
+            (folder / entry.name).write_bytes(entry.read_bytes())
+    (folder / "global_step4").mkdir()
+    (folder / "latest").write_text("global_step4")
+    return folder
+
+
+def test_consolidate_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    """``trl-ppomax consolidate`` on a folder without an engine checkpoint: a one-line error, exit 2, with or without
+    DeepSpeed (the real consolidation runs on a ZeRO-3 run's checkpoint in tests/test_engines.py)."""
+    from trl_ppomax.toyworld.tiny import save_tiny_models
+
+    without_deepspeed(monkeypatch)
     plain = save_tiny_models(tmp_path / "tiny")["sft"]
+    capsys.readouterr()
     assert main(["consolidate", plain]) == 2
-    assert "holds no DeepSpeed engine checkpoint" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "holds no DeepSpeed engine checkpoint" in error and "already plain" in error
+    assert main(["consolidate", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_consolidate_without_deepspeed_names_the_extra_in_one_line(tmp_path, capsys, monkeypatch):
+    """A folder that does hold an engine checkpoint, DeepSpeed not installed: the extra to install, exit 2."""
+    folder = engine_only_folder(tmp_path)
+    without_deepspeed(monkeypatch)
+    capsys.readouterr()  # the fixture's progress bars
+    assert main(["consolidate", str(folder)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("trl-ppomax consolidate: error: ")
+    assert "needs DeepSpeed, which is not installed" in error and 'pip install "trl-ppomax[deepspeed]"' in error
+
+
+def test_consolidate_without_deepspeed_prints_no_traceback(tmp_path):
+    """The command as a user runs it, in a process where DeepSpeed cannot be imported: one line, no traceback."""
+    folder = engine_only_folder(tmp_path)
+    code = (
+        "import sys; sys.modules['deepspeed'] = None; from trl_ppomax.cli import main; "
+        f"raise SystemExit(main(['consolidate', {str(folder)!r}]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("trl-ppomax consolidate")]
+    assert len(lines) == 1 and 'pip install "trl-ppomax[deepspeed]"' in lines[0]
+
+
+def tiny_cpu_argv(output_dir, *settings: str) -> list[str]:
+    """``trl-ppomax ppo --config tiny_cpu`` cut to one iteration of 16 episodes, nothing evaluated or saved midway."""
+    quick = ["--total_episodes", "16", "--eval_strategy", "no", "--save_strategy", "no", "--num_sample_generations"]
+    return ["ppo", "--config", "tiny_cpu", "--output_dir", str(output_dir), *quick, "0", *settings]
+
+
+def test_the_command_line_trains_a_critic_free_estimator_without_a_critic(tmp_path, monkeypatch):
+    """``--advantage_estimator rloo --num_samples_per_prompt 2``: no critic is built (it used to fail after loading
+    with "pass value_model=None"), the policy is saved and no value_model/ beside it."""
+    monkeypatch.chdir(tmp_path)  # tiny_cpu builds its tiny models in ./tiny
+    out = tmp_path / "rloo"
+    assert main(tiny_cpu_argv(out, "--advantage_estimator", "rloo", "--num_samples_per_prompt", "2")) == 0
+    assert (out / "model.safetensors").exists() and not (out / "value_model").exists()
+
+
+def test_the_command_line_refuses_a_value_model_path_without_a_critic(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = tiny_cpu_argv(tmp_path / "out", "--advantage_estimator", "grpo", "--num_samples_per_prompt", "2")
+    with pytest.raises(ValueError, match="value_model_path='tiny/reward', but advantage_estimator='grpo' needs no"):
+        main([*argv, "--value_model_path", "tiny/reward"])
+
+
+def test_the_command_line_still_builds_the_critic_for_gae(tmp_path, monkeypatch):
+    """The everyday setup: GAE with value_model_path (or the reward model by default) trains a critic and saves it."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "gae"
+    assert main([*tiny_cpu_argv(out, "--critic_warmup_steps", "0"), "--value_model_path", "tiny/reward"]) == 0
+    assert (out / "value_model" / "config.json").exists()

@@ -1045,6 +1045,7 @@ def test_public_api_is_covered():
     }
     tested = {
         "RunningMoments",
+        "bounded",  # tests/test_estimator_edges.py
         "row_split_loss_weights",
         "kl_loss",
         "explained_variance",

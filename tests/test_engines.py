@@ -7,7 +7,8 @@ logits; the running reward moments are the same on both ranks. Plus a simulated 
 ``machine_rank``, meeting at 127.0.0.1), and the ``ppo`` / ``reward`` commands and the recipe under ZeRO-2/3 with a
 DeepSpeed JSON of the user's own (explicit batch sizes), loading their models from disk; and ZeRO-3 with a JSON that
 does not set ``stage3_gather_16bit_weights_on_model_save``: checkpoints and ``save_model`` hold the sharded engine
-checkpoint, a resume continues from it, and it consolidates into a plain model. Slow (a few minutes on 2 cores):
+checkpoint, a resume continues from it, and it consolidates into plain models (the policy, critic/ and value_model/,
+which warm-starts a run). Slow (a few minutes on 2 cores):
 ``pytest -m slow tests/test_engines.py``.
 """
 
@@ -521,7 +522,7 @@ def test_zero3_engine_checkpoint_consolidates_into_a_loadable_model(engine_only,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from trl_ppomax.models import sub_state_dict
-    from trl_ppomax.ppo.checkpoint import consolidate_engine_checkpoint
+    from trl_ppomax.ppo.engine_checkpoint import consolidate_engine_checkpoint
 
     main, folder = engine_only.resumed[0], engine_only.dir / "policy"
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -553,3 +554,37 @@ def test_zero3_engine_checkpoint_consolidates_into_a_loadable_model(engine_only,
     assert not info["missing_keys"] and not info["unexpected_keys"]
     total = sum(t.double().sum().item() for t in critic.state_dict().values())
     assert total == pytest.approx(main["checksum"]["critic"], rel=1e-9)
+
+
+def test_zero3_consolidated_save_model_folder_gives_a_value_model_that_warm_starts_a_run(engine_only, tmp_path):
+    """Issue 43: save_model's value_model/ held only a config; consolidating the folder (in place, as
+    `trl-ppomax consolidate DIR` does) writes the trained critic there with the tokenizer: it loads with
+    AutoModelForSequenceClassification holding the engine's final critic weights, and value_model= warm-starts a run."""
+    from helpers import SMOKE, make_trainer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ppomax.cli import main as cli
+
+    folder = tmp_path / "policy"
+    shutil.copytree(engine_only.dir / "policy", folder)
+    assert (folder / "value_model" / "config.json").is_file()
+    assert not list((folder / "value_model").glob("*.safetensors"))  # the engine checkpoint holds its weights
+    assert cli(["consolidate", str(folder)]) == 0
+    critic, info = AutoModelForSequenceClassification.from_pretrained(
+        folder / "value_model", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    engine = torch.load(engine_only.dir / "engine_critic.pt", weights_only=True)  # gathered from the engine
+    consolidated = critic.state_dict()
+    assert engine and set(engine) <= set(consolidated)
+    for name, weight in engine.items():
+        torch.testing.assert_close(consolidated[name], weight.float(), msg=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "value_model")
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(folder).get_vocab()
+
+    warm = make_trainer(tmp_path, value_model=str(folder / "value_model"), base=SMOKE)
+    started = warm.accelerator.unwrap_model(warm.model).critic.state_dict()
+    for name, weight in consolidated.items():
+        torch.testing.assert_close(started[name], weight, msg=name)
+    warm.train()
+    assert warm.state.global_step == 2

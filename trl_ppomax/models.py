@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -22,6 +23,8 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from trl.trainer.utils import disable_dropout_in_model
 
 from trl_ppomax.data.files import ADAPTER_WEIGHTS
+
+logger = logging.getLogger(__name__)
 
 #: Attribute names of the scalar head of a sequence-classification model, in the order they are tried.
 SCORE_HEAD_NAMES = ("score", "classifier")
@@ -179,6 +182,22 @@ def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
     """``value_model``, or a trainable copy of the reward model (critic initialised from the reward model, §5.3.3;
     :meth:`~trl_ppomax.rewards.RewardSources.critic_source` chose one that reads the policy's tokens)."""
     return value_model if value_model is not None else copy.deepcopy(reward_model).requires_grad_(True)
+
+
+def warn_new_value_head(folder: str, missing_keys) -> None:
+    """After ``value_model=folder`` was loaded with ``AutoModelForSequenceClassification``: warn when ``from_pretrained``
+    left the scalar head newly initialised (its weights, :data:`SCORE_HEAD_NAMES`, among ``missing_keys``), as for a
+    policy (causal LM) folder. A warning, not an error: starting the critic from the SFT policy can be deliberate."""
+    new = sorted(key for key in missing_keys if key.split(".")[0] in SCORE_HEAD_NAMES)
+    if new:
+        logger.warning(
+            "value_model=%r holds no value head (%s newly initialised, random): it looks like a policy (causal LM) "
+            "folder, not a reward model. The paper initialises the critic from the reward model (§5.3.3): pass "
+            "value_model=None to copy the reward model, or the reward model's folder. If starting the critic from the "
+            "policy is deliberate, warm the random head up first (critic_warmup_steps).",
+            folder,
+            ", ".join(new),
+        )
 
 
 def check_single_label(model) -> None:

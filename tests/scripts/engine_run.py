@@ -10,6 +10,7 @@ Usage (under ``accelerate launch --config_file recipes/accelerate/<engine>_cpu.y
 moments, the counters, float64 checksums of the full (gathered) policy and critic weights at the start, after the
 critic warm-up (end of iteration N, with Adam's step counts per model then) and at the end, the policy's logits on a fixed input (computed under the engine,
 every process calling the forward) and the logged metrics; then the policy is saved to ``OUTPUT_DIR/policy``.
+The main process also writes the engine's final critic weights (gathered) to ``OUTPUT_DIR/engine_critic.pt``.
 Also the checksums when training begins (after a resume has loaded the checkpoint) and whether the trainer saves
 engine checkpoints only (ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``).
 
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from trl_ppomax.models import sub_state_dict
 from trl_ppomax.ppo.optim import adam_states
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers.py
@@ -72,14 +74,21 @@ def poison_gradients(trainer, iteration: int) -> None:
     trainer.micro_batch_loss = poisoned
 
 
-def checksums(trainer) -> dict[str, float] | None:
-    """float64 sums of the full policy and critic weights (on the main process; None elsewhere). A collective: every
-    process must call it."""
+def full_state(trainer) -> dict[str, torch.Tensor] | None:
+    """The full (gathered) state dict of the policy + critic wrapper (on the main process; None elsewhere). A
+    collective: every process must call it."""
     if trainer._engine_checkpoint_only:  # accelerate refuses to gather then; the engine itself can (a test only)
         state = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
     else:
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-    if not trainer.accelerator.is_main_process:
+    return state if trainer.accelerator.is_main_process else None
+
+
+def checksums(trainer, state: dict[str, torch.Tensor] | None = None) -> dict[str, float] | None:
+    """float64 sums of the full policy and critic weights (on the main process; None elsewhere), of ``state`` or
+    else of :func:`full_state` (a collective: every process must call it then)."""
+    state = full_state(trainer) if state is None else state
+    if state is None:
         return None
     sums = {"policy": 0.0, "critic": 0.0}
     for name, tensor in state.items():
@@ -213,7 +222,10 @@ def main() -> None:
         poison_gradients(trainer, options.nan_grad_at)
     initial = checksums(trainer)
     trainer.train(resume_from_checkpoint=True if options.resume else None)
-    final = checksums(trainer)
+    state = full_state(trainer)
+    final = checksums(trainer, state)
+    if state is not None:  # the engine's trained critic, which a consolidated value_model/ must hold
+        torch.save(sub_state_dict(state, "critic."), output / "engine_critic.pt")
     logits = fixed_input_logits(trainer)
     accelerator = trainer.accelerator
     metrics = [entry for entry in trainer.state.log_history if "objective/kl" in entry]

@@ -24,16 +24,18 @@ def save_tiny(args: argparse.Namespace) -> int:
 
 def consolidate(args: argparse.Namespace) -> int:
     """Turn a folder holding only DeepSpeed's sharded engine checkpoint (a ZeRO-3 run without
-    stage3_gather_16bit_weights_on_model_save) into plain transformers folders: the policy, and critic/ beside it."""
-    from trl_ppomax.ppo.checkpoint import consolidate_engine_checkpoint
+    stage3_gather_16bit_weights_on_model_save) into plain transformers folders: the policy, and critic/ or
+    value_model/ beside it. The folder is checked first; only the consolidation itself needs DeepSpeed."""
+    from trl_ppomax.ppo.engine_checkpoint import CRITIC_FOLDERS, consolidate_engine_checkpoint
 
     try:
         output = consolidate_engine_checkpoint(args.folder, args.output)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, ImportError) as err:  # no engine checkpoint, DeepSpeed missing: one line, exit 2
         return fail("consolidate", err)
     print(f"policy: {output}")
-    if (Path(output) / "critic" / "config.json").is_file():
-        print(f"critic: {Path(output) / 'critic'}")
+    for name in CRITIC_FOLDERS:
+        if (Path(output) / name / "config.json").is_file():
+            print(f"critic: {Path(output) / name}")
     return 0
 
 

@@ -48,7 +48,11 @@ class PPOMaxScriptArguments(ScriptArguments):
     """Where the models and prompts come from."""
 
     value_model_path: str | None = field(
-        default=None, metadata={"help": "Critic initialisation; default: the reward model (§5.3.3)."}
+        default=None,
+        metadata={
+            "help": "Critic initialisation; default: the reward model (§5.3.3). A critic-free advantage_estimator "
+            "(rloo, grpo, dr_grpo, reinforce_pp, …) builds no critic and refuses it."
+        },
     )
     prompt_format: Literal["auto", "moss_en", "moss_zh"] = field(
         default="auto",
@@ -105,7 +109,8 @@ class PPOMaxScriptArguments(ScriptArguments):
 
 
 def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfig, peft_config):
-    """Policy, reference (None under PEFT: the adapter is disabled instead), reward and value models."""
+    """Policy, reference (None under PEFT: the adapter is disabled instead), reward and value models (None for a
+    critic-free ``advantage_estimator``, which builds no critic)."""
     kwargs = model_kwargs(model_args)
     policy_path = model_args.model_name_or_path or training_args.sft_model_path
     value_path = script_args.value_model_path or training_args.reward_model_path
@@ -114,7 +119,9 @@ def load_models(script_args, training_args: PPOMaxConfig, model_args: ModelConfi
     reward = AutoModelForSequenceClassification.from_pretrained(
         training_args.reward_model_path, num_labels=1, **kwargs
     )
-    value = AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1, **kwargs)
+    value = None
+    if training_args.uses_critic:
+        value = AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1, **kwargs)
     return policy_path, policy, reference, reward, value
 
 
@@ -164,6 +171,12 @@ def check_combination(script_args, training_args: PPOMaxConfig, model_args: Mode
         raise ValueError(
             "Set dataset_name: a Hub id, a folder, or a prompt file. (The toy world takes no other setting: "
             "`trl-ppomax ppo` alone, or with only --output_dir DIR.)"
+        )
+    if script_args.value_model_path and not training_args.uses_critic:
+        raise ValueError(
+            f"value_model_path={script_args.value_model_path!r}, but advantage_estimator="
+            f"{training_args.advantage_estimator!r} needs no critic and builds none: drop value_model_path, or use "
+            "advantage_estimator='gae' (with a critic)."
         )
     if training_args.ptx_coef > 0 and not script_args.ptx_dataset_name:
         raise ValueError("ptx_coef > 0 needs ptx_dataset_name (texts for the PPO-ptx loss).")

@@ -36,12 +36,15 @@ WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorc
 
 
 @contextmanager
-def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool = False) -> Iterator[str]:
+def atomic_directory(
+    final: str | os.PathLike, accelerator=None, *, merge: bool = False, owned: tuple[str, ...] = ()
+) -> Iterator[str]:
     """Yield a temporary folder to write into, published as ``final`` once the block has finished (on every process,
     given an ``accelerator``): the one place trl-ppomax publishes a folder. By default it is the sibling
     ``.tmp-<name>``, renamed to ``final`` at the end (a crash leaves only it, removed by the next write; an exception
     removes it at once). With ``merge=True`` (a model saved into a folder holding other things, such as
-    ``output_dir``) it is ``final/.tmp-save``, moved in by :func:`merge_model_folder`, configs last."""
+    ``output_dir``) it is ``final/.tmp-save``, moved in by :func:`merge_model_folder` (``owned``: its subfolders
+    that belong to the save), configs last."""
     final = Path(final)
     refuse_file_in_the_way(final)  # on every process, before any barrier
     temporary = final / ".tmp-save" if merge else final.with_name(f".tmp-{final.name}")
@@ -62,7 +65,10 @@ def atomic_directory(final: str | os.PathLike, accelerator=None, *, merge: bool 
         raise
     barrier()
     if is_main:
-        (merge_model_folder if merge else _replace_folder)(temporary, final)
+        if merge:
+            merge_model_folder(temporary, final, owned=owned)
+        else:
+            _replace_folder(temporary, final)
     barrier()
 
 
@@ -76,10 +82,11 @@ def _replace_folder(source: Path, target: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> None:
+def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike, *, owned: tuple[str, ...] = ()) -> None:
     """Move the complete model folder ``source`` into ``final`` (see :func:`atomic_directory` with ``merge``): the
     markers of ``final`` (:data:`MODEL_MARKERS`) go first, then every other entry of ``source`` replaces its namesake,
-    weight files of an earlier save that the new one did not write are removed, and the markers come last."""
+    weight files and ``owned`` subfolders (e.g. ``value_model/``) of an earlier save that the new one did not write
+    are removed, and the markers come last."""
     source, final = Path(source), Path(final)
     written = {entry.name for entry in source.iterdir()}
     for name in MODEL_MARKERS:
@@ -90,6 +97,8 @@ def merge_model_folder(source: str | os.PathLike, final: str | os.PathLike) -> N
         weights = any(fnmatch.fnmatch(stale.name, p) for p in WEIGHT_PATTERNS)
         if weights and stale.is_file() and stale.name not in written:
             stale.unlink()
+        elif stale.name in owned and stale.is_dir() and stale.name not in written:
+            shutil.rmtree(stale)
     for name in MODEL_MARKERS:
         if (source / name).exists():
             os.replace(source / name, final / name)

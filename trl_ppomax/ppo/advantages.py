@@ -59,6 +59,12 @@ class AdvantageEstimator:
     baseline: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
     whitens: bool = False
 
+    @property
+    def whitening_applies(self) -> bool:
+        """Whether ``whiten_advantages`` may whiten this estimator's advantages: not a group baseline's (GRPO, RLOO,
+        Dr. GRPO, REINFORCE++-baseline: final as verl and OpenRLHF define them) nor those it whitens itself."""
+        return self.baseline is None and not self.whitens
+
 
 # -- Group baselines on the sequence scores (B,), kept samples only ------------------------------------------------------
 def _groups(scores: torch.Tensor, kept: torch.Tensor, n: int):

@@ -54,19 +54,20 @@ def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, en
     (``engine_divisor``, DeepSpeed's accumulation steps, else the count), which leaves the gradients unchanged; every
     process gets as many as the busiest (repeating a row with zero weight)."""
     aggregation, rows_each = args.loss_aggregation, args.per_device_train_batch_size
+    length = args.response_length  # seq_mean_token_sum_norm's constant
     if args.max_tokens_per_microbatch is None:
         if aggregation == "token_mean":
             return [(rows, None) for rows in minibatch.split(rows_each)]
         mask = rollout.policy_mask
         return [
-            (rows, core.row_split_loss_weights(mask[rows], len(rows), aggregation))
+            (rows, core.row_split_loss_weights(mask[rows], len(rows), aggregation, length))
             for rows in minibatch.split(rows_each)
         ]
     budget = args.max_tokens_per_microbatch
     groups, count = token_budget_groups(
         rollout.query_mask[minibatch], rollout.response_mask[minibatch], budget, accelerator
     )
-    weights = core.row_split_loss_weights(rollout.policy_mask[minibatch], rows_each, aggregation).float()
+    weights = core.row_split_loss_weights(rollout.policy_mask[minibatch], rows_each, aggregation, length).float()
     micro_batches = [(minibatch[g], weights[g] * (engine_divisor or count)) for g in groups]
     idle = (minibatch[:1], torch.zeros_like(weights[:1]))
     return micro_batches + [idle] * (count - len(groups))

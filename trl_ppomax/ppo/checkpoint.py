@@ -8,7 +8,8 @@ PPO state (:class:`~trl_ppomax.ppo.state.PPOState`) and the run's settings.
 
 Under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` the full weights are never gathered (as in
 transformers' ``Trainer``): checkpoints and ``save_model`` hold the engine's sharded checkpoint (``global_step*/``),
-the configs and the tokenizer; :func:`consolidate_engine_checkpoint` turns them into plain folders.
+the configs and the tokenizer; :mod:`~trl_ppomax.ppo.engine_checkpoint` writes them and turns them into plain
+folders (``trl-ppomax consolidate``).
 
 Before the first rollout (:meth:`CheckpointMixin.claim_run`, refusals in :mod:`~trl_ppomax.ppo.checkpoint_files`): a
 trainer trains once; one run at a time holds ``output_dir`` (a lock file); a fresh run does not reuse another run's
@@ -18,7 +19,6 @@ undamaged and from the same run settings (unless ``resume_allow_changes``). ``tr
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import functools
 import logging
@@ -49,8 +49,9 @@ from trl_ppomax.data.files import (
     unlock_output_dir,
     write_json,
 )
-from trl_ppomax.models import is_peft, load_weights, model_identity, sub_state_dict
-from trl_ppomax.ppo import checkpoint_files, optim
+from trl_ppomax.models import load_weights, model_identity, sub_state_dict
+from trl_ppomax.ppo import checkpoint_files, engine_checkpoint, optim
+from trl_ppomax.ppo.engine_checkpoint import consolidate_engine_checkpoint  # noqa: F401 (its former home)
 from trl_ppomax.reporting.hub import TAGS, create_model_card, without_secrets
 
 logger = logging.getLogger(__name__)
@@ -68,24 +69,6 @@ PUSH_SKIPPED = (
     "latest",
     "zero_to_*.py",
 )
-
-#: The line a DeepSpeed JSON needs for ZeRO-3 to save plain model folders.
-GATHER_ON_SAVE = '"stage3_gather_16bit_weights_on_model_save": true'
-
-
-def engine_checkpoint_advice(folder: str) -> str:
-    """How to consolidate the engine checkpoint in ``folder`` and save plain folders next time (ends the warnings)."""
-    return (
-        "To get a plain transformers folder (policy at the top, critic/ when the folder has one): "
-        f"`trl-ppomax consolidate {folder}`, or consolidate_engine_checkpoint('{folder}') from trl_ppomax.ppo.checkpoint "
-        "(on CPU, no GPU needed; it needs memory for the fp32 weights). DeepSpeed's own converters work too, "
-        f"`python {os.path.join(folder, 'zero_to_fp32.py')} {folder} OUT` or "
-        f"deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict('{folder}', 'OUT'): their state "
-        "dict holds the policy's weights under the prefix `policy.` and the critic's under `critic.` (strip it before "
-        f'load_state_dict). To save plain folders directly, add {GATHER_ON_SAVE} under "zero_optimization" in the '
-        "DeepSpeed JSON (or `zero3_save_16bit_model: true` in the accelerate config): save_model then gathers the full "
-        "weights on the main process."
-    )
 
 
 class _OnTrainEnd(TrainerCallback):
@@ -161,22 +144,13 @@ class CheckpointMixin:
             raise
         self._run_started = True
         if self._engine_checkpoint_only and self.is_world_process_zero():
-            logger.warning(
-                "DeepSpeed ZeRO-3 with stage3_gather_16bit_weights_on_model_save false (your DeepSpeed config does not "
-                "set it): the full weights are never gathered, so every checkpoint-N and save_model will hold "
-                "DeepSpeed's sharded engine checkpoint (global_step*/, weights and optimizer states) with the configs "
-                "and the tokenizer, but no plain model weights. Resuming under DeepSpeed works as usual. %s",
-                engine_checkpoint_advice("FOLDER"),
-            )
+            engine_checkpoint.warn_at_start()
 
     @property
     def _engine_checkpoint_only(self) -> bool:
-        """Whether saves write the engine's sharded checkpoint, not plain weights: ZeRO-3 without
-        ``stage3_gather_16bit_weights_on_model_save`` (accelerate's ``get_state_dict`` refuses to gather then)."""
-        if not self.is_deepspeed_enabled:
-            return False
-        engine = self.model_wrapped
-        return engine.zero_optimization_stage() == 3 and not engine.zero_gather_16bit_weights_on_model_save()
+        """Whether saves write the engine's sharded checkpoint, not plain weights
+        (:func:`~trl_ppomax.ppo.engine_checkpoint.saves_engine_checkpoint_only`)."""
+        return self.is_deepspeed_enabled and engine_checkpoint.saves_engine_checkpoint_only(self.model_wrapped)
 
     def _lock_output_dir(self) -> None:
         """One run per ``output_dir``: the main process holds its lock (:func:`~trl_ppomax.data.files.lock_output_dir`)
@@ -249,24 +223,28 @@ class CheckpointMixin:
         """Save the policy and tokenizer as a plain transformers (or PEFT adapter) folder, and with
         ``save_value_model`` the critic and tokenizer in its ``value_model/`` (``AutoModelForSequenceClassification``
         loads it; ``value_model=`` warm-starts a run from it), gathered from every shard under ZeRO-3 or FSDP,
-        atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it is kept). Under
+        atomically (a crash or full disk leaves the folder as it was; ``checkpoint-N`` beside it is kept); a
+        ``value_model/`` of an earlier save that this one does not replace is removed, with a warning. Under
         :attr:`_engine_checkpoint_only` the folder gets DeepSpeed's sharded engine checkpoint instead, and a warning
         says how to consolidate it. A collective: every process calls it."""
         final = output_dir or self.args.output_dir
         engine_only = self._engine_checkpoint_only
-        with atomic_directory(final, self.accelerator, merge=True) as folder:
-            critic_dir = VALUE_MODEL_DIR if self.args.save_value_model else None
-            self._save_weights(folder, critic_dir, engine_checkpoint=engine_only)
-        if engine_only and self.is_world_process_zero():
-            tag = _drop_older_engine_folders(final)
+        with_critic = (
+            self.args.save_value_model and self.accelerator.unwrap_model(self.model_wrapped).critic is not None
+        )
+        if not with_critic and self.is_world_process_zero() and os.path.isdir(os.path.join(final, VALUE_MODEL_DIR)):
             logger.warning(
-                "save_model: %s holds DeepSpeed's sharded engine checkpoint (%s/, with the optimizer states), the "
-                "policy's config and the tokenizer, but no plain model weights: under ZeRO-3 with "
-                "stage3_gather_16bit_weights_on_model_save false the full weights are not gathered. %s",
+                "save_model: removing %s/%s, an earlier save's critic: this save writes none (%s), and that critic "
+                "does not belong to the new policy.",
                 final,
-                tag,
-                engine_checkpoint_advice(str(final)),
+                VALUE_MODEL_DIR,
+                "save_value_model=False" if self.args.uses_critic else "this run has no critic",
             )
+        # value_model/ belongs to the save: one this save does not write goes with the merge (not the new policy)
+        with atomic_directory(final, self.accelerator, merge=True, owned=(VALUE_MODEL_DIR,)) as folder:
+            self._save_weights(folder, VALUE_MODEL_DIR if with_critic else None, write_engine=engine_only)
+        if engine_only and self.is_world_process_zero():
+            engine_checkpoint.warn_saved(final)
         if self.args.push_to_hub and not _internal_call:  # as transformers' Trainer: a user's save is pushed
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -277,30 +255,18 @@ class CheckpointMixin:
             return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
         self.save_model(_internal_call=True)
         if self.is_world_process_zero():
-            repo = self.hub_model_id or self.args.hub_model_id
-            logger.warning(
-                "push_to_hub: not pushing %s to %s: it holds a sharded DeepSpeed engine checkpoint, not a model that "
-                "from_pretrained loads (ZeRO-3 with stage3_gather_16bit_weights_on_model_save false). Consolidate it "
-                "(see the save_model warning above), then push the plain folder with `trl-ppomax push %s --repo-id "
-                "%s`.",
-                self.args.output_dir,
-                repo,
-                self.args.output_dir,
-                repo,
-            )
+            engine_checkpoint.warn_not_pushed(self.args.output_dir, self.hub_model_id or self.args.hub_model_id)
         return None
 
-    def _save_weights(self, folder: str, critic_dir: str | None, engine_checkpoint: bool = False) -> None:
+    def _save_weights(self, folder: str, critic_dir: str | None, write_engine: bool = False) -> None:
         """The policy (and, in ``folder/critic_dir``, critic) weights, configs and tokenizer; a collective. Under
-        :attr:`_engine_checkpoint_only` only the configs: ``engine_checkpoint`` also writes the engine's checkpoint."""
+        :attr:`_engine_checkpoint_only` only the configs: ``write_engine`` also writes the engine's checkpoint."""
         if self._engine_checkpoint_only:
-            if engine_checkpoint:
+            if write_engine:
                 self.model_wrapped.save_checkpoint(folder)  # every process writes its shard of weights and optimizer
             if self.args.should_save:
                 wrapper = self.accelerator.unwrap_model(self.model_wrapped)
-                _save_config(wrapper.policy, folder)
-                if critic_dir and wrapper.critic is not None:
-                    _save_config(wrapper.critic, os.path.join(folder, critic_dir))
+                engine_checkpoint.save_configs(wrapper, folder, critic_dir, self.processing_class)
                 self._save_tokenizer_and_args(folder)
             return
         try:
@@ -337,7 +303,7 @@ class CheckpointMixin:
         try:
             with atomic_directory(final, self.accelerator) as folder:
                 # engine-only saves: the engine folder holds the weights; _save_optimizer_and_scheduler writes it
-                self._save_weights(folder, CRITIC_DIR, engine_checkpoint=self.args.save_only_model)
+                self._save_weights(folder, CRITIC_DIR, write_engine=self.args.save_only_model)
                 if not self.args.save_only_model:
                     self._save_optimizer_and_scheduler(folder)
                     self._save_rng_state(folder)
@@ -403,15 +369,8 @@ class CheckpointMixin:
         if getattr(self, "_warned_no_model_push", False):
             return
         self._warned_no_model_push = True
-        logger.warning(
-            "push_to_hub: the checkpoints hold sharded DeepSpeed engine checkpoints, no plain model (ZeRO-3 with "
-            "stage3_gather_16bit_weights_on_model_save false): no model is pushed to %s during training%s. %s",
-            self.hub_model_id,
-            "; the checkpoint folders are (hub_strategy)"
-            if self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
-            else "",
-            engine_checkpoint_advice("CHECKPOINT"),
-        )
+        with_checkpoint = self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+        engine_checkpoint.warn_no_model_push(self.hub_model_id, with_checkpoint)
 
     def _ppo_state(self) -> dict:
         return {
@@ -511,80 +470,3 @@ class CheckpointMixin:
             logger.info(
                 "load_best_model_at_end: loaded the best model, %s (%s = %.6g).", path, metric, self.state.best_metric
             )
-
-
-# -- Engine-only saves (ZeRO-3 without gathering): configs beside the engine checkpoint, and consolidating it ----------
-def _save_config(model, folder: str) -> None:
-    """What ``save_pretrained`` writes besides the weights: the config (with ``architectures``, as it sets them) and
-    the generation config, or a PEFT model's adapter config."""
-    os.makedirs(folder, exist_ok=True)
-    if is_peft(model):
-        model.peft_config[model.active_adapter].save_pretrained(folder)
-        return
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(folder)
-
-
-def _drop_older_engine_folders(folder: str | os.PathLike) -> str | None:
-    """Remove the ``global_step*`` folders of earlier engine-only saves into ``folder`` (``save_model`` merges into
-    it); keep the one DeepSpeed's ``latest`` names, returned."""
-    folder = Path(folder)
-    latest = folder / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else None
-    for old in folder.glob("global_step*"):
-        if tag and old.name != tag and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-    return tag
-
-
-def consolidate_engine_checkpoint(folder: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> Path:
-    """Turn a ``checkpoint-N`` or ``save_model`` folder holding only a sharded DeepSpeed engine checkpoint into plain
-    transformers folders: the policy and tokenizer at the top of ``output_dir`` (default: ``folder``), the critic in
-    ``critic/`` when ``folder`` has one. Runs on CPU, in one process, with DeepSpeed's ``zero_to_fp32`` (fp32 master
-    weights: it needs memory for them). Returns ``output_dir``, which ``from_pretrained`` loads."""
-    import transformers
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    folder = Path(folder)
-    output = Path(output_dir) if output_dir is not None else folder
-    if not (folder / "config.json").is_file():
-        advice = (
-            " (a PEFT policy: consolidate with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint and load the "
-            "`policy.` entries into the PEFT model)"
-            if (folder / "adapter_config.json").is_file()
-            else ": pass a checkpoint-N or save_model folder of a trl-ppomax run"
-        )
-        raise ValueError(f"{folder} has no config.json{advice}.")
-    if not (folder / "latest").is_file():
-        raise ValueError(f"{folder} holds no DeepSpeed engine checkpoint (no `latest` file beside a global_step*/).")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), lazy_mode=True)  # read each tensor on demand
-    parts = [("policy.", folder, output, transformers.AutoModelForCausalLM)]
-    if (folder / CRITIC_DIR / "config.json").is_file():
-        parts.append(
-            ("critic.", folder / CRITIC_DIR, output / CRITIC_DIR, transformers.AutoModelForSequenceClassification)
-        )
-    for prefix, source, target, auto in parts:
-        weights = {name: tensor.contiguous() for name, tensor in sub_state_dict(state, prefix).items()}
-        config = transformers.AutoConfig.from_pretrained(source)
-        names = getattr(config, "architectures", None) or []
-        model_class = getattr(transformers, names[0], None) if names else None
-        with torch.device("meta"):
-            model = auto.from_config(config) if model_class is None else model_class(config)
-        _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-        model.tie_weights()
-        missing = [name for name, p in model.named_parameters() if p.is_meta]
-        if missing or unexpected:
-            raise ValueError(
-                f"The engine checkpoint of {folder} does not fit {source / 'config.json'}: missing {missing[:5]}, "
-                f"unexpected {list(unexpected)[:5]}."
-            )
-        with atomic_directory(target, merge=True) as temporary:
-            model.save_pretrained(temporary)
-            if prefix == "policy.":
-                transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(temporary)
-        del model, weights
-    return output

@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 
 #: ``ppo_state.json`` keys a resume needs.
 PPO_STATE_KEYS = ("episode", "running_reward", "counters", "ptx_batches_used")
-#: Why plain weights are missing from a folder that holds a ``latest`` file, and what to do.
+#: Why plain weights are missing from the folder ``{path}`` that holds a ``latest`` file, and what to do.
 _ENGINE_ONLY = (
     " — it holds only a sharded DeepSpeed engine checkpoint (global_step*/): resume it under DeepSpeed with the same "
-    "ZeRO stage and number of processes, or write plain weights into it first with "
-    "trl_ppomax.ppo.checkpoint.consolidate_engine_checkpoint"
+    "ZeRO stage and number of processes, or write plain weights into it first with `trl-ppomax consolidate {path}` "
+    "(trl_ppomax.ppo.engine_checkpoint.consolidate_engine_checkpoint)"
 )
 
 
@@ -130,7 +130,8 @@ def required_checkpoint_files(path: str, args, engine: str | None) -> list[str]:
             if engine == "deepspeed":
                 continue
             only_engine = folder == path and os.path.isfile(os.path.join(path, "latest"))
-            missing.append(f"{os.path.relpath(folder, path)} weights ({err}){_ENGINE_ONLY if only_engine else ''}")
+            why = _ENGINE_ONLY.format(path=path) if only_engine else ""
+            missing.append(f"{os.path.relpath(folder, path)} weights ({err}){why}")
     if not args.resume_weights_only:
         needed = [SCHEDULER_NAME, *rng_files(args.world_size)]
         if engine == "fsdp":

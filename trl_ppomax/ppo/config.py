@@ -77,6 +77,19 @@ PRESETS["ppo_max_robust"] = {
 }
 
 
+#: The KL estimator names verl and OpenRLHF users type that are not ours, and what to set instead.
+KL_ESTIMATOR_ALIASES = {
+    "kl": "verl's name of k1 (the log-ratio): set kl_estimator='k1'.",
+    "mse": "verl's name of k2 (½·log-ratio²): set kl_estimator='k2'.",
+    "low_var_kl": "low_var_kl is verl's name of k3 (clamped ±10): set kl_estimator='k3' (and kl_clamp=10.0 for "
+    "verl's clamp).",
+    "abs": "verl's |log-ratio| is not offered: set kl_estimator='k1', 'k2' or 'k3'.",
+    "k3+": "verl's k3+ (k3's value, k2's gradient) is not offered: set kl_estimator='k2' for the KL's gradient, or "
+    "'k3'.",
+    "low_var_kl+": "verl's low_var_kl+ (k3's value, k2's gradient) is not offered: set kl_estimator='k2' for the "
+    "KL's gradient, or 'k3'.",
+}
+
 #: Settings of the critic alone (GAE's λ included): a critic-free estimator warns about any set away from its default.
 CRITIC_SETTINGS = (
     "vf_coef",
@@ -158,6 +171,8 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("num_critic_epochs", "≥ 1, or None", "None uses num_ppo_epochs."),
     ("cliprange_high", "≥ 0, or None", "None uses cliprange; DAPO's ε_high is 0.28."),
     ("dual_clip", "> 1, or None", "None disables dual clipping; verl's c is 3."),
+    ("logratio_clamp", "> 0, or None", "None leaves the log-ratio unbounded; verl's bound is 20."),
+    ("kl_clamp", "> 0, or None", "None leaves the KL estimate unbounded; OpenRLHF's bound is 10."),
     ("num_mini_batches", "≥ 1", "Minibatches each rollout batch is split into."),
     ("reward_clip", "> 0, or None", "δ of the score clip [−δ, δ]; None disables it."),
     ("max_grad_norm", "≥ 0", "0 disables gradient clipping."),
@@ -301,7 +316,12 @@ class PPOMaxConfig(TrainingArguments):
     num_ppo_epochs: int = _field(4, "Passes over each rollout batch.")
     whiten_rewards: bool = _field(False, "Whiten token rewards per batch keeping the mean, (r − μ)/σ + μ (trl 1.12).")
     kl_coef: float = _field(0.05, "η of the token-level KL penalty r_t = −η·KL_t (§5.3.2, eq. 19).")
-    kl_estimator: KLEstimator = _field("k1", "KL estimator: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2).")  # noqa: RUF009
+    kl_estimator: KLEstimator = _field(  # noqa: RUF009
+        "k1",
+        "KL estimator: 'k1' (log-ratio), 'k2' or 'k3' (§5.3.2); verl's 'kl', 'mse' and 'low_var_kl' are our k1, k2 "
+        "and k3 (low_var_kl clamped: kl_clamp=10). As a loss (kl_placement='loss'), k1's expected gradient is zero "
+        "on-policy: use k2 or k3 there.",
+    )
     cliprange: float | None = _field(0.2, "ε of the clipped policy surrogate (§3.2.3); None disables policy clipping.")
     vf_coef: float = _field(0.1, "Weight of the value loss.")
     cliprange_value: float | None = _field(0.2, "ε_v of the clipped value loss (§3.2.3); None disables it.")
@@ -326,7 +346,22 @@ class PPOMaxConfig(TrainingArguments):
     loss_aggregation: LossAggregation = _field(  # noqa: RUF009
         "token_mean",
         "How token losses make a micro-batch's loss (verl's loss_agg_mode): 'token_mean' over all tokens, "
-        "'seq_mean_token_sum' or 'seq_mean_token_mean' (per response, then the mean over responses).",
+        "'seq_mean_token_sum' or 'seq_mean_token_mean' (per response, then the mean over responses), or "
+        "'seq_mean_token_sum_norm': the token sum ÷ (responses × response_length), a constant normaliser (Dr. GRPO; "
+        "TRL GRPO's loss_type='dr_grpo', verl's seq-mean-token-sum-norm with loss_scale_factor = micro-batch rows × "
+        "response_length).",
+    )
+    logratio_clamp: float | None = _field(
+        None,
+        "b: bound the policy's log-ratio log(π_θ/π_old) to [−b, b] before exp in the PPO surrogate (verl clamps at "
+        "20), so one absurd token cannot give an astronomic ratio, and gets no gradient; a healthy run's ratios are "
+        "far inside. None (the paper's and trl 1.12's exact maths): unbounded.",
+    )
+    kl_clamp: float | None = _field(
+        None,
+        "c: bound each token's KL estimate (in the reward or the loss) to [−c, c] (OpenRLHF: 10 for every estimator, "
+        "verl: 10 for k3, its low_var_kl). None (exact): unbounded. Unlike logratio_clamp it can act in an ordinary "
+        "run (k3 passes 10 where π_ref/π ≈ 13.5), saturating the penalty of the tokens that drifted most.",
     )
     save_value_model: bool = _field(
         True,
@@ -338,7 +373,12 @@ class PPOMaxConfig(TrainingArguments):
         "Passes of the critic over each rollout batch (≥ num_ppo_epochs; the extra ones train it alone); None: "
         "num_ppo_epochs.",
     )
-    gamma: float = _field(1.0, "Discount factor γ of GAE (§3.2.2).")
+    gamma: float = _field(
+        1.0,
+        "Discount factor γ of GAE (§3.2.2) and of reinforce_pp's return. A group estimator (grpo, rloo, dr_grpo, "
+        "reinforce_pp_baseline) refuses γ < 1: it compares whole responses, and discounting would only scale each "
+        "token's advantage by γ^(tokens after it) (OpenRLHF forces γ = 1 there, verl ignores γ).",
+    )
     lam: float | None = _preset_field(
         "lam",
         "λ of GAE (§3.2.2); the paper uses 0.9 in all its experiments (App. C.3), trl 1.12 and the release 0.95.",
@@ -403,7 +443,9 @@ class PPOMaxConfig(TrainingArguments):
         "whiten_advantages",
         "Advantage normalisation over the real tokens of the global batch (§5.3.1). Not part of PPO-max (Fig. 5 gives it "
         "no star; App. B.1, Fig. 14: with reward normalisation and value clipping it is the first run to collapse); "
-        "trl 1.12 always whitened.",
+        "trl 1.12 always whitened. Never applied to a group estimator's advantages (grpo, rloo, dr_grpo, "
+        "reinforce_pp_baseline: verl and OpenRLHF use them as they are) nor to reinforce_pp's (already whitened); "
+        "True set with one is said and ignored.",
     )
     advantage_clip: float | None = _field(
         None,
@@ -537,6 +579,7 @@ class PPOMaxConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         self._skip_critic_warmup_without_critic()
+        self._skip_whitening_of_final_advantages()
         self._resolve_preset()
         check_int_fields(self)  # what the user passed, before TrainingArguments sets fields of its own
         self._validate()
@@ -581,6 +624,29 @@ class PPOMaxConfig(TrainingArguments):
             )
         self.critic_warmup_steps = 0
 
+    def _skip_whitening_of_final_advantages(self) -> None:
+        """An estimator whose advantages are final as defined (:attr:`~trl_ppomax.ppo.advantages.AdvantageEstimator.
+        whitening_applies` False: a group baseline, or REINFORCE++'s own whitening) is not whitened a second time:
+        the preset's ``whiten_advantages`` (``vanilla``'s True) does not apply (False), and a True set explicitly is
+        named in a warning (verl and OpenRLHF whiten none of them again; under ``vanilla`` GRPO's moved 0.61)."""
+        estimator = advantages.ESTIMATORS.get(self.advantage_estimator)
+        if estimator is None or estimator.whitening_applies:
+            return
+        if self.whiten_advantages:
+            why = (
+                "already whitens its advantages over the batch"
+                if estimator.baseline is None
+                else "takes its advantages from a group baseline over each prompt's samples, as verl and OpenRLHF use "
+                "them; whitening them again over the batch would change them"
+            )
+            logger.warning(
+                "whiten_advantages=True: not applied, advantage_estimator=%r %s. Leave whiten_advantages unset (or "
+                "False) to silence this; advantage_clip still applies.",
+                self.advantage_estimator,
+                why,
+            )
+        self.whiten_advantages = False
+
     def _resolve_preset(self) -> None:
         if self.preset not in get_args(Preset):
             raise ValueError(f"Unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}.")
@@ -597,6 +663,7 @@ class PPOMaxConfig(TrainingArguments):
             raise ValueError("Set either stop_token='eos' or stop_token_id, not both.")
         self._validate_sampling_and_packing()
         self._validate_estimator()
+        self._validate_policy_loss_and_kl()
         self._validate_lagged_vllm()
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
@@ -644,10 +711,40 @@ class PPOMaxConfig(TrainingArguments):
                 f"other, but num_samples_per_prompt={self.num_samples_per_prompt}: set num_samples_per_prompt ≥ 2 "
                 "(e.g. 4, as TRL GRPO's num_generations), or use 'reinforce_pp' or 'gae'."
             )
+        if estimator.baseline is not None and self.gamma != 1.0:
+            raise ValueError(
+                f"gamma={self.gamma} with advantage_estimator={self.advantage_estimator!r}: a group baseline compares "
+                "whole responses, so discounting would only scale each token's advantage by γ^(tokens after it) "
+                "(OpenRLHF sets γ = 1 for its group estimators, verl ignores γ). Set gamma=1.0, or use 'reinforce_pp' "
+                "or 'gae' for a discounted return."
+            )
         if self.num_critic_epochs is not None and self.num_critic_epochs < self.num_ppo_epochs:
             raise ValueError(
                 f"num_critic_epochs={self.num_critic_epochs} is below num_ppo_epochs={self.num_ppo_epochs}: the critic "
                 "trains in every policy epoch; set num_critic_epochs ≥ num_ppo_epochs (or None)."
+            )
+
+    def _validate_policy_loss_and_kl(self) -> None:
+        """The peers' KL names, the k1 KL as a loss, and a clip-higher that cannot act as one."""
+        if self.kl_estimator in KL_ESTIMATOR_ALIASES:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}: {KL_ESTIMATOR_ALIASES[self.kl_estimator]}")
+        if self.kl_placement == "loss" and self.kl_estimator == "k1":
+            logger.warning(
+                "kl_placement='loss' with kl_estimator='k1': the k1 loss mean(log π − log π_ref) has zero expected "
+                "gradient on the policy's own samples (E[∇ log π] = 0), so it barely holds the policy near the "
+                "reference. Set kl_estimator='k2' (its gradient is the KL's) or 'k3' (GRPO's, lower variance, "
+                "biased gradient), or kl_placement='reward' for k1."
+            )
+        if self.cliprange_high is not None and self.cliprange is None:
+            raise ValueError(
+                f"cliprange_high={self.cliprange_high} with cliprange=None: without clipping there is no upper clip "
+                "to raise, so it would be ignored. Set cliprange (e.g. 0.2) to clip, or cliprange_high=None."
+            )
+        if self.cliprange_high is not None and self.cliprange_high < self.cliprange:
+            raise ValueError(
+                f"cliprange_high={self.cliprange_high} is below cliprange={self.cliprange}: clip-higher raises the "
+                "ratio's upper clip 1 + ε_high above 1 + ε (DAPO: 0.28 with 0.2). Set cliprange_high ≥ cliprange, or "
+                "None for the symmetric clip."
             )
 
     def _validate_sampling_and_packing(self) -> None:

@@ -16,7 +16,7 @@ import torch
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardNorm = Literal["none", "running", "scale"]
-LossAggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+LossAggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
 # -- Masked statistics -------------------------------------------------------------------------------------------------
@@ -47,17 +47,27 @@ def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.T
 
 
 def row_split_loss_weights(
-    mask: torch.Tensor, rows_per_micro_batch: int, aggregation: LossAggregation = "token_mean"
+    mask: torch.Tensor,
+    rows_per_micro_batch: int,
+    aggregation: LossAggregation = "token_mean",
+    response_length: int | None = None,
 ) -> torch.Tensor:
     """Per-token loss weights (B, T) of a minibatch's rows, in order, under the row split: G micro-batches of
     ``rows_per_micro_batch`` rows, each adding its ``aggregation`` of the token losses ÷ G (verl's
-    ``loss_agg_mode``). With ``N_g`` the tokens and ``S_g`` the rows with tokens of row ``r``'s micro-batch and
-    ``l_r`` its own tokens: ``token_mean`` ``w_rt = m_rt / (G·N_g)``; ``seq_mean_token_sum`` ``m_rt / (G·S_g)``;
-    ``seq_mean_token_mean`` ``m_rt / (G·S_g·l_r)`` (each count at least 1). ``Σ w·ℓ`` over any grouping of the rows
-    is the row split's loss."""
+    ``loss_agg_mode``). With ``N_g`` the tokens, ``S_g`` the rows with tokens and ``R_g`` all the rows of row ``r``'s
+    micro-batch and ``l_r`` its own tokens: ``token_mean`` ``w_rt = m_rt / (G·N_g)``; ``seq_mean_token_sum``
+    ``m_rt / (G·S_g)``; ``seq_mean_token_mean`` ``m_rt / (G·S_g·l_r)`` (each count at least 1);
+    ``seq_mean_token_sum_norm`` ``m_rt / (G·R_g·L)`` with the constant ``L = response_length`` (Dr. GRPO, TRL's
+    ``loss_type="dr_grpo"``: the token sum ÷ (rows × max_completion_length), whatever the lengths). ``Σ w·ℓ`` over
+    any grouping of the rows is the row split's loss."""
     group = torch.arange(mask.shape[0], device=mask.device) // rows_per_micro_batch
     lengths = mask.sum(1).float()
-    counted = lengths if aggregation == "token_mean" else (lengths > 0).float()
+    if aggregation == "seq_mean_token_sum_norm":
+        if response_length is None:
+            raise ValueError("row_split_loss_weights: 'seq_mean_token_sum_norm' needs the constant response_length.")
+        counted = torch.full_like(lengths, float(response_length))  # every row counts, with tokens or not
+    else:
+        counted = lengths if aggregation == "token_mean" else (lengths > 0).float()
     totals = torch.zeros(int(group[-1]) + 1, device=mask.device).index_add_(0, group, counted)
     weights = mask * (1.0 / (len(totals) * totals.clamp(min=1)))[group, None]
     return weights / lengths.clamp(min=1)[:, None] if aggregation == "seq_mean_token_mean" else weights
@@ -231,17 +241,31 @@ def winsorize(scores: torch.Tensor, center: float, scale: float, k: float) -> to
     return scores.clamp(center - k * scale, center + k * scale)
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
+def bounded(x: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """``clamp(x, −b, b)`` (zero gradient outside), or ``x`` itself with ``bound=None``: the one place the optional
+    numerical clamps act (``logratio_clamp`` on the policy's log-ratio, ``kl_clamp`` on the KL estimate)."""
+    return x if bound is None else x.clamp(-bound, bound)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1", clamp: float | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (http://joschu.net/blog/kl-approx.html), (B, T):
-    with ``r = log π_ref − log π_θ``, ``k1 = −r``, ``k2 = r²/2``, ``k3 = (eʳ − 1) − r``."""
+    with ``r = log π_ref − log π_θ``, ``k1 = −r``, ``k2 = r²/2``, ``k3 = (eʳ − 1) − r``. ``clamp=c`` bounds the
+    estimate to ``[−c, c]`` (OpenRLHF's ``compute_approx_kl``: 10 for every estimator; verl's ``low_var_kl``: k3);
+    k3's ``r`` is first bounded to ``±(c + 1)``, where already ``k3 ≥ c``, so ``eʳ`` stays finite (and so does its
+    gradient) without changing the clamped value."""
     logr = ref_logprobs - logprobs
     if estimator == "k1":
-        return -logr
-    if estimator == "k2":
-        return 0.5 * logr**2
-    if estimator == "k3":
-        return torch.expm1(logr) - logr
-    raise ValueError(f"Unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'.")
+        kl = -logr
+    elif estimator == "k2":
+        kl = 0.5 * logr**2
+    elif estimator == "k3":
+        logr = bounded(logr, None if clamp is None else clamp + 1.0)
+        kl = torch.expm1(logr) - logr
+    else:
+        raise ValueError(f"Unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'.")
+    return bounded(kl, clamp)
 
 
 def token_rewards(
@@ -406,18 +430,21 @@ def clipped_policy_loss(
     loss_weights: torch.Tensor | None = None,
     cliprange_high: float | None = None,
     dual_clip: float | None = None,
+    logratio_clamp: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO surrogate: masked mean of ``max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε_high))`` with ``ρ = exp(log π_θ − log π_old)``
     and ``ε_high = cliprange_high`` (DAPO's clip-higher, arXiv 2503.14476; None: ε), each token's term times
     ``weights`` (B, T) when given (:func:`truncated_importance_weights`); with ``loss_weights`` the weighted sum
     instead of the mean (:func:`row_split_loss_weights`). ``dual_clip`` c > 1 bounds the loss of a negative advantage
-    by ``−c·A`` (dual-clip PPO, arXiv 1912.09729; verl's ``clip_ratio_c``).
+    by ``−c·A`` (dual-clip PPO, arXiv 1912.09729; verl's ``clip_ratio_c``). ``logratio_clamp`` b bounds
+    ``log ρ`` to ``[−b, b]`` before the exponential (verl's 20: ``ρ ≤ e²⁰``, and no gradient beyond); the stats
+    describe the unclamped ratio.
 
     ``cliprange=None`` gives the unclipped policy gradient ``−A·ρ``. Inputs (B, T). Stats: ``clipfrac`` (share of
     tokens where the clipped term is taken), ``clipfrac_lower`` (share where the dual clip is), ``approxkl``
     (``½·mean((log ρ)²)``), ``ratio`` and ``ratio_var``."""
     logratio = logprobs - old_logprobs
-    ratio = torch.exp(logratio)
+    ratio = torch.exp(bounded(logratio, logratio_clamp))
     pg_losses = -advantages * ratio
     if cliprange is None:
         pg_max, clipped = pg_losses, torch.zeros_like(pg_losses)
@@ -437,8 +464,8 @@ def clipped_policy_loss(
             "clipfrac": masked_mean(clipped, mask),
             "clipfrac_lower": masked_mean(dual_clipped, mask),
             "approxkl": 0.5 * masked_mean(logratio**2, mask),
-            "ratio": masked_mean(ratio, mask),
-            "ratio_var": masked_var(ratio, mask, unbiased=False),
+            "ratio": masked_mean(torch.exp(logratio), mask),
+            "ratio_var": masked_var(torch.exp(logratio), mask, unbiased=False),
         }
     return loss, stats
 
@@ -449,11 +476,13 @@ def kl_loss(
     mask: torch.Tensor,
     estimator: KLEstimator,
     loss_weights: torch.Tensor | None = None,
+    clamp: float | None = None,
 ) -> torch.Tensor:
     """KL to the reference as a loss term (verl's ``use_kl_loss``, OpenRLHF's ``--algo.kl.use_loss``): the masked
-    mean (or ``loss_weights`` sum) of :func:`kl_penalty` of the current log-probs (B, T), with gradient. k2's
-    gradient equals k1-in-the-reward's on-policy; k3's (GRPO's) is biased (arXiv 2510.01555)."""
-    return _masked_loss_mean(kl_penalty(logprobs, ref_logprobs, estimator), mask, loss_weights)
+    mean (or ``loss_weights`` sum) of :func:`kl_penalty` of the current log-probs (B, T) (bounded by ``clamp``),
+    with gradient. k2's gradient equals k1-in-the-reward's on-policy; k3's (GRPO's) is biased (arXiv 2510.01555);
+    k1's is zero in expectation on-policy (``E[∇ log π] = 0``)."""
+    return _masked_loss_mean(kl_penalty(logprobs, ref_logprobs, estimator, clamp), mask, loss_weights)
 
 
 def clipped_value_loss(

@@ -164,7 +164,8 @@ class ExperienceMaker:
         args, moments = self.args, self.ppo_state.running_reward
         raw = self.winsorized(rollout.scores)
         scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
-        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * rollout.policy_mask
+        kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, args.kl_clamp)
+        kl = kl * rollout.policy_mask
         return scores, kl
 
     def winsorized(self, scores: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -161,15 +161,17 @@ def within_prompt_std(scores: torch.Tensor, keep: torch.Tensor, samples_per_prom
     return global_mean(variance.sqrt()[count >= 2], reduce)
 
 
-def schedule_metrics(state, lr_scheduler, start: tuple[float, int]) -> dict[str, float]:
-    """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates, GPU memory."""
+def schedule_metrics(state, lr_scheduler, start: tuple[float, int], *, with_critic: bool) -> dict[str, float]:
+    """Counters, speed since ``start = (time, episode)`` of this run (or resume), learning rates (the policy's groups
+    come first, the critic's last; ``critic/lr`` only ``with_critic``), GPU memory."""
     lrs = lr_scheduler.get_last_lr()
     metrics = {
         EPISODE: float(state.episode),
         EPISODES_PER_SECOND: (state.episode - start[1]) / max(time.time() - start[0], 1e-9),
         LEARNING_RATE: lrs[0],
-        CRITIC_LEARNING_RATE: lrs[-1],
     }
+    if with_critic:
+        metrics[CRITIC_LEARNING_RATE] = lrs[-1]
     if torch.cuda.is_available():
         metrics[PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
     return metrics

@@ -124,7 +124,11 @@ def load_model(name: str, value):
     cls, kwargs = MODEL_LOADERS[name]
     logger.info("Loading %s from %s with %s.from_pretrained.", name, value, cls.__name__)
     try:
-        return cls.from_pretrained(os.fspath(value), **kwargs)
+        if name != "value_model":
+            return cls.from_pretrained(os.fspath(value), **kwargs)
+        critic, info = cls.from_pretrained(os.fspath(value), output_loading_info=True, **kwargs)
+        modeling.warn_new_value_head(os.fspath(value), info["missing_keys"])  # e.g. a policy folder
+        return critic
     except (OSError, ValueError) as error:
         kind = OSError if isinstance(error, OSError) else ValueError
         raise kind(f"{name}={os.fspath(value)!r} could not be loaded with {cls.__name__}: {error}") from error

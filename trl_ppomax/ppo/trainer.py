@@ -199,18 +199,18 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         """Run ``num_total_batches`` PPO-max iterations; ``resume_from_checkpoint`` (a path, or True for the newest
         checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped."""
         args = self.args
-        self.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks (checkpoint.py)
-        set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
-        start_trainer_state(self.state, args, self._episodes_per_epoch)
-        self.sample_every = max(1, self.num_total_batches // max(1, args.num_sample_generations))
-        if resume_from_checkpoint:
-            self.restore_checkpoint(resume_from_checkpoint)
-        pending: dict[str, list[float]] = defaultdict(list)
-        start = (time.time(), self.state.episode)
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        if not resume_from_checkpoint:  # a resumed run evaluated its step 0 before it stopped
-            self._evaluate_initial_policy()
         try:
+            self.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks
+            set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
+            start_trainer_state(self.state, args, self._episodes_per_epoch)
+            self.sample_every = max(1, self.num_total_batches // max(1, args.num_sample_generations))
+            if resume_from_checkpoint:
+                self.restore_checkpoint(resume_from_checkpoint)
+            pending: dict[str, list[float]] = defaultdict(list)
+            start = (time.time(), self.state.episode)
+            self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+            if not resume_from_checkpoint:  # a resumed run evaluated its step 0 before it stopped
+                self._evaluate_initial_policy()
             for iteration in range(self.state.global_step + 1, self.num_total_batches + 1):
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 for name, value in self.training_iteration(iteration).items():
@@ -223,7 +223,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
                 if self.control.should_training_stop:
                     break
         finally:
-            if self.lagged is not None:  # the producer stops too (an error, Ctrl-C, SIGTERM)
+            if self.lagged is not None:  # the producer stopped and joined too (an error, Ctrl-C)
                 self.lagged.close()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
@@ -265,7 +265,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         """Log each metric's mean since the last log, then evaluate, print samples and save as the callbacks ask."""
         if self.control.should_log or iteration == self.num_total_batches:
             means = {name: sum(values) / len(values) for name, values in pending.items()}
-            self.log({**means, **M.schedule_metrics(self.state, self.lr_scheduler, start)})
+            schedule = M.schedule_metrics(self.state, self.lr_scheduler, start, with_critic=self.args.uses_critic)
+            self.log({**means, **schedule})
             pending.clear()
         if self.control.should_evaluate:
             is_best = self._determine_best_metric(self.evaluate(), trial=None)

@@ -84,7 +84,8 @@ def micro_batch_loss(
     sampling = None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width]
     policy_loss, stats = _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args)
     if args.kl_placement == "loss":
-        kl = core.kl_loss(logprobs, rollout.ref_logprobs[:, :width], mask, args.kl_estimator, weights)
+        ref = rollout.ref_logprobs[:, :width]
+        kl = core.kl_loss(logprobs, ref, mask, args.kl_estimator, weights, clamp=args.kl_clamp)
         policy_loss, stats[M.KL_LOSS] = policy_loss + args.kl_coef * kl, kl.detach()
     if ptx_logits is not None:
         ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
@@ -112,7 +113,7 @@ def _logprobs_and_entropy(logits, responses, args, log_entropy: bool):
 def _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate (+ entropy_coef · the entropy term) and their stats; ``old``: log π_old, ``sampling``:
     the truncated importance weights of the sampler (or None)."""
-    clip = dict(cliprange_high=args.cliprange_high, dual_clip=args.dual_clip)
+    clip = dict(cliprange_high=args.cliprange_high, dual_clip=args.dual_clip, logratio_clamp=args.logratio_clamp)
     pg_loss, pg_stats = core.clipped_policy_loss(
         logprobs, old, advantages, mask, args.cliprange, sampling, weights, **clip
     )
