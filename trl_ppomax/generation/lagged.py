@@ -18,7 +18,9 @@ needs the resumed weights."""
 
 from __future__ import annotations
 
+import atexit
 import copy
+import logging
 import os
 import queue
 import threading
@@ -29,14 +31,23 @@ from statistics import fmean as mean
 
 import torch
 from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from trl_ppomax.generation import HFGeneration, generate_in_chunks
 from trl_ppomax.ppo import core
 from trl_ppomax.ppo import metrics as M
 
-__all__ = ["GumbelSampler", "LaggedBatch", "LaggedRollouts", "PolicyCopy", "behaviour_weights"]
+__all__ = [
+    "GumbelSampler",
+    "LaggedBatch",
+    "LaggedRollouts",
+    "PolicyCopy",
+    "ProducerStopped",
+    "StopRequested",
+    "behaviour_weights",
+]
 
+logger = logging.getLogger(__name__)
 QUEUE_FILE = "lagged_rollouts_{}.pt"
 #: How each sampling statistic of :meth:`LaggedRollouts.importance_weights` is reduced over an iteration's calls.
 REDUCERS = {M.SAMPLING_LOGP_DIFF_MAX: max, M.IS_RATIO_MAX: max, M.IS_RATIO_MIN: min, M.STALENESS_MAX: max}
@@ -66,10 +77,27 @@ class GumbelSampler(LogitsProcessor):
         return scores.float() + gumbel
 
 
+class ProducerStopped(Exception):
+    """Raised inside the producer's generation once :meth:`LaggedRollouts.close` has asked it to stop."""
+
+
+class StopRequested(StoppingCriteria):
+    """Ends every row of a ``generate`` call at its next token once ``event`` is set (the producer told to stop), so
+    that the producer never stays inside ``generate`` for a whole batch after the trainer has stopped."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 class SeededGeneration(HFGeneration):
-    """:class:`HFGeneration` on the producer's copy of the policy, sampling with :class:`GumbelSampler`."""
+    """:class:`HFGeneration` on the producer's copy of the policy, sampling with :class:`GumbelSampler` (greedy
+    decoding over Gumbel noise), stopped early by :class:`StopRequested` once ``stopping`` is set."""
 
     generator: torch.Generator | None = None
+    stopping: threading.Event | None = None
 
     def generation_kwargs(self, sampling: bool = True, prompt_width: int = 0) -> dict:
         kwargs = super().generation_kwargs(sampling, prompt_width)
@@ -78,7 +106,20 @@ class SeededGeneration(HFGeneration):
             kwargs.update(do_sample=False, logits_processor=processors)
             for name in ("temperature", "top_k", "top_p"):
                 kwargs.pop(name)
+        if self.stopping is not None:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([StopRequested(self.stopping)])
         return kwargs
+
+    def generate(self, query_ids, query_mask, sampling: bool = True, n: int = 1, max_new_tokens=None):
+        """``n`` samples of each prompt, (B·n, T), row ``i·n + j`` the ``j``-th of prompt ``i``: the prompts are
+        repeated ``n`` times first, since greedy decoding (Gumbel-max is greedy over noisy scores) returns one sequence
+        per prompt (``num_return_sequences`` > 1 needs ``do_sample``). The batch's ``generator`` draws every row's
+        noise, so a batch is the same whenever it is generated. Raises :class:`ProducerStopped` once stopped."""
+        if self.stopping is not None and self.stopping.is_set():
+            raise ProducerStopped
+        if n > 1:
+            query_ids, query_mask = query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0)
+        return super().generate(query_ids, query_mask, sampling, 1, max_new_tokens)
 
 
 class PolicyCopy(SeededGeneration):
@@ -135,7 +176,14 @@ class LaggedRollouts:
         args: the run's config (``max_staleness``, sampling settings, ``seed``, the correction).
         prompts: ``f(j) -> (query_ids, query_mask, columns)`` of rollout batch ``j``.
         autocast: the run's mixed-precision context (thread-local, so entered again in the producer).
+
+    The producer runs until :meth:`close`, which the trainer calls when training ends, on any error and on Ctrl-C,
+    and which also runs at exit as a last resort: a thread still inside torch when the interpreter shuts down aborts
+    the process (SIGABRT, "terminate called without an active exception").
     """
+
+    #: How long :meth:`close` waits for the producer (a colocated vLLM engine finishes the request it is running).
+    close_timeout = 60.0
 
     def __init__(self, engine, args, prompts, autocast, process=0) -> None:
         self.engine, self.args, self.lag, self.process_index = engine, args, args.max_staleness, process
@@ -147,8 +195,12 @@ class LaggedRollouts:
         self.requests: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.ready = threading.Condition()
+        self.stopping = threading.Event()  # set by close(): the producer ends its generation at the next token
+        if isinstance(engine, SeededGeneration):
+            engine.stopping = self.stopping
         self.thread = threading.Thread(target=self._produce, name="trl-ppomax-rollouts", daemon=True)
         self.thread.start()
+        atexit.register(self.close)
 
     def version_for(self, batch: int) -> int:
         """The policy version that samples rollout batch ``batch``: ``max(0, batch − 1 − k)``."""
@@ -222,8 +274,18 @@ class LaggedRollouts:
         self.load_weights(iteration, self.engine.snapshot())
 
     def close(self) -> None:
-        """Stop the producer after its current batch."""
+        """Stop the producer and wait for it (at most ``close_timeout`` s): the batch it is generating ends at its
+        next token (:class:`StopRequested`; a vLLM engine finishes its request) and is dropped, as are the batches not
+        started. Idempotent; a second Ctrl-C while it waits leaves the wait to the call at exit."""
+        self.stopping.set()
         self.requests.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(self.close_timeout)
+        if self.thread.is_alive():
+            logger.warning("The rollout producer is still generating %.0f s after it was told to stop.",
+                           self.close_timeout)  # fmt: skip
+        else:
+            atexit.unregister(self.close)
 
     # -- the producer's side ------------------------------------------------------------------------------------------
     def _idle(self) -> bool:
@@ -242,14 +304,18 @@ class LaggedRollouts:
 
     def _produce(self) -> None:
         try:
-            while (batch := self.requests.get()) is not None:
+            while (batch := self.requests.get()) is not None and not self.stopping.is_set():
                 if isinstance(batch, tuple):  # (version, weights): the snapshot the next batches need
                     self.load_weights(*batch)
                     continue
                 generated = self._generate(batch)
+                if self.stopping.is_set():  # cut short by close(): not a batch
+                    break
                 with self.ready:
                     self.finished[batch] = generated
                     self.ready.notify_all()
+        except ProducerStopped:
+            pass
         except BaseException as error:  # told to the trainer, which raises it
             with self.ready:
                 self.error = error
