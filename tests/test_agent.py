@@ -394,3 +394,184 @@ def test_the_agent_example_script_and_benchmark_run(tmp_path):
     for condition in results["conditions"].values():
         assert len(condition["curves"]["gold_reward"]) == 2 and 0 <= condition["tool_call_rate_final"] <= 1
     assert len((tmp_path / "agent.runs.jsonl").read_text().splitlines()) == 3
+
+
+# ---- round four: tool faults are failures, timeouts, one name per tool, threads closed, environment checks -----------
+def tool_calls(name: str, count: int = 1) -> list:
+    return parse_tool_calls(f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>' * count)
+
+
+def test_a_tool_raising_system_exit_is_a_failure_and_keyboard_interrupt_stops_the_run():
+    """argparse inside a tool exits with SystemExit(2): the policy reads it, the run goes on. Ctrl-C still stops."""
+
+    def cli_tool() -> str:
+        """Run a command line."""
+        raise SystemExit(2)
+
+    async def async_cli_tool() -> str:
+        """Run a command line, asynchronously."""
+        raise SystemExit(2)
+
+    def interrupted() -> str:
+        """Interrupted by the user."""
+        raise KeyboardInterrupt
+
+    runner = ToolRunner()
+    tools = {"cli_tool": cli_tool, "async_cli_tool": async_cli_tool, "interrupted": interrupted}
+    results = runner.run([(tools, tool_calls("cli_tool")), (tools, tool_calls("async_cli_tool"))])
+    assert [r[0][1] for r in results] == [True, True]
+    assert all("SystemExit: 2" in r[0][0]["content"] for r in results)
+    assert runner.run([(tools, tool_calls("async_cli_tool"))])[0][0][1]  # the loop's thread survived
+    with pytest.raises(KeyboardInterrupt):
+        runner.run([(tools, tool_calls("interrupted"))])
+    runner.close()
+
+
+def test_tool_timeout_makes_a_slow_call_a_failure_and_fast_ones_pass():
+    import time
+
+    def slow() -> str:
+        """Take a long time."""
+        time.sleep(3)
+        return "late"
+
+    async def slow_async() -> str:
+        """Take a long time, asynchronously."""
+        await asyncio.sleep(3)
+        return "late"
+
+    def fast() -> str:
+        """Answer at once."""
+        return "now"
+
+    runner = ToolRunner(timeout=0.2)
+    tools = {"slow": slow, "slow_async": slow_async, "fast": fast}
+    begun = time.perf_counter()
+    results = runner.run([(tools, tool_calls("slow")), (tools, tool_calls("slow_async")), (tools, tool_calls("fast"))])
+    assert time.perf_counter() - begun < 2.5
+    assert [r[0][1] for r in results] == [True, True, False] and results[2][0][0]["content"] == "now"
+    assert all("ran past tool_timeout=0.2 s" in r[0][0]["content"] for r in results[:2])
+    runner.close()
+    assert ToolRunner().timeout is None and agent_args().tool_timeout is None  # the default waits
+    with pytest.raises(ValueError, match="tool_timeout"):
+        agent_args(tool_timeout=0)
+
+
+def test_close_stops_the_async_tools_thread_and_a_later_run_starts_it_again():
+    import threading
+
+    async def ping() -> str:
+        """Ping."""
+        return "pong"
+
+    def loop_threads() -> int:
+        return sum(t.name == "trl-ppomax-tools" and t.is_alive() for t in threading.enumerate())
+
+    runner, before = ToolRunner(), loop_threads()
+    runner.run([({"ping": ping}, tool_calls("ping"))])
+    assert loop_threads() == before + 1
+    runner.close()
+    assert loop_threads() == before
+    assert runner.run([({"ping": ping}, tool_calls("ping"))])[0][0][0]["content"] == "pong"
+    runner.close()
+
+
+def test_two_tools_with_one_name_are_refused_and_distinct_names_pass():
+    def lookup() -> str:
+        """Look up."""
+        return "cat"
+
+    def other() -> str:
+        """Look up elsewhere."""
+        return "dog"
+
+    other.__name__ = "lookup"
+    with pytest.raises(ValueError, match="Two tools are named 'lookup' in the tools"):
+        run_agent(call_then_answer, tools=[lookup, other])
+    with pytest.raises(ValueError, match="Two tools are named 'lookup' in the tools and LookupEnvironment's methods"):
+        run_agent(call_then_answer, tools=[lookup], environment=LookupEnvironment)
+    other.__name__ = "other"
+    run_agent(call_then_answer, tools=[lookup, other])
+
+
+def test_an_async_reset_is_refused_at_construction():
+    class AsyncReset(LookupEnvironment):
+        async def reset(self, **row):
+            return ""
+
+    with pytest.raises(TypeError, match=r"AsyncReset\.reset is async def.*plain def"):
+        run_agent(call_then_answer, environment=AsyncReset)
+    run_agent(call_then_answer, environment=LookupEnvironment)  # the everyday environment
+
+
+def test_get_reward_results_are_validated():
+    import numpy as np
+
+    reward = EnvironmentReward(LookupEnvironment)
+    assert (
+        reward.reward_value(1) == 1.0
+        and reward.reward_value(True) == 1.0
+        and reward.reward_value(np.float32(0.5)) == 0.5
+    )
+    assert reward.reward_value(torch.tensor([2.0])) == 2.0 and torch.isnan(torch.tensor(reward.reward_value(None)))
+    for bad in ("0.5", [1.0], {"score": 1}):
+        with pytest.raises(TypeError, match=r"LookupEnvironment.get_reward\(\) returned .*must return a number"):
+            reward.reward_value(bad)
+
+
+def test_a_trajectory_never_grows_past_the_policys_context():
+    """With a 20-token context (the whole trajectory takes 29) the trajectory stops where the context ends."""
+    tokenizer = agent_tokenizer()
+    args = agent_args(response_length=24)
+    agent = AgentRollouts(args, tokenizer, [], LookupEnvironment, tokenizer.eos_token_id, context_length=20)
+    out = agent.generate(
+        ScriptedPolicy(tokenizer, call_then_answer), [CONVERSATION], {"topic": ["dog"]}, True, 1,
+        tokenizer.pad_token_id, "cpu",
+    )  # fmt: skip
+    assert int(out.query_mask.sum() + out.response_mask.sum()) == 20
+    unbounded, *_ = run_agent(call_then_answer, environment=LookupEnvironment)
+    assert int(unbounded.query_mask.sum() + unbounded.response_mask.sum()) > 20  # the bound acted
+
+
+def test_a_chat_template_without_a_tools_block_is_warned_about(caplog):
+    def lookup() -> str:
+        """Look up the secret topic."""
+        return "cat"
+
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.agent"):
+        run_agent(call_then_answer, tools=[lookup])
+    assert caplog.text == ""  # the toy agent template shows its tools
+    tokenizer = agent_tokenizer()
+    tokenizer.chat_template = tokenizer.chat_template.replace("tools", "no_tools_here")
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.agent"):
+        AgentRollouts(agent_args(), tokenizer, [lookup], None, tokenizer.eos_token_id)
+    assert "renders none of the tools ['lookup']" in caplog.text
+
+
+def test_agent_settings_without_an_agent_are_named(tmp_path, caplog):
+    from helpers import make_trainer
+
+    with caplog.at_level("WARNING", logger="trl_ppomax.ppo.setup"):
+        make_trainer(tmp_path, max_tool_turns=2, tool_timeout=5.0)
+    assert "max_tool_turns=2, tool_timeout=5.0: not applied, the run has no agent loop" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trl_ppomax.ppo.setup"):
+        make_trainer(tmp_path)
+    assert "no agent loop" not in caplog.text
+
+
+def test_training_with_async_tools_leaves_no_tool_thread_alive(sft_agent, tmp_path):
+    import threading
+
+    async def lookup() -> str:
+        """Look up the secret topic the user is asking about."""
+        return "cat"
+
+    def loop_threads() -> set:
+        return {t for t in threading.enumerate() if t.name == "trl-ppomax-tools" and t.is_alive()}
+
+    before = loop_threads()
+    trainer = agent_trainer(sft_agent, tmp_path, tools=[lookup], settings={"tool_timeout": 30.0})
+    logs = trains_and_logs(trainer)
+    assert logs and all(entry[M.TOOL_CALL_FREQUENCY] > 0 for entry in logs)  # the async tool was called
+    assert loop_threads() <= before  # train() closed the loop it started

@@ -207,3 +207,88 @@ def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens
         off.custom_rollout(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]}).sampling_weights
         is None
     )
+
+
+# -- rollout_func's faults found in round four: refused naming the key, row and fix; the everyday output passes --------
+GOOD = {"prompt_ids": [[1, 2]] * 2, "completion_ids": [[3, 4], [5]], "logprobs": [[-0.5, -1.0], [-2.0]]}
+
+
+def checked(output, **checks):
+    return custom_rollout(lambda p, t: output, ["a b", "c d"], None, 1, 0, "cpu", **checks)
+
+
+@pytest.mark.parametrize("key", ["completions", "prompts", "prompt", "sequence_texts", "environments"])
+def test_an_extra_key_that_reward_functions_already_receive_is_refused(key):
+    with pytest.raises(ValueError, match=rf"extra key '{key}', which is what reward functions receive.*Rename"):
+        checked({**GOOD, key: ["x", "y"]})
+
+
+def test_an_extra_key_named_as_a_dataset_column_is_refused_and_others_pass():
+    with pytest.raises(ValueError, match="extra key 'answer', which is a dataset column"):
+        checked({**GOOD, "answer": ["1", "2"]}, columns={"answer", "prompt"})
+    batch = checked({**GOOD, "tool_calls": [1, 0]}, columns={"answer", "prompt"})
+    assert batch.columns == {"tool_calls": [1, 0]}
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_the_embedding():
+    with pytest.raises(ValueError, match=r"'completion_ids' row 1 holds ids outside the policy's vocabulary \[0, 5\)"):
+        checked(GOOD, vocab_size=5)
+    with pytest.raises(ValueError, match=r"'prompt_ids' row 0 .*\[-100\]"):
+        checked({**GOOD, "prompt_ids": [[-100, 2], [1, 2]]}, vocab_size=50)
+    assert checked(GOOD, vocab_size=6).response_ids.max() == 5
+
+
+def test_a_trajectory_longer_than_the_context_is_refused():
+    with pytest.raises(ValueError, match="row 0 has 2 prompt and 2 completion tokens, more than the policy's context"):
+        checked(GOOD, context_length=3)
+    assert checked(GOOD, context_length=4).response_ids.shape == (2, 2)
+
+
+def test_tensors_and_arrays_are_taken_as_lists():
+    import numpy as np
+
+    as_tensors = {
+        "prompt_ids": torch.tensor([[1, 2], [1, 2]]),
+        "completion_ids": [torch.tensor([3, 4]), np.array([5])],
+        "logprobs": [torch.tensor([-0.5, -1.0]), torch.tensor([-2.0])],
+        "env_mask": [torch.tensor([1, 0]), torch.tensor([1])],
+    }
+    batch, lists = checked(as_tensors), checked({**GOOD, "env_mask": [[1, 0], [1]]})
+    for field in ("query_ids", "response_ids", "response_mask", "sampler_logprobs", "env_mask"):
+        assert torch.equal(getattr(batch, field), getattr(lists, field)), field
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan"), float("-inf")])
+def test_importance_sampling_refuses_impossible_logprobs(bad):
+    output = {**GOOD, "logprobs": [[-0.5, bad], [-2.0]]}
+    with pytest.raises(ValueError, match=r"'logprobs' row 0 token 1 .*finite and ≤ 0"):
+        checked(output, importance_sampling=True)
+    checked(output)  # without importance sampling they are not used
+    checked({**GOOD, "logprobs": [[0.0, -1e-9], [1e-4]]}, importance_sampling=True)  # 0 and a sampler's rounding pass
+
+
+def test_an_env_mask_of_zeros_only_is_warned_about(caplog):
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.custom"):
+        checked({**GOOD, "env_mask": [[0, 0], [0]]})
+    assert "env_mask is 0 on every completion token" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.custom"):
+        checked({**GOOD, "env_mask": [[1, 0], [1]]})
+    assert caplog.text == ""
+
+
+def test_a_training_run_refuses_a_clashing_key_and_an_id_beyond_the_vocabulary(tmp_path):
+    def clashing(prompts, trainer):
+        out = two_turn_rollout(prompts, trainer)
+        return {**out, "completions": ["x"] * len(out["completion_ids"])}
+
+    with pytest.raises(ValueError, match="extra key 'completions'"):
+        make_trainer(tmp_path / "a", rollout_func=clashing, total_episodes=16).train()
+
+    def beyond(prompts, trainer):
+        out = two_turn_rollout(prompts, trainer)
+        out["completion_ids"][0][-1] = 10**6
+        return out
+
+    with pytest.raises(ValueError, match="'completion_ids' row 0 holds ids outside the policy's vocabulary"):
+        make_trainer(tmp_path / "b", rollout_func=beyond, total_episodes=16).train()

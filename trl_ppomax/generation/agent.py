@@ -8,16 +8,20 @@ calls' results as tool messages (:mod:`~trl_ppomax.generation.tools`), then the 
 call, cut by a budget, or past ``max_tool_turns`` ends the trajectory. ``env_mask`` marks the policy's tokens (1) and the
 inserted ones (0): the environment's tokens are attended to, never trained on. Budgets: ``response_length`` bounds
 the policy's tokens over all turns, ``max_completion_tokens`` (None: no bound) the whole trajectory, tool tokens
-included (a result that does not fit is cut and ends the trajectory).
+included, and the policy's context (``max_position_embeddings``) prompt and trajectory together (a result that does
+not fit is cut and ends the trajectory).
 
 ``environment_factory()`` makes one instance per trajectory (pooled and reset, as TRL): ``reset(**row)`` gets the
-dataset row and may return a string appended to the last user message; its public methods are the trajectory's tools
-(besides ``tools``); its ``get_reward()``, if any, scores the trajectory (:class:`EnvironmentReward`)."""
+dataset row and may return a string appended to the last user message (a plain method: ``async def reset`` is refused);
+its public methods are the trajectory's tools (besides ``tools``; one name, one tool); its ``get_reward()``, if any,
+scores the trajectory (:class:`EnvironmentReward`): a number, or None for a trajectory it does not score."""
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -33,6 +37,7 @@ from trl_ppomax.rewards import RewardSource
 __all__ = ["AgentRollouts", "EnvironmentReward", "environment_methods"]
 
 _NOT_TOOLS = ("reset", "get_reward")
+logger = logging.getLogger(__name__)
 
 
 def environment_methods(environment) -> dict[str, Callable]:
@@ -57,10 +62,26 @@ class EnvironmentReward(RewardSource):
         if inspect.iscoroutinefunction(self.environment_type.get_reward):
 
             async def rewards():
-                return torch.tensor([float("nan") if e is None else float(await e.get_reward()) for e in mine])
+                return torch.tensor(
+                    [float("nan") if e is None else self.reward_value(await e.get_reward()) for e in mine]
+                )
 
             return rewards()
-        return torch.tensor([float("nan") if e is None else float(e.get_reward()) for e in mine])
+        return torch.tensor([float("nan") if e is None else self.reward_value(e.get_reward()) for e in mine])
+
+    def reward_value(self, value) -> float:
+        """``get_reward()``'s value as a float: a number (bool, int, float, numpy scalar, one-element tensor), or None
+        as NaN (not scored: dropped unless another source scores it, as a reward function's None)."""
+        if value is None:
+            return float("nan")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        raise TypeError(
+            f"{self.name}.get_reward() returned {value!r} ({type(value).__name__}): it must return a number (or None "
+            "for a trajectory it does not score). Convert it, e.g. float(...) of a parsed answer."
+        )
 
 
 class AgentRollouts:
@@ -69,21 +90,31 @@ class AgentRollouts:
     :meth:`generate` returns a :class:`~trl_ppomax.generation.Generated` of trajectories and the tool statistics
     (``pop_metrics``)."""
 
-    def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int) -> None:
+    def __init__(
+        self, args, tokenizer, tools, environment_factory, stop_token_id: int, *, context_length: int | None = None
+    ) -> None:
         self.args, self.tokenizer, self.stop_token_id = args, tokenizer, stop_token_id
-        self.tools, self.factory = {tool.__name__: tool for tool in tools or []}, environment_factory
+        self.context_length, self.factory = context_length, environment_factory
+        self.tools = _by_name(tools or [], "tools")
         self.pool: list = []
         functions = list(self.tools.values())
         if environment_factory is not None:
             probe = self._new_environment()
             self.pool.append(probe)
-            functions += list(environment_methods(probe).values())
+            methods = environment_methods(probe)
+            _by_name([*self.tools.values(), *methods.values()], f"tools and {type(probe).__name__}'s methods")
+            functions += list(methods.values())
         if not functions:
             raise ValueError("The agent has no tool: pass tools=[...] or an environment with public methods.")
         self.schemas = [tool_schema(function) for function in functions]
+        _warn_if_the_template_hides_tools(tokenizer, self.schemas)
         self.parse = tool_call_parser(tokenizer)
         self.turn_tokens = ToolTurnTokens(tokenizer, stop_token_id)
-        self.runner, self.stats = ToolRunner(), defaultdict(list)
+        self.runner, self.stats = ToolRunner(timeout=getattr(args, "tool_timeout", None)), defaultdict(list)
+
+    def close(self) -> None:
+        """Stop the tool runner's threads (the trainer calls it when training ends)."""
+        self.runner.close()
 
     @property
     def environment_type(self) -> type | None:
@@ -95,6 +126,12 @@ class AgentRollouts:
             raise ValueError(
                 f"environment_factory made a {type(environment).__name__} without a reset() method: an environment "
                 "needs reset(**row) -> str | None, called before each trajectory (TRL's contract)."
+            )
+        if inspect.iscoroutinefunction(environment.reset):
+            raise TypeError(
+                f"{type(environment).__name__}.reset is async def: reset(**row) runs before the trajectory's first "
+                "turn and must return the observation (str | None) itself. Make reset a plain def (run any coroutine "
+                "inside it with asyncio.run, or do the async work in a tool)."
             )
         return environment
 
@@ -171,20 +208,29 @@ class AgentRollouts:
         """The most tokens trajectory ``i``'s next policy turn may write: what is left of ``response_length`` and of
         ``max_completion_tokens``."""
         left = self.args.response_length - trajectories.policy_tokens(i)
+        room = self._room(trajectories, i)
+        return 0 if trajectories.ended[i] else left if room is None else min(left, room)
+
+    def _room(self, trajectories: _Trajectories, i: int) -> int | None:
+        """Tokens trajectory ``i`` may still grow by, the policy's and the tools' together: what is left of
+        ``max_completion_tokens`` and of the policy's context (prompt included); None: no bound."""
+        bounds = []
         if self.args.max_completion_tokens is not None:
-            left = min(left, self.args.max_completion_tokens - len(trajectories.ids[i]))
-        return 0 if trajectories.ended[i] else left
+            bounds.append(self.args.max_completion_tokens - len(trajectories.ids[i]))
+        if self.context_length is not None:
+            bounds.append(self.context_length - len(trajectories.context(i)))
+        return min(bounds) if bounds else None
 
     def _tool_results(self, trajectories: _Trajectories, toolboxes: list[dict], calling: list) -> None:
-        """Run the calls of this turn and insert their results (cut to ``max_completion_tokens``, ending the
-        trajectory if cut)."""
+        """Run the calls of this turn and insert their results (cut to ``max_completion_tokens`` and the context,
+        ending the trajectory if cut)."""
         results = self.runner.run([(toolboxes[i], calls) for i, calls in calling])
         for (i, _), outcomes in zip(calling, results, strict=True):
             trajectories.failures[i] += sum(failed for _, failed in outcomes)
             tokens = self.turn_tokens([message for message, _ in outcomes])
-            bound = self.args.max_completion_tokens
-            if bound is not None and len(trajectories.ids[i]) + len(tokens) >= bound:
-                tokens = tokens[: max(0, bound - len(trajectories.ids[i]))]
+            room = self._room(trajectories, i)
+            if room is not None and len(tokens) >= room:
+                tokens = tokens[: max(0, room)]
                 trajectories.ended[i] = True
             trajectories.add(i, tokens, 0, [0.0] * len(tokens))
             trajectories.tool_turns[i] += 1
@@ -200,6 +246,36 @@ class AgentRollouts:
         """The tool statistics since the last call, averaged over batches."""
         stats, self.stats = self.stats, defaultdict(list)
         return {name: sum(values) / len(values) for name, values in stats.items() if values}
+
+
+def _by_name(functions: list[Callable], what: str) -> dict[str, Callable]:
+    """``functions`` by ``__name__``; two with one name are refused (the model could call only one of them)."""
+    named: dict[str, Callable] = {}
+    for function in functions:
+        name = getattr(function, "__name__", repr(function))
+        if name in named:
+            raise ValueError(
+                f"Two tools are named {name!r} in the {what}: the model calls a tool by name, so only one could ever "
+                "run. Rename one (def another_name(...)) or drop it."
+            )
+        named[name] = function
+    return named
+
+
+def _warn_if_the_template_hides_tools(tokenizer, schemas: list[dict]) -> None:
+    """A chat template without a tools block renders ``tools=`` as nothing, and the model never learns its tools."""
+    try:
+        shown = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tools=schemas, tokenize=False)
+    except Exception:  # no chat template: refused later with its own message
+        return
+    names = [schema["function"]["name"] for schema in schemas]
+    if not any(name in shown for name in names):
+        logger.warning(
+            "The chat template renders none of the tools %s: the prompts will not show them to the model. Use a "
+            "template with a tools block (Qwen's, Llama 3's; tokenizer.chat_template = …), or describe the tools in "
+            "the prompts yourself.",
+            names,
+        )
 
 
 class _Trajectories:

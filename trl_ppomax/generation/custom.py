@@ -3,27 +3,50 @@
 ``num_samples_per_prompt`` completions per prompt in a row per prompt. ``env_mask`` marks, per completion token, what
 the policy wrote (1) and what an environment or tool inserted (0): those tokens are attended to but never trained on
 (:attr:`~trl_ppomax.ppo.experience.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
-columns. The trainer scores the trajectories with its own forwards; ``logprobs`` (the sampler's, 0 where the
-environment wrote) corrects for another sampler with ``rollout_func_importance_sampling``, else it is checked only."""
+columns (a key that clashes with what they already receive is refused). The trainer scores the trajectories with its
+own forwards; ``logprobs`` (the sampler's, 0 where the environment wrote) corrects for another sampler with
+``rollout_func_importance_sampling`` (then they must be finite and ≤ 0), else it is checked only. Lists, tuples,
+tensors and numpy arrays are all taken; ids are checked against the vocabulary and the context."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import math
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from trl_ppomax.generation import Generated
 
-__all__ = ["REQUIRED_KEYS", "custom_rollout", "padded"]
+__all__ = ["REQUIRED_KEYS", "REWARD_KEYWORDS", "custom_rollout", "padded"]
 
+logger = logging.getLogger(__name__)
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+#: What a reward function already receives (:func:`~trl_ppomax.rewards.functions.call_reward_function`), besides the
+#: dataset's columns: an extra key of these names would silently replace it.
+REWARD_KEYWORDS = ("prompt", "prompts", "completions", "sequence_texts", "environments")
+#: Log-probs above this are impossible (≤ 0), beyond a low-precision sampler's rounding.
+_LOGPROB_ROUNDING = 1e-2
 
 
 def custom_rollout(
-    rollout_func: Callable, prompts: Sequence, trainer, samples_per_prompt: int, pad_token_id: int, device
+    rollout_func: Callable,
+    prompts: Sequence,
+    trainer,
+    samples_per_prompt: int,
+    pad_token_id: int,
+    device,
+    *,
+    columns: Collection[str] = (),
+    vocab_size: int | None = None,
+    context_length: int | None = None,
+    importance_sampling: bool = False,
 ):
     """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix): a
-    :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys."""
+    :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys. Refused: an extra key
+    named as a dataset column (``columns``) or one of :data:`REWARD_KEYWORDS`, an id outside ``[0, vocab_size)``, a
+    prompt and completion longer than ``context_length``, and (``importance_sampling``) log-probs that are not finite
+    or above 0."""
     output = rollout_func(list(prompts), trainer)
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict with the keys {list(REQUIRED_KEYS)}; got {type(output)}.")
@@ -32,6 +55,8 @@ def custom_rollout(
         raise ValueError(
             f"rollout_func must return the keys {list(REQUIRED_KEYS)} (and optionally 'env_mask'); {missing} missing."
         )
+    output = {key: _as_lists(value) if key in (*REQUIRED_KEYS, "env_mask") else value for key, value in output.items()}
+    _check_extra_keys(output, columns)
     rows = len(prompts) * samples_per_prompt
     completions = [list(ids) for ids in output["completion_ids"]]
     for key in (*REQUIRED_KEYS, "env_mask"):
@@ -41,11 +66,20 @@ def custom_rollout(
                 f"num_samples_per_prompt={samples_per_prompt}: one per completion ({rows}) is needed."
             )
     _check_per_token(output, completions)
+    _check_ids(output["prompt_ids"], completions, vocab_size, context_length)
+    if importance_sampling:
+        _check_logprobs(output["logprobs"])
     query_ids, query_mask = padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
     response_ids, response_mask = padded(completions, pad_token_id, "right")
     env_mask = None
     if "env_mask" in output:
         env_mask = padded([list(m) for m in output["env_mask"]], 0, "right")[0] * response_mask
+        if not env_mask.any():
+            logger.warning(
+                "rollout_func's env_mask is 0 on every completion token: nothing of this batch is the policy's, so "
+                "it trains on nothing. Mark the tokens the policy wrote with 1 (0 only where a tool or environment "
+                "inserted them)."
+            )
     extra = {
         key: _per_completion(value, rows) for key, value in output.items() if key not in (*REQUIRED_KEYS, "env_mask")
     }
@@ -55,6 +89,61 @@ def custom_rollout(
     tensors = (query_ids, query_mask, response_ids, response_mask, logprobs)
     env_mask = None if env_mask is None else env_mask.to(device)
     return Generated(*(t.to(device) for t in tensors), env_mask, extra)
+
+
+def _as_lists(value):
+    """A required key's (or ``env_mask``'s) tensor or numpy array, or list of them (one per completion), as nested
+    Python lists; anything else as is."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return value.tolist()
+    if isinstance(value, list | tuple) and value and all(hasattr(v, "tolist") for v in value):
+        return [v.tolist() for v in value]
+    return value
+
+
+def _check_extra_keys(output: dict, columns: Collection[str]) -> None:
+    """An extra key must not replace what the reward functions receive (TRL raises for these too)."""
+    for key in output:
+        if key in (*REQUIRED_KEYS, "env_mask"):
+            continue
+        if key in REWARD_KEYWORDS or key in columns:
+            what = "a dataset column" if key in columns else "what reward functions receive"
+            raise ValueError(
+                f"rollout_func returned the extra key {key!r}, which is {what}: passed on to the reward functions, "
+                f"it would replace it. Rename the key (e.g. {'rollout_' + key!r})."
+            )
+
+
+def _check_ids(prompt_ids: list, completions: list[list[int]], vocab_size: int | None, context: int | None) -> None:
+    """Every id in ``[0, vocab_size)`` (an id beyond it fails inside the embedding), prompt ⊕ completion within the
+    policy's context (positions beyond it are untrained or fail)."""
+    for row, (prompt, ids) in enumerate(zip(prompt_ids, completions, strict=True)):
+        for key, values in (("prompt_ids", prompt), ("completion_ids", ids)):
+            bad = [v for v in values if not 0 <= v < (vocab_size if vocab_size is not None else math.inf)]
+            if bad:
+                raise ValueError(
+                    f"rollout_func's '{key}' row {row} holds ids outside the policy's vocabulary [0, {vocab_size}): "
+                    f"{bad[:5]}. Tokenize with the trainer's processing_class (a sampler with another tokenizer, or a "
+                    "placeholder such as -100, gives such ids)."
+                )
+        if context is not None and len(prompt) + len(ids) > context:
+            raise ValueError(
+                f"rollout_func's row {row} has {len(prompt)} prompt and {len(ids)} completion tokens, more than the "
+                f"policy's context of {context} (max_position_embeddings). Bound the trajectory in rollout_func (e.g. "
+                "stop calling tools, or cut tool results) so prompt and completion fit."
+            )
+
+
+def _check_logprobs(logprobs: list) -> None:
+    """The sampler's log-probs weight the loss (importance sampling): each finite and ≤ 0 (a probability ≤ 1)."""
+    for row, values in enumerate(logprobs):
+        for position, value in enumerate(values):
+            if not math.isfinite(float(value)) or float(value) > _LOGPROB_ROUNDING:
+                raise ValueError(
+                    f"rollout_func's 'logprobs' row {row} token {position} is {value}: a log-probability is finite and "
+                    "≤ 0, and rollout_func_importance_sampling weights the loss by exp(π − logprobs). Return the "
+                    "sampler's log-probs of the sampled tokens (0 where a tool wrote), not logits or placeholders."
+                )
 
 
 def _check_per_token(output: dict, completions: list[list[int]]) -> None:

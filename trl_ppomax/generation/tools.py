@@ -6,12 +6,14 @@ sets one for the chat templates it knows: Qwen, Llama 3, GLM, gpt-oss, …), els
 ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` blocks. Results come back as ``{"role": "tool"}`` messages,
 whose tokens (:class:`ToolTurnTokens`) the environment inserts after the policy's stop token.
 
-A tool that raises, a call to an unknown tool, bad arguments or a malformed call is a **failure**: its error is the
-tool message the policy reads, and it is counted (``tools/failure_rate``), never raised."""
+A tool that raises (any exception, ``SystemExit`` from an argparse inside it included; only ``KeyboardInterrupt``
+stops the run), runs past ``timeout``, a call to an unknown tool, bad arguments or a malformed call is a **failure**:
+its error is the tool message the policy reads, and it is counted (``tools/failure_rate``), never raised."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import json
@@ -108,11 +110,15 @@ def _checked(name: str, arguments) -> ToolCall:
 
 class ToolRunner:
     """Runs parsed calls against a trajectory's tools (by name): sync tools in order, ``async def`` ones concurrently
-    across the whole batch on a private event loop (so an already running loop, e.g. Jupyter's, is never blocked).
-    Returns, per call, ``(tool message, failed)``."""
+    across the whole batch on a private event loop (so an already running loop, e.g. Jupyter's, is never blocked),
+    each bounded by ``timeout`` seconds when given (a sync tool then runs in a worker thread, which is left to finish
+    on its own). Returns, per call, ``(tool message, failed)``. :meth:`close` stops the loop's and workers' threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, timeout: float | None = None) -> None:
+        self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._workers: concurrent.futures.ThreadPoolExecutor | None = None
 
     def run(self, batch: Sequence[tuple[dict[str, Callable], list[ToolCall]]]) -> list[list[tuple[dict, bool]]]:
         """``batch``: per trajectory, its tools by name and its calls of this turn."""
@@ -137,20 +143,55 @@ class ToolRunner:
         if call.name not in tools:
             return _failure(call.name, f"there is no tool {call.name!r}; the tools are {sorted(tools)}")
         try:
-            value = tools[call.name](**call.arguments)
-        except Exception as error:  # a tool's own error, or arguments that do not fit its signature
+            value = self._call(tools[call.name], call.arguments)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # a tool's own error (SystemExit too), arguments that do not fit, a timeout
             return _failure(call.name, f"{type(error).__name__}: {error}")
         return value if inspect.isawaitable(value) else _message(call.name, value)
+
+    def _call(self, tool: Callable, arguments: dict):
+        if self.timeout is None or inspect.iscoroutinefunction(tool):
+            return tool(**arguments)
+        if self._workers is None:
+            self._workers = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="trl-ppomax-tool")
+        try:
+            return self._workers.submit(tool, **arguments).result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the tool ran past tool_timeout={self.timeout} s") from None
 
     def _await(self, awaitables: list) -> list:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="trl-ppomax-tools", daemon=True).start()
+            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="trl-ppomax-tools", daemon=True)
+            self._loop_thread.start()
+
+        async def guarded(awaitable):
+            try:
+                return await asyncio.wait_for(awaitable, self.timeout)
+            except asyncio.TimeoutError:
+                return TimeoutError(f"the tool ran past tool_timeout={self.timeout} s")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as error:  # SystemExit would otherwise stop the loop's thread
+                return error
 
         async def gather():
-            return await asyncio.gather(*awaitables, return_exceptions=True)
+            return await asyncio.gather(*(guarded(a) for a in awaitables))
 
         return asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+
+    def close(self) -> None:
+        """Stop the event loop's thread and the sync tools' workers (a tool still running is not waited for)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(10)
+            if not self._loop_thread.is_alive():
+                self._loop.close()
+            self._loop = self._loop_thread = None
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
+            self._workers = None
 
 
 def _message(name: str, value) -> tuple[dict, bool]:

@@ -189,6 +189,7 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
         "None lets the policy call tools until it stops or a budget ends the trajectory.",
     ),
     ("max_completion_tokens", "≥ 1, or None", "None bounds a trajectory by response_length and max_tool_turns alone."),
+    ("tool_timeout", "> 0, or None", "Seconds a tool call may take before it is a failure; None waits."),
     ("reward_winsorize", "> 0, or None", "k of the raw-score clip at k scales of the center; None disables it."),
     ("lam_critic", "in [0, 1], or None", "The critic's GAE λ (1: Monte-Carlo returns); None uses lam."),
     ("lam_alpha", "> 0, or None", "α of the length-adaptive policy λ = 1 − 1/(α·l); None uses lam."),
@@ -526,6 +527,11 @@ class PPOMaxConfig(TrainingArguments):
         None,
         "A trajectory's budget of tokens, the policy's and the tools' together (response_length bounds the policy's "
         "alone; a tool result that does not fit is cut and ends the trajectory); None: no bound beyond those.",
+    )
+    tool_timeout: float | None = _field(
+        None,
+        "Seconds a tool call may take (sync tools in a worker thread, async ones with asyncio.wait_for); a call past it "
+        "is a failure the policy reads ('TimeoutError: …') and counts in tools/failure_rate. None: wait for every call.",
     )
     rollout_func_importance_sampling: bool = _field(
         False,

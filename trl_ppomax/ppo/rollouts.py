@@ -15,6 +15,7 @@ from trl_ppomax.generation import Generated, generate_in_chunks
 from trl_ppomax.generation.custom import custom_rollout
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.ppo.experience import Rollout
+from trl_ppomax.ppo.setup import embedding_size
 
 
 class RolloutMixin:
@@ -52,8 +53,16 @@ class RolloutMixin:
         n, pad_id = self.args.num_samples_per_prompt, self.processing_class.pad_token_id
         prompts = self.prompts_of(query_ids, query_mask, columns)
 
+        policy = self.accelerator.unwrap_model(self.model).policy
+        checks = dict(
+            columns=set(columns),
+            vocab_size=embedding_size(policy),
+            context_length=data.model_context(policy),
+            importance_sampling=self.args.rollout_func_importance_sampling,
+        )
+
         def generate():
-            out = custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device)
+            out = custom_rollout(self.rollout_func, prompts, self, n, pad_id, self.accelerator.device, **checks)
             if not self.args.rollout_func_importance_sampling:
                 out.sampler_logprobs = None  # checked only: taken to be the policy's own samples
             return out

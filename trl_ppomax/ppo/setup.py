@@ -464,6 +464,8 @@ def check_rollout_sources(args, rollout_func=None, tools=None, environment_facto
             f"{type(environment_factory).__name__}."
         )
     agent = bool(tools) or environment_factory is not None
+    if not agent:
+        warn_agent_settings_without_an_agent(args, rollout_func is not None)
     if rollout_func is not None and agent:
         raise ValueError(
             "rollout_func writes the whole rollout, so it cannot be combined with tools or environment_factory (the "
@@ -478,14 +480,33 @@ def check_rollout_sources(args, rollout_func=None, tools=None, environment_facto
     return dict(rollout_func=rollout_func, tools=list(tools or []), environment_factory=environment_factory)
 
 
-def agent_and_reward_sources(args, tokenizer, reward_model, processing_classes, rollouts: dict, stop_id: int):
-    """The agent loop (None without ``tools`` and ``environment_factory``) and the reward sources: the user's, and the
-    environment's ``get_reward`` (weight 1, named after its class) when it has one."""
+def warn_agent_settings_without_an_agent(args, has_rollout_func: bool) -> None:
+    """The agent loop's settings, set without ``tools`` or ``environment_factory``, do nothing: say so (as the
+    critic's settings without a critic). ``train_on_env_tokens`` also acts on a ``rollout_func``'s ``env_mask``."""
+    unused = [
+        name for name in ("max_tool_turns", "max_completion_tokens", "tool_timeout") if getattr(args, name) is not None
+    ]
+    if args.train_on_env_tokens and not has_rollout_func:
+        unused.append("train_on_env_tokens")
+    if unused:
+        logger.warning(
+            "%s: not applied, the run has no agent loop (pass tools=[...] or environment_factory= to the trainer).",
+            ", ".join(f"{name}={getattr(args, name)!r}" for name in unused),
+        )
+
+
+def agent_and_reward_sources(
+    args, tokenizer, reward_model, processing_classes, rollouts: dict, stop_id: int, context: int | None = None
+):
+    """The agent loop (None without ``tools`` and ``environment_factory``; its trajectories bounded by the policy's
+    ``context``) and the reward sources: the user's, and the environment's ``get_reward`` (weight 1, named after its
+    class) when it has one."""
     from trl_ppomax.generation.agent import AgentRollouts, EnvironmentReward
 
     agent = None
     if rollouts["tools"] or rollouts["environment_factory"] is not None:
-        agent = AgentRollouts(args, tokenizer, rollouts["tools"], rollouts["environment_factory"], stop_id)
+        factory = rollouts["environment_factory"]
+        agent = AgentRollouts(args, tokenizer, rollouts["tools"], factory, stop_id, context_length=context)
     owned = agent is not None and callable(getattr(agent.environment_type, "get_reward", None))
     if not owned:
         if reward_model is None:
@@ -559,7 +580,8 @@ def set_up(
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
     stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     reward_model, classes = loaded["reward_model"], reward_processing_classes
-    agent, sources = agent_and_reward_sources(args, tokenizer, reward_model, classes, rollouts, stop_id)
+    context = data.model_context(model)
+    agent, sources = agent_and_reward_sources(args, tokenizer, reward_model, classes, rollouts, stop_id, context)
     if not args.uses_critic and value_model is not None:
         raise ValueError(
             f"value_model was passed, but advantage_estimator={args.advantage_estimator!r} needs no critic and builds "

@@ -225,6 +225,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         finally:
             if self.lagged is not None:  # the producer stopped and joined too (an error, Ctrl-C)
                 self.lagged.close()
+            if self.agent is not None:  # the async tools' loop thread (started again if evaluate() needs it)
+                self.agent.close()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
             self._load_best_model()
