@@ -21,6 +21,7 @@ def test_env_lists_versions(capsys):
     assert "- trl version:" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh interpreter importing the package: 8 s cold (.ci/run runs it)
 def test_console_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "trl_ppomax.cli", "presets"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -306,6 +307,7 @@ def test_consolidate_without_deepspeed_names_the_extra_in_one_line(tmp_path, cap
     assert "needs DeepSpeed, which is not installed" in error and 'pip install "trl-ppomax[deepspeed]"' in error
 
 
+@pytest.mark.slow  # a fresh interpreter: 10 s cold; the message is tested in process above (.ci/run runs it)
 def test_consolidate_without_deepspeed_prints_no_traceback(tmp_path):
     """The command as a user runs it, in a process where DeepSpeed cannot be imported: one line, no traceback."""
     folder = engine_only_folder(tmp_path)

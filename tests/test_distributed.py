@@ -11,6 +11,7 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_run.py"
 
 
+@pytest.mark.slow  # two training processes: 18 s cold (.ci/run runs it)
 def test_two_process_run_shares_global_statistics(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     command = [

@@ -23,6 +23,7 @@ def run_recipe(script: str, config: str, cwd: Path, *overrides: str) -> subproce
     return result
 
 
+@pytest.mark.slow  # the recipe in its own process: 10 s cold (.ci/run runs it)
 def test_reward_modeling_recipe_on_the_tiny_config(tmp_path):
     save_tiny_models(tmp_path / "tiny")
     run_recipe("reward_modeling.py", "reward_tiny_cpu.yaml", tmp_path, "--num_train_epochs", "1")
@@ -129,7 +130,7 @@ def run_ppo_recipe(cwd: Path, *launcher: str) -> str:
 
 @pytest.mark.parametrize(
     "processes",
-    [1, pytest.param(2, marks=pytest.mark.slow)],  # 2: ten seconds more; .ci/run runs it
+    [pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)],  # 15 s and 25 s cold; .ci/run runs them
 )
 def test_ppo_recipe_runs_the_tiny_config(tmp_path, processes):
     launcher = ["--num_processes", "1"] if processes == 1 else ["--multi_gpu", "--num_processes", "2"]

@@ -235,6 +235,7 @@ def test_ppo_max_trains_on_a_remote_reward_and_resumes_after_a_failure(server, t
     assert {"objective/scores", "rewards/remote_reward/mean"} <= logged
 
 
+@pytest.mark.slow  # the command line in its own process: 11 s cold (.ci/run runs it)
 def test_the_command_line_takes_a_reward_server_url(server, tmp_path):
     """`trl-ppomax ppo --reward_funcs URL` adds the server to the reward model (two iterations of the tiny config)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -158,6 +158,7 @@ def test_cli_tiny(tmp_path, capsys):
     assert json.loads((out / "prompts.jsonl").read_text().splitlines()[0]).keys() == {"prompt"}
 
 
+@pytest.mark.slow  # the command line in its own process: 10 s cold (.ci/run runs it)
 def test_cli_tiny_subprocess(tmp_path):
     out = tmp_path / "tiny"
     result = subprocess.run(
