@@ -84,10 +84,14 @@ def full_state(trainer) -> dict[str, torch.Tensor] | None:
     return state if trainer.accelerator.is_main_process else None
 
 
-def checksums(trainer, state: dict[str, torch.Tensor] | None = None) -> dict[str, float] | None:
-    """float64 sums of the full policy and critic weights (on the main process; None elsewhere), of ``state`` or
-    else of :func:`full_state` (a collective: every process must call it then)."""
-    state = full_state(trainer) if state is None else state
+def checksums(trainer) -> dict[str, float] | None:
+    """float64 sums of the full policy and critic weights (on the main process; None elsewhere). A collective: every
+    process must call it."""
+    return state_sums(full_state(trainer))
+
+
+def state_sums(state: dict[str, torch.Tensor] | None) -> dict[str, float] | None:
+    """float64 sums of the policy's and the critic's weights in ``state`` (None: not the main process)."""
     if state is None:
         return None
     sums = {"policy": 0.0, "critic": 0.0}
@@ -223,7 +227,7 @@ def main() -> None:
     initial = checksums(trainer)
     trainer.train(resume_from_checkpoint=True if options.resume else None)
     state = full_state(trainer)
-    final = checksums(trainer, state)
+    final = state_sums(state)
     if state is not None:  # the engine's trained critic, which a consolidated value_model/ must hold
         torch.save(sub_state_dict(state, "critic."), output / "engine_critic.pt")
     logits = fixed_input_logits(trainer)
