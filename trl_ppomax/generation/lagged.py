@@ -282,8 +282,9 @@ class LaggedRollouts:
         if self.thread is not threading.current_thread():
             self.thread.join(self.close_timeout)
         if self.thread.is_alive():
-            logger.warning("The rollout producer is still generating %.0f s after it was told to stop.",
-                           self.close_timeout)  # fmt: skip
+            logger.warning(
+                "The rollout producer is still generating %.0f s after it was told to stop.", self.close_timeout
+            )
         else:
             atexit.unregister(self.close)
 
