@@ -11,7 +11,6 @@ tensors and numpy arrays are all taken; ids are checked against the vocabulary a
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -66,11 +65,9 @@ def custom_rollout(
                 f"num_samples_per_prompt={samples_per_prompt}: one per completion ({rows}) is needed."
             )
     _check_per_token(output, completions)
-    _check_ids(output["prompt_ids"], completions, vocab_size, context_length)
-    if importance_sampling:
-        _check_logprobs(output["logprobs"])
     query_ids, query_mask = padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
     response_ids, response_mask = padded(completions, pad_token_id, "right")
+    _check_ids((query_ids, query_mask), (response_ids, response_mask), vocab_size, context_length)
     env_mask = None
     if "env_mask" in output:
         env_mask = padded([list(m) for m in output["env_mask"]], 0, "right")[0] * response_mask
@@ -86,6 +83,8 @@ def custom_rollout(
     logprobs = torch.zeros(response_ids.shape)
     for row, values in enumerate(output["logprobs"]):
         logprobs[row, : len(values)] = torch.as_tensor([float(v) for v in values])
+    if importance_sampling:
+        _check_logprobs(logprobs, response_mask)
     tensors = (query_ids, query_mask, response_ids, response_mask, logprobs)
     env_mask = None if env_mask is None else env_mask.to(device)
     return Generated(*(t.to(device) for t in tensors), env_mask, extra)
@@ -114,36 +113,40 @@ def _check_extra_keys(output: dict, columns: Collection[str]) -> None:
             )
 
 
-def _check_ids(prompt_ids: list, completions: list[list[int]], vocab_size: int | None, context: int | None) -> None:
-    """Every id in ``[0, vocab_size)`` (an id beyond it fails inside the embedding), prompt ⊕ completion within the
-    policy's context (positions beyond it are untrained or fail)."""
-    for row, (prompt, ids) in enumerate(zip(prompt_ids, completions, strict=True)):
-        for key, values in (("prompt_ids", prompt), ("completion_ids", ids)):
-            bad = [v for v in values if not 0 <= v < (vocab_size if vocab_size is not None else math.inf)]
-            if bad:
-                raise ValueError(
-                    f"rollout_func's '{key}' row {row} holds ids outside the policy's vocabulary [0, {vocab_size}): "
-                    f"{bad[:5]}. Tokenize with the trainer's processing_class (a sampler with another tokenizer, or a "
-                    "placeholder such as -100, gives such ids)."
-                )
-        if context is not None and len(prompt) + len(ids) > context:
+def _check_ids(prompts: tuple, completions: tuple, vocab_size: int | None, context: int | None) -> None:
+    """Every real id of the padded ``(ids, mask)`` prompts and completions in ``[0, vocab_size)`` (an id beyond it
+    fails inside the embedding), prompt ⊕ completion within the policy's context (positions beyond it are untrained
+    or fail)."""
+    for key, (ids, mask) in (("prompt_ids", prompts), ("completion_ids", completions)):
+        bad = mask.bool() & ((ids < 0) | (ids >= (vocab_size if vocab_size is not None else ids.max() + 1)))
+        if bad.any():
+            row = int(bad.any(1).nonzero()[0])
             raise ValueError(
-                f"rollout_func's row {row} has {len(prompt)} prompt and {len(ids)} completion tokens, more than the "
-                f"policy's context of {context} (max_position_embeddings). Bound the trajectory in rollout_func (e.g. "
-                "stop calling tools, or cut tool results) so prompt and completion fit."
+                f"rollout_func's '{key}' row {row} holds ids outside the policy's vocabulary [0, {vocab_size}): "
+                f"{ids[row][bad[row]].tolist()[:5]}. Tokenize with the trainer's processing_class (a sampler with "
+                "another tokenizer, or a placeholder such as -100, gives such ids)."
             )
+    lengths = prompts[1].sum(1) + completions[1].sum(1)
+    if context is not None and (lengths > context).any():
+        row = int((lengths > context).nonzero()[0])
+        raise ValueError(
+            f"rollout_func's row {row} has {int(prompts[1][row].sum())} prompt and {int(completions[1][row].sum())} "
+            f"completion tokens, more than the policy's context of {context} (max_position_embeddings). Bound the "
+            "trajectory in rollout_func (e.g. stop calling tools, or cut tool results) so prompt and completion fit."
+        )
 
 
-def _check_logprobs(logprobs: list) -> None:
-    """The sampler's log-probs weight the loss (importance sampling): each finite and ≤ 0 (a probability ≤ 1)."""
-    for row, values in enumerate(logprobs):
-        for position, value in enumerate(values):
-            if not math.isfinite(float(value)) or float(value) > _LOGPROB_ROUNDING:
-                raise ValueError(
-                    f"rollout_func's 'logprobs' row {row} token {position} is {value}: a log-probability is finite and "
-                    "≤ 0, and rollout_func_importance_sampling weights the loss by exp(π − logprobs). Return the "
-                    "sampler's log-probs of the sampled tokens (0 where a tool wrote), not logits or placeholders."
-                )
+def _check_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """The sampler's log-probs (B, T) weight the loss (importance sampling): each real one finite and ≤ 0."""
+    bad = mask.bool() & (~torch.isfinite(logprobs) | (logprobs > _LOGPROB_ROUNDING))
+    if bad.any():
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"rollout_func's 'logprobs' row {row} token {position} is {logprobs[row, position].item()}: a "
+            "log-probability is finite and ≤ 0, and rollout_func_importance_sampling weights the loss by "
+            "exp(π − logprobs). Return the sampler's log-probs of the sampled tokens (0 where a tool wrote), not "
+            "logits or placeholders."
+        )
 
 
 def _check_per_token(output: dict, completions: list[list[int]]) -> None:
