@@ -158,6 +158,7 @@ def test_the_critic_free_advantage_is_the_return_from_each_token():
 class PeerArgs:
     gamma, lam, lam_alpha, lam_critic, kl_coef = 1.0, None, None, None, PEERS["inputs"]["kl_coef"]
     whiten_rewards, num_samples_per_prompt = False, PEERS["inputs"]["group_size"]
+    group_std_eps, group_scale = 1e-6, "group"  # verl's ε, each prompt's std
 
 
 def our_advantages(name: str, kl_in_reward: bool) -> torch.Tensor:

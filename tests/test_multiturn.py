@@ -61,15 +61,13 @@ TOOL_RESULT = [5, 6, 7]  # the environment's tokens inserted between the two tur
 
 
 def two_turn_rollout(prompts, trainer):
-    """Turn 1 (3 tokens) by the policy, a tool result (3 tokens, env_mask 0), turn 2 (2 tokens) by the policy."""
+    """Turn 1 (3 tokens) by the policy, a tool result (3 tokens, env_mask 0), turn 2 (2 tokens) by the policy: one
+    completion per prompt given (TRL repeats each prompt num_generations times)."""
     tokenizer, policy = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model).policy
-    n, out = (
-        trainer.args.num_samples_per_prompt,
-        {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []},
-    )
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
     for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"]
-        for _ in range(n):
+        for _ in range(1):
             first = policy.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=3, min_new_tokens=3)[
                 0, len(ids) :
             ]
@@ -157,8 +155,11 @@ def test_rollout_func_output_is_checked_with_the_fix_named():
     assert batch.env_mask is None and batch.response_mask.tolist() == [[1, 1], [1, 0]]
     with pytest.raises(ValueError, match=r"\['logprobs'\] missing"):
         custom_rollout(lambda p, t: {"prompt_ids": [], "completion_ids": []}, prompts, None, 1, 0, "cpu")
-    with pytest.raises(ValueError, match="one per completion \\(4\\)"):
+    with pytest.raises(ValueError, match=r"for the 4 prompts it was given .*one completion per prompt given"):
         custom_rollout(lambda p, t: good, prompts, None, 2, 0, "cpu")
+    seen = []  # TRL's contract: each prompt repeated num_generations times, in a row
+    custom_rollout(lambda p, t: seen.extend(p) or {k: v * 2 for k, v in good.items()}, prompts, None, 2, 0, "cpu")
+    assert seen == ["a b", "a b", "c d", "c d"]
     with pytest.raises(ValueError, match="'env_mask' row 1 has 2 entries for 1"):
         custom_rollout(lambda p, t: {**good, "env_mask": [[1, 0], [1, 1]]}, prompts, None, 1, 0, "cpu")
     with pytest.raises(ValueError, match="0 \\(environment\\) or 1"):
@@ -177,7 +178,7 @@ def fixed_rollout(offset: float):
 
     def rollout_func(prompts, trainer):
         completion, env_mask = [4, 5, 6, 7, 8, 3], [1, 1, 0, 0, 1, 1]
-        rows = len(prompts) * trainer.args.num_samples_per_prompt
+        rows = len(prompts)  # each prompt repeated num_samples_per_prompt times, as TRL passes them
         ids = trainer.processing_class(prompts[0])["input_ids"]
         return {"prompt_ids": [ids] * rows, "completion_ids": [completion] * rows, "env_mask": [env_mask] * rows,
                 "logprobs": [[offset] * len(completion)] * rows}  # fmt: skip

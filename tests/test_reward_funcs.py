@@ -120,13 +120,12 @@ def test_reward_model_with_its_own_tokenizer(tmp_path):
         assert score.item() == pytest.approx(alone.item(), abs=1e-5)
 
 
-def test_own_tokenizer_models_need_a_value_model():
+def test_the_critic_comes_from_the_policy_without_a_reward_model_on_its_tokens():
     other = build_llama_style_tokenizer()
     foreign = AutoModelForSequenceClassification.from_config(llama_config(other, num_labels=1, pad_token_id=0))
-    with pytest.raises(ValueError, match=r"own tokenizer.*Pass a value_model"):
-        rewards.RewardSources([foreign], processing_classes=[other]).critic_source()
-    with pytest.raises(ValueError, match=r"the reward is a function\. Pass a value_model"):
-        rewards.RewardSources([len]).critic_source()
+    assert rewards.RewardSources([foreign], processing_classes=[other]).critic_source() is None
+    assert rewards.RewardSources([len]).critic_source() is None
+    assert rewards.RewardSources([len, foreign], [None, other]).critic_source(value_model=foreign) is foreign
 
 
 def test_old_positional_form_still_works(tmp_path):

@@ -129,9 +129,13 @@ def test_reward_callable_scores_decoded_texts_and_missing_eos_penalty(tmp_path):
     torch.testing.assert_close(rollout.scores, expected)
 
 
-def test_reward_callable_needs_value_model_and_checked_output(tmp_path):
-    with pytest.raises(ValueError, match="value_model"):
-        make_trainer(tmp_path, reward=lambda p, c: [0.0] * len(p))
+def test_reward_callable_without_value_model_gets_the_policy_as_critic_and_checked_output(tmp_path):
+    trainer = make_trainer(tmp_path, reward=lambda p, c: [0.0] * len(p))
+    both = trainer.accelerator.unwrap_model(trainer.model)
+    policy, critic = both.policy.state_dict(), both.critic.state_dict()
+    shared = [key for key in critic if key in policy]
+    assert shared and all(torch.equal(critic[key], policy[key]) for key in shared)  # the policy's backbone
+    assert not critic["score.weight"].any()  # a fresh scalar head, V = 0 until the warm-up fits it
     trainer = make_trainer(tmp_path, reward=lambda p, c: [0.0], value_model=build_models()[2])
     with pytest.raises(ValueError, match="one number per completion"):
         first_rollout(trainer)

@@ -54,6 +54,11 @@ class PolicyAndCritic(nn.Module):
         """The critic, under trl 1.12's name (``trainer.model.value_model``)."""
         return self.critic
 
+    def generate(self, *args, **kwargs):
+        """The policy's ``generate`` (``trainer.model.generate``, as TRL GRPO's trainer model has it): rollouts call
+        it here, so a test patching ``trainer.model.generate`` scripts them."""
+        return self.policy.generate(*args, **kwargs)
+
     def forward(self, inputs: dict, response_width: int, ptx_inputs: dict | None = None):
         logits = response_logits(self.policy, inputs, response_width)
         values = token_values(self.critic, inputs, response_width) if self.critic is not None else None
@@ -184,6 +189,38 @@ def critic_from(value_model: nn.Module | None, reward_model) -> nn.Module:
     return value_model if value_model is not None else copy.deepcopy(reward_model).requires_grad_(True)
 
 
+def critic_from_policy(policy: nn.Module) -> nn.Module:
+    """A critic initialised from the policy (verl's and OpenRLHF's default): its architecture as a
+    ``*ForSequenceClassification`` with one label, the policy's backbone weights (a PEFT policy's adapter merged into
+    a copy), a fresh scalar head (zeros: V = 0 until the critic warm-up fits it). One more copy of the policy's
+    weights, trained with its own Adam states."""
+    from transformers import AutoModelForSequenceClassification
+
+    base = copy.deepcopy(policy).merge_and_unload() if is_peft(policy) else policy
+    config = copy.deepcopy(base.config)
+    config.num_labels, config.problem_type = 1, None
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = getattr(base.generation_config, "pad_token_id", None) or config.eos_token_id
+    try:
+        critic = AutoModelForSequenceClassification.from_config(config, dtype=base.dtype)
+    except ValueError as error:
+        raise ValueError(
+            f"No critic can be built from the policy ({type(base).__name__}: {error}); pass value_model= (an "
+            "AutoModelForSequenceClassification with num_labels=1) or a reward model."
+        ) from error
+    missing, _ = critic.load_state_dict(base.state_dict(), strict=False)
+    head = [key for key in missing if key.split(".")[0] in SCORE_HEAD_NAMES]
+    if len(head) != len(missing):
+        raise ValueError(
+            f"The policy's weights do not fit {type(critic).__name__}'s backbone ({len(missing) - len(head)} missing, "
+            f"e.g. {sorted(set(missing) - set(head))[0]}); pass value_model= (a critic with num_labels=1)."
+        )
+    for name in head:
+        nn.init.zeros_(critic.get_parameter(name))
+    logger.info("The critic is the policy with a fresh scalar head (%s): no reward model to initialise it from.", head)
+    return critic.requires_grad_(True)
+
+
 def warn_new_value_head(folder: str, missing_keys) -> None:
     """After ``value_model=folder`` was loaded with ``AutoModelForSequenceClassification``: warn when ``from_pretrained``
     left the scalar head newly initialised (its weights, :data:`SCORE_HEAD_NAMES`, among ``missing_keys``), as for a
@@ -212,12 +249,16 @@ def check_single_label(model) -> None:
 
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
     """``(policy, reference, critic)`` from the trainer's arguments (checked by
-    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), dropout off everywhere (PPO's ratio must start at 1); no
-    critic without a ``reward_model`` to initialise it from (a critic-free advantage estimator)."""
+    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), dropout off everywhere (PPO's ratio must start at 1). The
+    critic: ``value_model``, else a copy of ``reward_model`` (the reward model it is initialised from), else, with
+    reward functions or an environment only, the policy with a fresh scalar head; none for a critic-free
+    advantage estimator."""
     policy, reference = policy_and_reference(model, ref_model, peft_config)
     if is_peft(policy) and args.model_adapter_name:
         policy.set_adapter(args.model_adapter_name)
-    critic = critic_from(value_model, reward_model) if reward_model is not None else None
+    critic = None
+    if args.uses_critic:
+        critic = critic_from(value_model, reward_model) if reward_model is not None else critic_from_policy(policy)
     for module in (m for m in (policy, critic, reference, reward_model) if isinstance(m, nn.Module)):
         disable_dropout_in_model(module)
     for scorer in (reward_model, critic):

@@ -78,14 +78,20 @@ class ShuffledBatches:
 
 
 def tokenize_prompt(
-    prompt: str | list[dict], tokenizer: PreTrainedTokenizerBase, tools: list | None = None
+    prompt: str | list[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The ids of one prompt as the model family was trained: a conversation's chat-template text (with the ``tools``'
-    JSON schemas, if any) with only the template's special tokens (``add_special_tokens=False``, as TRL's SFT); plain
+    JSON schemas, if any, and ``template_kwargs``: TRL GRPO's ``chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``) with only the template's special tokens (``add_special_tokens=False``, as TRL's SFT); plain
     text by the tokenizer's own rule (e.g. LLaMA's BOS in front, as the MOSS-RLHF release). Never two BOS: the text's
     own and the tokenizer's."""
     if is_conversational({"prompt": prompt}):
-        text = tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            prompt, tools=tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt)["input_ids"]
@@ -113,6 +119,7 @@ def prepare_prompt_dataset(
     truncate: bool = True,
     name: str = "The prompt dataset",
     max_kept_length: int | None = None,
+    template_kwargs: dict | None = None,
 ) -> Dataset:
     """Tokenized prompts (``input_ids``) from ``input_ids`` (trl 1.12; kept as they are) or ``prompt`` (text or
     conversation, :func:`tokenize_prompt`), as the MOSS-RLHF release (``ppo_datahelper.py``): a conversation with an
@@ -135,28 +142,31 @@ def prepare_prompt_dataset(
     if "prompt" in columns:
         _refuse_unknown_roles(dataset["prompt"], name)
     if "input_ids" not in columns:
-        dataset = _tokenize_prompts(_drop_empty_turns(dataset, num_proc, name), tokenizer, num_proc, max_prompt_length)
+        kept = _drop_empty_turns(dataset, num_proc, name)
+        dataset = _tokenize_prompts(kept, tokenizer, num_proc, max_prompt_length, template_kwargs)
         _refuse_empty_prompts(dataset["input_ids"], "input_ids", name, tokenized=True)
     elif "prompt" in columns:
-        _check_prompts_match_ids(dataset, tokenizer, num_proc, name)
+        _check_prompts_match_ids(dataset, tokenizer, num_proc, name, template_kwargs)
     if not max_prompt_length:
         return dataset
     return _limit_prompt_length(dataset, max_prompt_length, max_kept_length or max_prompt_length, truncate, name)
 
 
-def _tokenize_prompts(dataset: Dataset, tokenizer, num_proc: int | None, max_prompt_length: int | None) -> Dataset:
+def _tokenize_prompts(
+    dataset: Dataset, tokenizer, num_proc: int | None, max_prompt_length: int | None, template_kwargs: dict | None
+) -> Dataset:
     """An ``input_ids`` column; conversations over ``max_prompt_length`` lose their oldest whole turns, down to the
     last turn alone (the release drops while too long and more than one turn remains)."""
 
     def fits(kept: list[dict]) -> bool:
-        return len(tokenize_prompt(kept, tokenizer)) <= max_prompt_length
+        return len(tokenize_prompt(kept, tokenizer, template_kwargs=template_kwargs)) <= max_prompt_length
 
     def tokenize(example: dict) -> dict:
         prompt = example["prompt"]
         if max_prompt_length and is_conversational({"prompt": prompt}):
             system, turns = _split_system(prompt)
             prompt = drop_oldest_turns(prompt, fits) or system + turns[-1:]
-        return {"input_ids": tokenize_prompt(prompt, tokenizer)}
+        return {"input_ids": tokenize_prompt(prompt, tokenizer, template_kwargs=template_kwargs)}
 
     dropped = [c for c in ("attention_mask", "loss_mask") if c in dataset.column_names]
     return dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc="Tokenizing prompts")
@@ -254,11 +264,14 @@ def _refuse_empty_prompts(prompts, column: str, name: str, tokenized: bool = Fal
         )
 
 
-def _check_prompts_match_ids(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc, name: str) -> None:
+def _check_prompts_match_ids(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, num_proc, name: str, template_kwargs: dict | None = None
+) -> None:
     """Refuse ``prompt`` and ``input_ids`` columns whose ids are not the tokenized prompt (which one is meant?)."""
 
     def same(example: dict) -> dict:
-        return {"same": tokenize_prompt(example["prompt"], tokenizer) == list(example["input_ids"])}
+        ids = tokenize_prompt(example["prompt"], tokenizer, template_kwargs=template_kwargs)
+        return {"same": ids == list(example["input_ids"])}
 
     flags = dataset.map(same, remove_columns=dataset.column_names, num_proc=num_proc, desc="Comparing columns")
     differ = [i for i, ok in enumerate(flags["same"]) if not ok]
@@ -351,6 +364,7 @@ def prompt_preparer(args, tokenizer: PreTrainedTokenizerBase, policy) -> Callabl
         max_prompt_length=longest if args.max_prompt_length is None else args.max_prompt_length,
         truncate=args.truncate_long_prompts,
         max_kept_length=longest,
+        template_kwargs=args.chat_template_kwargs,
     )
 
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from trl_ppomax.generation import correction
 from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
@@ -172,9 +178,11 @@ def generation_kwargs(
     args, stop_token_id: int | None, pad_token_id: int, sampling: bool = True, prompt_width: int = 0
 ) -> dict:
     """``generate()`` arguments of a rollout: at most ``response_length`` new tokens, ending at the stop token;
-    greedy, or sampled (top-k off) through, in this order, the repetition penalty on the tokens **generated so far**
-    (the prompt, ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated
-    tokens only, whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature and top-p."""
+    greedy, or sampled through, in this order, the repetition penalty on the tokens **generated so far** (the prompt,
+    ``prompt_width`` left-padded columns, is exempt: §6.1 and the release penalise previously generated tokens only,
+    whereas ``generate(repetition_penalty=…)`` also penalises the prompt), the temperature, TRL GRPO's ``top_k`` (0 or
+    None: off), top-p and ``min_p``; then TRL's ``cache_implementation`` and ``generation_kwargs`` (applied last,
+    as TRL applies them)."""
     kwargs = dict(
         max_new_tokens=args.response_length, eos_token_id=stop_token_id, pad_token_id=pad_token_id, do_sample=sampling
     )
@@ -184,7 +192,13 @@ def generation_kwargs(
             processors.append(GeneratedTokensPenalty(args.repetition_penalty, prompt_width))
         if args.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(args.temperature))
+        if getattr(args, "top_k", None):
+            processors.append(TopKLogitsWarper(args.top_k))
         if args.top_p < 1.0:
             processors.append(NucleusFilter(args.top_p))
+        if getattr(args, "min_p", None):
+            processors.append(MinPLogitsWarper(args.min_p))
         kwargs.update(temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(processors))
-    return kwargs
+    if getattr(args, "cache_implementation", None) is not None:
+        kwargs["cache_implementation"] = args.cache_implementation
+    return {**kwargs, **(getattr(args, "generation_kwargs", None) or {})}

@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
+from trl import is_conversational
 
 from trl_ppomax import data
 from trl_ppomax.generation import Generated
@@ -86,30 +87,37 @@ class EnvironmentReward(RewardSource):
 
 class AgentRollouts:
     """The multi-turn loop for one trainer (see the module docstring). ``tools``: the functions every trajectory may
-    call; ``environment_factory``: a zero-argument callable making an environment (checked here: it needs ``reset``).
-    :meth:`generate` returns a :class:`~trl_ppomax.generation.Generated` of trajectories and the tool statistics
+    call; ``environment_factory``: a zero-argument callable making an environment (checked here: it needs ``reset``),
+    or TRL's dict of them by name, each row's ``environment`` column choosing its own (only that environment's
+    methods are its tools). :meth:`generate` returns a :class:`~trl_ppomax.generation.Generated` of trajectories, with
+    TRL's ``completions`` (the messages of each trajectory) for conversational prompts, and the tool statistics
     (``pop_metrics``)."""
 
     def __init__(
         self, args, tokenizer, tools, environment_factory, stop_token_id: int, *, context_length: int | None = None
     ) -> None:
         self.args, self.tokenizer, self.stop_token_id = args, tokenizer, stop_token_id
-        self.context_length, self.factory = context_length, environment_factory
+        self.context_length = context_length
+        self.named = isinstance(environment_factory, dict)
+        self.factories = (
+            dict(environment_factory)
+            if self.named
+            else {}
+            if environment_factory is None
+            else {None: environment_factory}
+        )
         self.tools = _by_name(tools or [], "tools")
-        self.pool: list = []
-        functions = list(self.tools.values())
-        if environment_factory is not None:
-            probe = self._new_environment()
-            self.pool.append(probe)
+        self.pools: dict = {name: [self._new_environment(name)] for name in self.factories}
+        self.schemas = {None: [tool_schema(function) for function in self.tools.values()]}
+        for name, (probe,) in self.pools.items():
             methods = environment_methods(probe)
             _by_name([*self.tools.values(), *methods.values()], f"tools and {type(probe).__name__}'s methods")
-            functions += list(methods.values())
-        if not functions:
-            raise ValueError("The agent has no tool: pass tools=[...] or an environment with public methods.")
-        self.schemas = [tool_schema(function) for function in functions]
-        _warn_if_the_template_hides_tools(tokenizer, self.schemas)
+            self.schemas[name] = [*self.schemas[None], *(tool_schema(method) for method in methods.values())]
+        self.kwargs = dict(getattr(args, "chat_template_kwargs", None) or {})
+        if any(self.schemas.values()):
+            _warn_if_the_template_hides_tools(tokenizer, [s for schemas in self.schemas.values() for s in schemas])
+            self.turn_tokens = ToolTurnTokens(tokenizer, stop_token_id, self.kwargs)
         self.parse = tool_call_parser(tokenizer)
-        self.turn_tokens = ToolTurnTokens(tokenizer, stop_token_id)
         self.runner, self.stats = ToolRunner(timeout=getattr(args, "tool_timeout", None)), defaultdict(list)
 
     def close(self) -> None:
@@ -117,11 +125,12 @@ class AgentRollouts:
         self.runner.close()
 
     @property
-    def environment_type(self) -> type | None:
-        return type(self.pool[0]) if self.pool else None
+    def environment_types(self) -> list[type]:
+        """The classes of the environments, once each, in the order of their names."""
+        return list(dict.fromkeys(type(pool[0]) for pool in self.pools.values()))
 
-    def _new_environment(self):
-        environment = self.factory()
+    def _new_environment(self, name):
+        environment = self.factories[name]()
         if not callable(getattr(environment, "reset", None)):
             raise ValueError(
                 f"environment_factory made a {type(environment).__name__} without a reset() method: an environment "
@@ -139,12 +148,16 @@ class AgentRollouts:
         """``n`` trajectories per prompt (row ``i·n + j``: prompt ``i``'s ``j``-th), ``prompts`` the batch's ``prompt``
         column (conversations get the tools' schemas through the chat template) and ``rows`` its other columns."""
         rows = data.repeat_rows({**rows, "prompt": list(prompts)}, n)
-        environments = self._environments(len(rows["prompt"]))
+        names = self._environment_names(rows)
+        environments = self._environments(names)
         prompts = [self._prompt(i, rows, environments) for i in range(len(rows["prompt"]))]
-        prompt_ids = [data.tokenize_prompt(p, self.tokenizer, self.schemas) for p in prompts]
+        schemas = [self.schemas[name] for name in names]
+        prompt_ids = [
+            data.tokenize_prompt(p, self.tokenizer, s, self.kwargs) for p, s in zip(prompts, schemas, strict=True)
+        ]
         toolboxes = [{**self.tools, **(environment_methods(e) if e is not None else {})} for e in environments]
         trajectories = _Trajectories(prompt_ids)
-        self._turns(engine, trajectories, toolboxes, sampling, device)
+        self._turns(engine, trajectories, toolboxes, schemas, sampling, device)
         query_ids, query_mask = padded(prompt_ids, pad_id, "left")
         response_ids, response_mask = padded(trajectories.ids, pad_id, "right")
         env_mask = padded(trajectories.env_mask, 0, "right")[0]
@@ -153,33 +166,61 @@ class AgentRollouts:
             sampler = torch.zeros(response_ids.shape)
             for i, row in enumerate(trajectories.logprobs):
                 sampler[i, : len(row)] = torch.tensor(row)
-        columns = {"environments": environments} if self.factory is not None else {}
+        columns = {"environments": environments} if self.factories else {}
+        if is_conversational({"prompt": prompts[0]}):  # TRL's completions: the trajectory's messages
+            columns["completions"] = trajectories.messages
         self._record(trajectories)
         tensors = (query_ids, query_mask, response_ids, response_mask, sampler, env_mask)
         return Generated(*(None if t is None else t.to(device) for t in tensors), columns)
 
-    def _environments(self, count: int) -> list:
-        if self.factory is None:
+    def _environment_names(self, rows: dict[str, list]) -> list:
+        """Each row's environment: its ``environment`` column's name with a dict of factories, else the one (None)."""
+        count = len(rows["prompt"])
+        if not self.named:
             return [None] * count
-        while len(self.pool) < count:
-            self.pool.append(self._new_environment())
-        return self.pool[:count]
+        names = rows.get("environment")
+        if names is None:
+            raise ValueError(
+                f"environment_factory is a dict of environments ({list(self.factories)}): each row must name its own "
+                "in an 'environment' column (TRL's contract); the dataset has none."
+            )
+        unknown = sorted({name for name in names if name not in self.factories}, key=str)
+        if unknown:
+            raise ValueError(
+                f"Rows name the environment {unknown[0]!r}, which is not among the environments passed to "
+                f"environment_factory: {list(self.factories)}."
+            )
+        return list(names)
 
-    @staticmethod
-    def _prompt(i: int, rows: dict[str, list], environments: list):
+    def _environments(self, names: list) -> list:
+        """One pooled instance per row (more made as a batch needs them), or None without environments."""
+        if not self.factories:
+            return [None] * len(names)
+        handed: dict = defaultdict(int)
+        environments = []
+        for name in names:
+            pool = self.pools[name]
+            if handed[name] == len(pool):
+                pool.append(self._new_environment(name))
+            environments.append(pool[handed[name]])
+            handed[name] += 1
+        return environments
+
+    def _prompt(self, i: int, rows: dict[str, list], environments: list):
         """Prompt ``i`` after its environment's ``reset(**row)`` (a returned string is appended to the last user
-        message, or to a text prompt)."""
+        message, or to a text prompt; the ``environment`` column, a dict's routing key, is not passed)."""
         prompt, environment = rows["prompt"][i], environments[i]
         if environment is None:
             return prompt
-        observation = environment.reset(**{key: values[i] for key, values in rows.items()})
+        row = {key: values[i] for key, values in rows.items() if not (self.named and key == "environment")}
+        observation = environment.reset(**row)
         if not observation:
             return prompt
         if isinstance(prompt, str):
             return prompt + observation
         return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
-    def _turns(self, engine, trajectories: _Trajectories, toolboxes: list[dict], sampling: bool, device) -> None:
+    def _turns(self, engine, trajectories: _Trajectories, toolboxes: list[dict], schemas, sampling: bool, device):
         """Policy turns and tool results until every trajectory ended."""
         active = list(range(len(toolboxes)))
         for turn in itertools.count():
@@ -195,12 +236,15 @@ class AgentRollouts:
                 length = min(int(mask[k].sum()), budgets[i])
                 written = ids[k, :length].tolist()
                 trajectories.add(i, written, 1, None if logprobs is None else logprobs[k, :length].tolist())
+                message, calls = self.parse(written, contexts[k], schemas[i])
+                trajectories.messages[i].append(message)
+                calls = calls if schemas[i] else []  # no tool to call (an environment without methods): one turn
                 if not written or written[-1] != self.stop_token_id:
                     continue  # cut by a budget: the trajectory ends
-                calls = self.parse(self.tokenizer.decode(written), self.tokenizer.decode(contexts[k]), self.schemas)
-                trajectories.calls[i] += len(calls)
                 if calls and (self.args.max_tool_turns is None or turn < self.args.max_tool_turns):
-                    calling.append((i, calls))
+                    calling.append((i, calls))  # counted as TRL counts them: the calls that run
+                    trajectories.calls[i] += len(calls)
+                    trajectories.malformed[i] += sum(call.error is not None for call in calls)
             active = [i for i, _ in calling]
             self._tool_results(trajectories, toolboxes, calling)
 
@@ -227,7 +271,9 @@ class AgentRollouts:
         results = self.runner.run([(toolboxes[i], calls) for i, calls in calling])
         for (i, _), outcomes in zip(calling, results, strict=True):
             trajectories.failures[i] += sum(failed for _, failed in outcomes)
-            tokens = self.turn_tokens([message for message, _ in outcomes])
+            messages = [message for message, _ in outcomes]
+            trajectories.messages[i] += messages
+            tokens = self.turn_tokens(messages)
             room = self._room(trajectories, i)
             if room is not None and len(tokens) >= room:
                 tokens = tokens[: max(0, room)]
@@ -236,9 +282,14 @@ class AgentRollouts:
             trajectories.tool_turns[i] += 1
 
     def _record(self, trajectories: _Trajectories) -> None:
-        calls, failures = sum(trajectories.calls), sum(trajectories.failures)
-        self.stats[M.TOOL_CALL_FREQUENCY].append(calls / len(trajectories.ids))
-        self.stats[M.TOOL_TURNS].append(sum(trajectories.tool_turns) / len(trajectories.ids))
+        """TRL's ``tools/call_frequency`` (well-formed calls per trajectory) and ``tools/failure_frequency`` (the share
+        of them that failed, 0 without calls), our ``tools/failure_rate`` (malformed calls included) and turns."""
+        calls, failures, malformed = (sum(counts) for counts in (trajectories.calls, trajectories.failures,
+                                                                  trajectories.malformed))  # fmt: skip
+        count, well_formed = len(trajectories.ids), calls - malformed
+        self.stats[M.TOOL_CALL_FREQUENCY].append(well_formed / count)
+        self.stats[M.TOOL_FAILURE_FREQUENCY].append((failures - malformed) / well_formed if well_formed else 0.0)
+        self.stats[M.TOOL_TURNS].append(sum(trajectories.tool_turns) / count)
         if calls:
             self.stats[M.TOOL_FAILURE_RATE].append(failures / calls)
 
@@ -285,6 +336,8 @@ class _Trajectories:
         count = len(prompt_ids)
         self.prompt_ids, self.ids, self.env_mask = prompt_ids, [[] for _ in range(count)], [[] for _ in range(count)]
         self.logprobs: list[list[float]] = [[] for _ in range(count)]
+        self.messages: list[list[dict]] = [[] for _ in range(count)]  # TRL's completions: assistant and tool turns
+        self.malformed = [0] * count
         self.has_sampler_logprobs = True
         self.ended, self.calls, self.failures, self.tool_turns = [False] * count, [0] * count, [0] * count, [0] * count
 

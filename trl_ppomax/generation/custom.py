@@ -1,6 +1,7 @@
 """Rollouts written by the user's ``rollout_func`` (TRL ``GRPOTrainer``'s contract): ``rollout_func(prompts, trainer)
--> {"prompt_ids", "completion_ids", "logprobs", optional "env_mask", ...}``, one entry per completion,
-``num_samples_per_prompt`` completions per prompt in a row per prompt. ``env_mask`` marks, per completion token, what
+-> {"prompt_ids", "completion_ids", "logprobs", optional "env_mask", ...}``, as TRL calls it: ``prompts`` holds each of
+the batch's prompts ``num_samples_per_prompt`` times in a row (TRL's ``num_generations``), and the output one entry
+per given prompt. ``env_mask`` marks, per completion token, what
 the policy wrote (1) and what an environment or tool inserted (0): those tokens are attended to but never trained on
 (:attr:`~trl_ppomax.ppo.experience.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
 columns (a key that clashes with what they already receive is refused). The trainer scores the trajectories with its
@@ -41,12 +42,13 @@ def custom_rollout(
     context_length: int | None = None,
     importance_sampling: bool = False,
 ):
-    """Call ``rollout_func(prompts, trainer)`` and check its output (clear errors naming the key and the fix): a
+    """Call ``rollout_func(prompts, trainer)``, each prompt repeated ``samples_per_prompt`` times, and check its output (clear errors naming the key and the fix): a
     :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys. Refused: an extra key
     named as a dataset column (``columns``) or one of :data:`REWARD_KEYWORDS`, an id outside ``[0, vocab_size)``, a
     prompt and completion longer than ``context_length``, and (``importance_sampling``) log-probs that are not finite
     or above 0."""
-    output = rollout_func(list(prompts), trainer)
+    given = [prompt for prompt in prompts for _ in range(samples_per_prompt)]  # as TRL passes them
+    output = rollout_func(given, trainer)
     if not isinstance(output, dict):
         raise TypeError(f"rollout_func must return a dict with the keys {list(REQUIRED_KEYS)}; got {type(output)}.")
     missing = [key for key in REQUIRED_KEYS if key not in output]
@@ -56,14 +58,9 @@ def custom_rollout(
         )
     output = {key: _as_lists(value) if key in (*REQUIRED_KEYS, "env_mask") else value for key, value in output.items()}
     _check_extra_keys(output, columns)
-    rows = len(prompts) * samples_per_prompt
+    rows = len(given)
+    _check_counts(output, rows, samples_per_prompt)
     completions = [list(ids) for ids in output["completion_ids"]]
-    for key in (*REQUIRED_KEYS, "env_mask"):
-        if key in output and len(output[key]) != rows:
-            raise ValueError(
-                f"rollout_func returned {len(output[key])} '{key}' for {len(prompts)} prompts × "
-                f"num_samples_per_prompt={samples_per_prompt}: one per completion ({rows}) is needed."
-            )
     _check_per_token(output, completions)
     query_ids, query_mask = padded([list(ids) for ids in output["prompt_ids"]], pad_token_id, "left")
     response_ids, response_mask = padded(completions, pad_token_id, "right")
@@ -88,6 +85,17 @@ def custom_rollout(
     tensors = (query_ids, query_mask, response_ids, response_mask, logprobs)
     env_mask = None if env_mask is None else env_mask.to(device)
     return Generated(*(t.to(device) for t in tensors), env_mask, extra)
+
+
+def _check_counts(output: dict, rows: int, samples_per_prompt: int) -> None:
+    """One entry of each required key (and ``env_mask``) per prompt given."""
+    for key in (*REQUIRED_KEYS, "env_mask"):
+        if key in output and len(output[key]) != rows:
+            raise ValueError(
+                f"rollout_func returned {len(output[key])} '{key}' for the {rows} prompts it was given (the batch's "
+                f"{rows // samples_per_prompt} prompts, each repeated num_samples_per_prompt={samples_per_prompt} "
+                "times, as TRL passes them): one completion per prompt given is needed."
+            )
 
 
 def _as_lists(value):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import json
 import re
@@ -24,7 +25,15 @@ from dataclasses import dataclass
 
 from transformers.utils import get_json_schema
 
-__all__ = ["ToolCall", "ToolRunner", "ToolTurnTokens", "parse_tool_calls", "tool_call_parser", "tool_schema"]
+__all__ = [
+    "ToolCall",
+    "ToolRunner",
+    "ToolTurnTokens",
+    "end_of_turn_token",
+    "parse_tool_calls",
+    "tool_call_parser",
+    "tool_schema",
+]
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _SENTINEL = "\u2063TRL_PPOMAX_TURN\u2063"  # an assistant turn's content when rendering the environment's tokens
@@ -52,25 +61,49 @@ def tool_schema(function: Callable) -> dict:
         ) from error
 
 
-def tool_call_parser(tokenizer) -> Callable[[str, str, list[dict]], list[ToolCall]]:
-    """``parse(turn_text, prefix_text, schemas) -> calls`` for ``tokenizer``: its ``response_template`` (set by trl's
-    ``add_response_schema`` when the chat template is one trl knows), else the Hermes ``<tool_call>`` format."""
+def tool_call_parser(tokenizer) -> Callable[[list[int], list[int], list[dict]], tuple[dict, list[ToolCall]]]:
+    """``parse(turn_ids, prefix_ids, schemas) -> (assistant message, calls)`` for ``tokenizer``: with its
+    ``response_template`` (set by trl's ``add_response_schema`` when the chat template is one trl knows) the message
+    is trl's ``parse_response`` of the turn (TRL GRPO's ``completions`` entry: ``content`` and ``tool_calls``), else
+    the Hermes ``<tool_call>`` format, the message the decoded text with the parsed calls."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     if getattr(tokenizer, "response_template", None) is None:
         from trl.chat_template_utils import add_response_schema
 
         try:
             add_response_schema(tokenizer)
         except ValueError:  # a chat template trl does not know: Hermes blocks
-            return lambda text, prefix, schemas: parse_tool_calls(text)
 
-    def parse(text: str, prefix: str, schemas: list[dict]) -> list[ToolCall]:
+            def hermes(ids: list[int], prefix: list[int], schemas: list[dict]) -> tuple[dict, list[ToolCall]]:
+                text = decode(ids)
+                calls = parse_tool_calls(tokenizer.decode(ids))
+                message = {"role": "assistant", "content": _HERMES.sub("", text).strip()}
+                if any(call.error is None for call in calls):
+                    message["tool_calls"] = [_as_message_call(call) for call in calls if call.error is None]
+                return message, calls
+
+            return hermes
+
+    from trl.chat_template_utils import parse_response
+
+    def parse(ids: list[int], prefix: list[int], schemas: list[dict]) -> tuple[dict, list[ToolCall]]:
+        text, prefix_text = tokenizer.decode(ids), tokenizer.decode(prefix)
         try:
-            message = tokenizer.parse_response(text, prefix=prefix, tools=schemas)
+            calls = tokenizer.parse_response(text, prefix=prefix_text, tools=schemas).get("tool_calls") or []
+            calls = [_from_message_call(call) for call in calls]
         except Exception as error:  # the template's parser refused the turn
-            return [ToolCall(error=f"the tool call could not be parsed: {error}")]
-        return [_from_message_call(call) for call in message.get("tool_calls") or []]
+            calls = [ToolCall(error=f"the tool call could not be parsed: {error}")]
+        try:
+            message = parse_response(tokenizer, ids, prefix=prefix, tools=schemas)
+        except Exception:  # as TRL falls back: the decoded text
+            message = {"role": "assistant", "content": decode(ids)}
+        return message, calls
 
     return parse
+
+
+def _as_message_call(call: ToolCall) -> dict:
+    return {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -203,6 +236,25 @@ def _message(name: str, value) -> tuple[dict, bool]:
 
 def _failure(name: str, error: str) -> tuple[dict, bool]:
     return {"role": "tool", "name": name, "content": json.dumps({"error": error})}, True
+
+
+def end_of_turn_token(tokenizer, chat_template_kwargs: dict | None = None) -> int | None:
+    """The token the chat template ends an assistant turn with (Qwen's ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the
+    first token after an assistant message's content, if it is a special token; None without a chat template or
+    such a token."""
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **(chat_template_kwargs or {}))
+    except Exception:  # no chat template
+        return None
+    start = rendered.find(_SENTINEL)
+    if start < 0:
+        return None
+    after = tokenizer(rendered[start + len(_SENTINEL) :].lstrip(" "), add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items() if token.special
+    }
+    return after[0] if after and after[0] in special else None
 
 
 class ToolTurnTokens:

@@ -50,14 +50,16 @@ class AdvantageEstimator:
     token rewards, values and the response mask (B, T), and the run's config; ``needs_critic``: whether ``values``
     must come from a critic (else they are zeros and no critic is trained); ``baseline(scores, kept, n) -> scores``
     (B,): the group baseline applied to the sequence scores first, or None (a group estimator needs
-    ``num_samples_per_prompt ≥ 2``); ``whitens``: the advantages are whitened over every real token of the global
+    ``num_samples_per_prompt ≥ 2``); ``scales``: the baseline also takes ``eps``, ``scope`` and ``reduce``
+    (``group_std_eps``, ``group_scale`` and the sum over processes, :func:`group_normalized`); ``whitens``: the advantages are whitened over every real token of the global
     batch, ``(A − μ)/sqrt(σ² + 1e-8)`` (verl's ``masked_whiten``, unbiased σ²)."""
 
     name: str
     needs_critic: bool
     estimate: Callable[..., AdvantageEstimate]
-    baseline: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    baseline: Callable[..., torch.Tensor] | None = None
     whitens: bool = False
+    scales: bool = False
 
     @property
     def whitening_applies(self) -> bool:
@@ -90,12 +92,22 @@ def leave_one_out_baseline(scores: torch.Tensor, kept: torch.Tensor, n: int) -> 
     return group_mean_baseline(scores, kept, n) * factor
 
 
-def group_normalized(scores: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
-    """GRPO (arXiv 2402.03300): ``(s_i − mean_group(s)) / (std_group(s) + ε)``, the unbiased std of the kept samples,
-    ε = :data:`GRPO_EPS` (verl's; OpenRLHF's ``group_norm``)."""
-    centred, _, count = _groups(scores, kept, n)
-    std = (centred**2).sum(1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
-    return (centred * (count > 1) / (std + GRPO_EPS)).view(-1)
+def group_normalized(
+    scores: torch.Tensor, kept: torch.Tensor, n: int, eps: float = GRPO_EPS, scope: str = "group", reduce=None
+) -> torch.Tensor:
+    """GRPO (arXiv 2402.03300): ``(s_i − mean_group(s)) / (std + ε)`` with the unbiased std of the kept samples of
+    each prompt (``scope="group"``; verl's, OpenRLHF's ``group_norm``), or of all the kept scores of the batch over
+    every process (``"batch"``, TRL's ``scale_rewards="batch"``; ``reduce`` sums a tensor over processes); ε =
+    :data:`GRPO_EPS` (verl's) or TRL's 1e-4."""
+    centred, weights, count = _groups(scores, kept, n)
+    if scope == "group":
+        std = (centred**2).sum(1, keepdim=True).div((count - 1).clamp(min=1)).sqrt()
+    else:
+        values = scores.view(-1, n) * weights
+        moments = torch.stack([weights.sum(), values.sum(), (values * values).sum()]).reshape(3)
+        total, first, second = (reduce(moments) if reduce is not None else moments).unbind()
+        std = ((second - first * first / total.clamp(min=1)) / (total - 1).clamp(min=1)).clamp(min=0).sqrt()
+    return (centred * (count > 1) / (std + eps)).view(-1)
 
 
 # -- Estimates ----------------------------------------------------------------------------------------------------------
@@ -123,7 +135,7 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
         AdvantageEstimator("reinforce_pp", False, discounted_returns, whitens=True),
         AdvantageEstimator("reinforce_pp_baseline", False, discounted_returns, group_mean_baseline, whitens=True),
         AdvantageEstimator("rloo", False, discounted_returns, leave_one_out_baseline),
-        AdvantageEstimator("grpo", False, discounted_returns, group_normalized),
+        AdvantageEstimator("grpo", False, discounted_returns, group_normalized, scales=True),
         AdvantageEstimator("dr_grpo", False, discounted_returns, group_mean_baseline),
     )
 }

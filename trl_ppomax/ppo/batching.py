@@ -3,6 +3,8 @@ and backwards as the busiest, and the micro-batches of an update step with the r
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trl_ppomax.ppo import core
@@ -59,6 +61,10 @@ def update_micro_batches(rollout, minibatch: torch.Tensor, args, accelerator, en
         if aggregation == "token_mean":
             return [(rows, None) for rows in minibatch.split(rows_each)]
         mask = rollout.policy_mask
+        if aggregation == "minibatch_token_mean":  # one normaliser for the step; backward divides each by their count
+            count = math.ceil(len(minibatch) / rows_each)
+            weights = core.row_split_loss_weights(mask[minibatch], rows_each, aggregation, length) * count
+            return list(zip(minibatch.split(rows_each), weights.split(rows_each), strict=True))
         return [
             (rows, core.row_split_loss_weights(mask[rows], len(rows), aggregation, length))
             for rows in minibatch.split(rows_each)

@@ -20,8 +20,9 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 from transformers import TrainingArguments
 
-from trl_ppomax.ppo import advantages
+from trl_ppomax.ppo import advantages, grpo_names
 from trl_ppomax.ppo.core import KLEstimator, LossAggregation, RewardNorm
+from trl_ppomax.ppo.grpo_names import GRPOArguments
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ AdvantageScope = Literal["batch", "minibatch"]
 GradClipScope = Literal["per_model", "joint"]
 KLPlacement = Literal["reward", "loss"]
 StalenessCorrection = Literal["tis", "icepop"]
+GroupScale = Literal["group", "batch"]
 
 #: The tricks beyond the paper, off in the paper's and trl's presets.
 _BEYOND_PAPER_OFF = {"reward_norm_freeze": False, "reward_winsorize": None, "lam_critic": None, "lam_alpha": None}
@@ -248,8 +250,9 @@ def check_int_fields(config: Any) -> None:
 
 
 @dataclass
-class PPOMaxConfig(TrainingArguments):
-    r"""Configuration of [`PPOMaxTrainer`]: trl 1.12's ``PPOConfig`` plus PPO-max (see the field list below).
+class PPOMaxConfig(GRPOArguments, TrainingArguments):
+    r"""Configuration of [`PPOMaxTrainer`]: trl 1.12's ``PPOConfig`` plus PPO-max (see the field list below), and
+    trl's ``GRPOConfig`` names (:mod:`~trl_ppomax.ppo.grpo_names`: each with TRL's meaning, or refused by name).
 
     Works with [`~transformers.HfArgumentParser`] / [`trl.TrlParser`]. Defaults that differ from
     [`~transformers.TrainingArguments`]: ``logging_steps=10``, activation (gradient) checkpointing on, ``bf16`` on
@@ -346,11 +349,26 @@ class PPOMaxConfig(TrainingArguments):
     )
     loss_aggregation: LossAggregation = _field(  # noqa: RUF009
         "token_mean",
-        "How token losses make a micro-batch's loss (verl's loss_agg_mode): 'token_mean' over all tokens, "
+        "How token losses make a micro-batch's loss (verl's loss_agg_mode): 'token_mean' over all tokens (TRL GRPO's "
+        "loss_type='bnpo'), 'minibatch_token_mean' over all tokens of the optimizer step's micro-batches (per process; "
+        "TRL's 'dapo'), "
         "'seq_mean_token_sum' or 'seq_mean_token_mean' (per response, then the mean over responses), or "
         "'seq_mean_token_sum_norm': the token sum ÷ (responses × response_length), a constant normaliser (Dr. GRPO; "
         "TRL GRPO's loss_type='dr_grpo', verl's seq-mean-token-sum-norm with loss_scale_factor = micro-batch rows × "
         "response_length).",
+    )
+    kl_loss_importance_weighted: bool = _field(
+        False,
+        "With kl_placement='loss': each token's KL term times the ratio π_θ/π_old (its value 1 on-policy, its gradient "
+        "not; TRL GRPO's use_bias_correction_kl, on when a GRPO script sets beta).",
+    )
+    group_std_eps: float = _field(
+        1e-6, "ε of grpo's (s − mean)/(std + ε): verl's 1e-6; TRL's 1e-4 (set by GRPOConfig's scale_rewards)."
+    )
+    group_scale: GroupScale = _field(  # noqa: RUF009
+        "group",
+        "grpo's std: each prompt's group ('group'), or all the batch's scores over every process ('batch', TRL's "
+        "scale_rewards='batch', arXiv 2508.08221).",
     )
     logratio_clamp: float | None = _field(
         None,
@@ -584,10 +602,15 @@ class PPOMaxConfig(TrainingArguments):
     vllm_importance_sampling_clip_max: float = _field(3.0, "Cap C of truncated importance weights, as in TRL GRPO.")
 
     def __post_init__(self) -> None:
+        check_int_fields(
+            self
+        )  # what the user passed, before TRL's names are mapped and TrainingArguments sets its own
+        given = {name for name in grpo_names.DIFFERING_DEFAULTS if not grpo_names.is_default(self, name)}
+        grpo_set = grpo_names.grpo_names_set(self)
+        grpo_names.apply_grpo_names(self)  # TRL GRPO's names onto ours, before the preset fills the rest
         self._skip_critic_warmup_without_critic()
         self._skip_whitening_of_final_advantages()
         self._resolve_preset()
-        check_int_fields(self)  # what the user passed, before TrainingArguments sets fields of its own
         self._validate()
         if self.advantage_clip is not None and self.cliprange_value is not None:
             logger.warning(
@@ -606,6 +629,10 @@ class PPOMaxConfig(TrainingArguments):
         super().__post_init__()
         self._check_deepspeed_batch()
         self._derive_sizes()
+        #: What a swapped TRL GRPO script runs (the algorithm, the defaults that differ), said when training starts.
+        self.grpo_swap_notice = grpo_names.swap_notice(self, given) if grpo_set else None
+        self.grpo_names_given = tuple(grpo_set)  #: the TRL GRPO names the script set (before the aliases are written)
+        grpo_names.write_back_aliases(self)
 
     # -- helpers ----------------------------------------------------------------------------------------------------
     def _skip_critic_warmup_without_critic(self) -> None:
@@ -682,6 +709,7 @@ class PPOMaxConfig(TrainingArguments):
             ("kl_placement", KLPlacement),
             ("loss_aggregation", LossAggregation),
             ("staleness_correction", StalenessCorrection),
+            ("group_scale", GroupScale),
         ):
             choices = get_args(allowed)
             if getattr(self, name) not in choices:
@@ -829,8 +857,19 @@ class PPOMaxConfig(TrainingArguments):
         return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     def set_run_length(self, dataset_size: int) -> None:
-        """Write back ``total_episodes`` (if unset: ``num_train_epochs`` × ``dataset_size`` × ``num_samples_per_prompt``)
-        and ``num_total_batches`` (PPO iterations), as trl 1.12's trainer did, for scripts reading them."""
+        """Write back ``total_episodes`` (if unset: ``max_steps`` × ``batch_size`` when ``max_steps`` > 0, as
+        TrainingArguments' ``max_steps`` overrides the epochs; else ``num_train_epochs`` × ``dataset_size`` ×
+        ``num_samples_per_prompt``) and ``num_total_batches`` (PPO iterations), as trl 1.12's trainer did, for scripts
+        reading them."""
+        if self.max_steps > 0:
+            if self.total_episodes is not None and self.total_episodes != self.max_steps * self.batch_size:
+                raise ValueError(
+                    f"max_steps={self.max_steps} (PPO iterations of batch_size={self.batch_size}) and total_episodes="
+                    f"{self.total_episodes} disagree: set one of them."
+                )
+            self.total_episodes, self.num_total_batches = self.max_steps * self.batch_size, self.max_steps
+            self._warn_if_only_the_critic_trains()
+            return
         prompts = self.batch_size // self.num_samples_per_prompt
         if dataset_size < prompts:
             raise ValueError(
@@ -857,6 +896,9 @@ class PPOMaxConfig(TrainingArguments):
                 self.batch_size,
                 " or ".join(str(n) for n in (trained - self.batch_size, trained) if n > 0),
             )
+        self._warn_if_only_the_critic_trains()
+
+    def _warn_if_only_the_critic_trains(self) -> None:
         if self.critic_warmup_steps >= self.num_total_batches:
             logger.warning(
                 "critic_warmup_steps=%d is not below the run's %d iterations (total_episodes=%d ÷ batch_size=%d, "

@@ -16,7 +16,9 @@ import torch
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardNorm = Literal["none", "running", "scale"]
-LossAggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+LossAggregation = Literal[
+    "token_mean", "minibatch_token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+]
 
 
 # -- Masked statistics -------------------------------------------------------------------------------------------------
@@ -58,8 +60,12 @@ def row_split_loss_weights(
     micro-batch and ``l_r`` its own tokens: ``token_mean`` ``w_rt = m_rt / (G·N_g)``; ``seq_mean_token_sum``
     ``m_rt / (G·S_g)``; ``seq_mean_token_mean`` ``m_rt / (G·S_g·l_r)`` (each count at least 1);
     ``seq_mean_token_sum_norm`` ``m_rt / (G·R_g·L)`` with the constant ``L = response_length`` (Dr. GRPO, TRL's
-    ``loss_type="dr_grpo"``: the token sum ÷ (rows × max_completion_length), whatever the lengths). ``Σ w·ℓ`` over
-    any grouping of the rows is the row split's loss."""
+    ``loss_type="dr_grpo"``: the token sum ÷ (rows × max_completion_length), whatever the lengths);
+    ``minibatch_token_mean`` ``m_rt / N`` with ``N`` the tokens of all the rows (TRL's ``loss_type="dapo"``: one
+    token mean over the optimizer step's micro-batches). ``Σ w·ℓ`` over any grouping of the rows is the row split's
+    loss."""
+    if aggregation == "minibatch_token_mean":
+        return mask / mask.sum().clamp(min=1)
     group = torch.arange(mask.shape[0], device=mask.device) // rows_per_micro_batch
     lengths = mask.sum(1).float()
     if aggregation == "seq_mean_token_sum_norm":
@@ -477,12 +483,17 @@ def kl_loss(
     estimator: KLEstimator,
     loss_weights: torch.Tensor | None = None,
     clamp: float | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL to the reference as a loss term (verl's ``use_kl_loss``, OpenRLHF's ``--algo.kl.use_loss``): the masked
     mean (or ``loss_weights`` sum) of :func:`kl_penalty` of the current log-probs (B, T) (bounded by ``clamp``),
-    with gradient. k2's gradient equals k1-in-the-reward's on-policy; k3's (GRPO's) is biased (arXiv 2510.01555);
+    with gradient; with ``old_logprobs`` each token's term times ``ρ = exp(log π − log π_old)`` (TRL GRPO's
+    ``use_bias_correction_kl``: 1 on-policy, but its gradient adds ``KL·∇log π``). k2's gradient equals k1-in-the-reward's on-policy; k3's (GRPO's) is biased (arXiv 2510.01555);
     k1's is zero in expectation on-policy (``E[∇ log π] = 0``)."""
-    return _masked_loss_mean(kl_penalty(logprobs, ref_logprobs, estimator, clamp), mask, loss_weights)
+    kl = kl_penalty(logprobs, ref_logprobs, estimator, clamp)
+    if old_logprobs is not None:
+        kl = kl * torch.exp(logprobs - old_logprobs)
+    return _masked_loss_mean(kl, mask, loss_weights)
 
 
 def clipped_value_loss(

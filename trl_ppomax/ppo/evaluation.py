@@ -113,7 +113,12 @@ class EvaluationMixin:
             rows = list(range(min(num_prompts, len(dataset))))
             rollout = self.rollout_rows(dataset, rows, sampling, scores_only=True)
         self._trajectory_tool_metrics()  # not training's
-        tokenizer = self.processing_class
+        return self.show_completions(rollout)
+
+    def show_completions(self, rollout, limit: int | None = None) -> list[dict[str, object]]:
+        """Print the first ``limit`` (None: all) rows of ``rollout`` as a table of query, response and score (and log
+        it as ``completions`` to the trackers), gathered from every process; return the rows."""
+        tokenizer, rollout = self.processing_class, rollout.select(torch.arange(len(rollout.scores))[:limit])
         queries = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         responses = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
         rows = zip(queries, responses, rollout.scores.tolist(), strict=True)

@@ -155,8 +155,18 @@ class ExperienceMaker:
             moments.load_state_dict(before)
             return None, {}, "non-finite advantages or returns"
         old = rollout.ref_logprobs if self.args.importance_sampling == "reference" else rollout.logprobs
-        experience = Experience(rollout, old, normalised, estimate.returns, raw_advantages=estimate.advantages)
+        trained = self.without_truncated(rollout) if self.args.mask_truncated_completions else rollout
+        experience = Experience(trained, old, normalised, estimate.returns, raw_advantages=estimate.advantages)
         return experience, self._logged(rollout, keep, scores, kl, estimate), None
+
+    def without_truncated(self, rollout: Rollout) -> Rollout:
+        """TRL GRPO's ``mask_truncated_completions``: a response whose last token is not the stop token (cut by the
+        length budget) leaves the update's losses (its policy mask 0); its score still counts in the baselines and
+        the statistics, as in TRL."""
+        mask = rollout.response_mask
+        last = rollout.response_ids.gather(1, core.last_token_index(mask).unsqueeze(1)).squeeze(1)
+        finished = ((last == self.stop_id) & (mask.sum(1) > 0)).to(mask.dtype)
+        return dataclasses.replace(rollout, env_mask=rollout.policy_mask * finished.unsqueeze(1))
 
     def shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised and clipped scores (B,) with the current running moments (the raw scores winsorised first with
@@ -203,7 +213,10 @@ class ExperienceMaker:
         args, mask = self.args, rollout.policy_mask
         estimator = advantages.ESTIMATORS[args.advantage_estimator]
         if estimator.baseline is not None:
-            scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt)
+            scale = (
+                dict(eps=args.group_std_eps, scope=args.group_scale, reduce=self.reduce) if estimator.scales else {}
+            )
+            scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt, **scale)
         kl_coef = args.kl_coef if args.kl_placement == "reward" else 0.0
         token_rewards = core.token_rewards(scores, kl, mask, kl_coef)[0]
         if args.whiten_rewards:

@@ -84,7 +84,8 @@ ROLLOUT_WAIT_SECONDS = "timing/rollout_wait"  # max_staleness ≥ 1: the trainer
 UPDATE_SECONDS = "timing/update"  # the PPO update
 
 # ---- with tools or environment_factory (TRL GRPO's call frequency), per rollout batch
-TOOL_CALL_FREQUENCY = "tools/call_frequency"  # tool calls per trajectory (malformed ones included)
+TOOL_CALL_FREQUENCY = "tools/call_frequency"  # well-formed tool calls per trajectory (TRL's)
+TOOL_FAILURE_FREQUENCY = "tools/failure_frequency"  # share of the well-formed calls that failed, 0 without (TRL's)
 TOOL_FAILURE_RATE = "tools/failure_rate"  # share of calls that failed (raised, unknown tool, bad arguments, malformed)
 TOOL_TURNS = "tools/turns"  # tool-result turns per trajectory
 

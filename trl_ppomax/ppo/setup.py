@@ -35,6 +35,12 @@ _MISSING = {
 }
 
 
+NO_RUN_LENGTH = (
+    "No train_dataset: the environment makes each prompt in reset(), so the run's length must be given: set max_steps "
+    "(PPO iterations), as TRL GRPO requires."
+)
+
+
 def check_inputs(
     args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None,
     rollouts: dict | None = None,
@@ -44,32 +50,38 @@ def check_inputs(
     paths. Returns ``(processing_class, loaded models by name)``; the tokenizer is loaded from ``model``'s path when
     ``processing_class`` is None."""
     if not isinstance(args, PPOMaxConfig):
-        raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}.")
+        hint = (
+            " (GRPOTrainer's model-first positional form: pass model=, reward_funcs= and args= by keyword)"
+            if _is_path(args) or isinstance(args, nn.Module)
+            else ""
+        )
+        raise TypeError(f"args must be a PPOMaxConfig, got {type(args).__name__}{hint}.")
     rollouts = rollouts or {}
     environment = rollouts.get("environment_factory") is not None
     for name, value in {**models, "train_dataset": train_dataset}.items():
-        if name in _MISSING and value is None and not (name == "reward_model" and environment):
-            raise ValueError(f"{name} is None: {_MISSING[name]}.")  # an environment may own the reward
-    for name, dataset in (("train_dataset", train_dataset), *_named_eval_datasets(eval_dataset)):
+        owned = name in ("reward_model", "train_dataset") and environment  # an environment may own reward and data
+        if name in _MISSING and value is None and not owned:
+            raise ValueError(f"{name} is None: {_MISSING[name]}.")
+    if train_dataset is None and args.max_steps <= 0:  # an environment owns the data: before any model loads
+        raise ValueError(NO_RUN_LENGTH)
+    given = [("train_dataset", train_dataset)] if train_dataset is not None else []
+    for name, dataset in (*given, *_named_eval_datasets(eval_dataset)):
         _check_dataset_type(name, dataset)
     if args.ptx_coef > 0 and ptx_dataset is None:
         raise ValueError("ptx_coef > 0 needs a ptx_dataset: pass PPOMaxTrainer(..., ptx_dataset=...) or ptx_coef=0.")
     if rollouts.get("rollout_func") is None:  # else a reward function may also take the rollout_func's extra keys
-        columns = [*train_dataset.column_names, *(["environments"] if environment else [])]
+        names = train_dataset.column_names if train_dataset is not None else ["prompt"]
+        columns = [*names, *(["environments"] if environment else [])]
         rewards.check_reward_functions(models["reward_model"], columns)
     for name, value in models.items():  # a missing local folder, before loading anything (a tokenizer first)
         for item in value if isinstance(value, list | tuple) else [value]:
             check_model_path(name, item)
     if processing_class is None:
-        if not _is_path(models["model"]):
-            raise ValueError(
-                "processing_class is None: pass the policy's tokenizer, e.g. "
-                "processing_class=AutoTokenizer.from_pretrained(<the policy's path or Hub id>)."
-            )
-        processing_class = AutoTokenizer.from_pretrained(os.fspath(models["model"]))
+        processing_class = policy_tokenizer(models["model"], args)
     data.check_tokenizer(processing_class)
     _check_stop_token(args, processing_class)
-    loaded = {name: load_model(name, value) for name, value in models.items()}  # last: loading may take minutes
+    options = load_options(args)
+    loaded = {name: load_model(name, value, options) for name, value in models.items()}  # last: may take minutes
     check_model_arguments(loaded, peft_config)
     for name in ("model", "ref_model"):
         check_generates(name, loaded[name])
@@ -114,14 +126,52 @@ def _is_path(value) -> bool:
     return isinstance(value, str | os.PathLike)
 
 
-def load_model(name: str, value):
-    """``value`` itself, or, for a path or Hub id, the model loaded from it as :data:`MODEL_LOADERS` says."""
+def default_config(args, model) -> object:
+    """``args``, or without one TRL GRPO's default: a config writing to ``<model name>-PPOMax``."""
+    if args is not None:
+        return args
+    name = os.fspath(model) if _is_path(model) else getattr(getattr(model, "config", None), "_name_or_path", "")
+    return PPOMaxConfig(output_dir=f"{os.path.basename(os.path.normpath(name or 'model'))}-PPOMax")
+
+
+def load_options(args) -> dict:
+    """``from_pretrained`` keyword arguments of the models given by name: TRL GRPO's ``model_init_kwargs`` and
+    ``trust_remote_code``."""
+    options = dict(args.model_init_kwargs or {})
+    if args.trust_remote_code:
+        options["trust_remote_code"] = True
+    return options
+
+
+def policy_tokenizer(model, args):
+    """The tokenizer beside the policy (its path, or the folder it was loaded from), as TRL GRPO loads it; a pad token
+    added as TRL does (the eos token) when it has none."""
+    folder = os.fspath(model) if _is_path(model) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    fix = (
+        "processing_class is None: pass the policy's tokenizer, e.g. processing_class=AutoTokenizer.from_pretrained("
+        "<the policy's path or Hub id>)"
+    )
+    if not folder:
+        raise ValueError(f"{fix}; the policy was not loaded from a folder to take it from.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=bool(args.trust_remote_code))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{fix}; none could be loaded from {folder!r}: {error}") from error
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, value, options: dict | None = None):
+    """``value`` itself, or, for a path or Hub id, the model loaded from it as :data:`MODEL_LOADERS` says, with the
+    ``from_pretrained`` ``options`` (:func:`load_options`)."""
     if isinstance(value, list | tuple):  # several reward sources: models, paths and functions
-        return [load_model(name, item) for item in value]
+        return [load_model(name, item, options) for item in value]
     if not _is_path(value):
         return value
     check_model_path(name, value)
     cls, kwargs = MODEL_LOADERS[name]
+    kwargs = {**(options or {}), **kwargs}
     logger.info("Loading %s from %s with %s.from_pretrained.", name, value, cls.__name__)
     try:
         if name != "value_model":
@@ -198,7 +248,7 @@ def prepare_and_check(
     def prepared(dataset: Dataset, name: str) -> Dataset:
         return prepared_prompts(args, tokenizer, policy, dataset, name)
 
-    train_dataset = prepared(train_dataset, "train_dataset")
+    train_dataset = prepared(train_dataset, "train_dataset") if train_dataset is not None else None
     if isinstance(eval_dataset, dict):
         eval_dataset = {key: prepared(value, f"eval_dataset[{key!r}]") for key, value in eval_dataset.items()}
     elif eval_dataset is not None:
@@ -458,10 +508,11 @@ def check_rollout_sources(args, rollout_func=None, tools=None, environment_facto
         raise TypeError(f"rollout_func must be a callable f(prompts, trainer) -> dict; got {type(rollout_func)}.")
     if tools is not None and (not isinstance(tools, list | tuple) or not all(callable(t) for t in tools)):
         raise TypeError(f"tools must be a list of functions (sync or async); got {tools!r}.")
-    if environment_factory is not None and not callable(environment_factory):
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    if environment_factory is not None and not all(callable(factory) for factory in factories):
         raise TypeError(
-            f"environment_factory must be a callable returning an environment (e.g. its class); got "
-            f"{type(environment_factory).__name__}."
+            f"environment_factory must be a callable returning an environment (e.g. its class), or a dict of them "
+            f"by name (TRL's several environments); got {environment_factory!r}."
         )
     agent = bool(tools) or environment_factory is not None
     if not agent:
@@ -483,8 +534,12 @@ def check_rollout_sources(args, rollout_func=None, tools=None, environment_facto
 def warn_agent_settings_without_an_agent(args, has_rollout_func: bool) -> None:
     """The agent loop's settings, set without ``tools`` or ``environment_factory``, do nothing: say so (as the
     critic's settings without a critic). ``train_on_env_tokens`` also acts on a ``rollout_func``'s ``env_mask``."""
-    unused = [
-        name for name in ("max_tool_turns", "max_completion_tokens", "tool_timeout") if getattr(args, name) is not None
+    by_grpo = {"max_tool_turns": "max_tool_calling_iterations", "max_completion_tokens": "max_completion_length"}
+    given = getattr(args, "grpo_names_given", ())
+    unused = [  # set through TRL GRPO's names, which a script without tools sets too: not named
+        name
+        for name in ("max_tool_turns", "max_completion_tokens", "tool_timeout")
+        if getattr(args, name) is not None and by_grpo.get(name) not in given
     ]
     if args.train_on_env_tokens and not has_rollout_func:
         unused.append("train_on_env_tokens")
@@ -507,7 +562,7 @@ def agent_and_reward_sources(
     if rollouts["tools"] or rollouts["environment_factory"] is not None:
         factory = rollouts["environment_factory"]
         agent = AgentRollouts(args, tokenizer, rollouts["tools"], factory, stop_id, context_length=context)
-    owned = agent is not None and callable(getattr(agent.environment_type, "get_reward", None))
+    owned = [] if agent is None else [t for t in agent.environment_types if callable(getattr(t, "get_reward", None))]
     if not owned:
         if reward_model is None:
             raise ValueError(
@@ -523,9 +578,38 @@ def agent_and_reward_sources(
         else [reward_model]
     )
     classes = [None] * len(given) if processing_classes is None else list(processing_classes)
-    weights = None if args.reward_weights is None else [*args.reward_weights, 1.0]
-    sources = [*given, EnvironmentReward(agent.environment_type)]
-    return agent, rewards.RewardSources(sources, [*classes, None], weights)
+    weights = None if args.reward_weights is None else [*args.reward_weights, *[1.0] * len(owned)]
+    sources = [*given, *(EnvironmentReward(environment_type) for environment_type in owned)]
+    return agent, rewards.RewardSources(sources, [*classes, *[None] * len(owned)], weights)
+
+
+def agent_turn_end(args, tokenizer, stop_token_id: int | None) -> int | None:
+    """The token an agent's policy turn ends at: the chat template's end-of-turn token (as TRL GRPO's turns end,
+    whatever ``stop_token`` says), else ``stop_token_id``."""
+    from trl_ppomax.generation.tools import end_of_turn_token
+
+    turn_end = end_of_turn_token(tokenizer, args.chat_template_kwargs)
+    if turn_end is None:
+        return stop_token_id
+    if stop_token_id not in (None, turn_end):
+        logger.info(
+            "Agent turns end at the chat template's end-of-turn token %r (id %d), not at the stop token id %d.",
+            tokenizer.convert_ids_to_tokens(turn_end),
+            turn_end,
+            stop_token_id,
+        )
+    return turn_end
+
+
+def environment_placeholder_prompts(args, tokenizer) -> Dataset:
+    """TRL GRPO's training without a ``train_dataset``: the environment's ``reset()`` writes each prompt, so the
+    dataset is one rollout batch of empty user turns (cycled, tokenized here: they are not prompts to check), and
+    ``max_steps`` says how long to train."""
+    if args.max_steps <= 0:
+        raise ValueError(NO_RUN_LENGTH)
+    rows, empty = max(1, args.batch_size // args.num_samples_per_prompt), [{"role": "user", "content": ""}]
+    ids = data.tokenize_prompt(empty, tokenizer, template_kwargs=args.chat_template_kwargs)
+    return Dataset.from_dict({"prompt": [empty] * rows, "input_ids": [ids] * rows})
 
 
 def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
@@ -578,6 +662,8 @@ def set_up(
     tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollouts)
     model, ref_model, value_model = loaded["model"], loaded["ref_model"], loaded["value_model"]
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+    if rollouts["tools"] or rollouts["environment_factory"] is not None:
+        stop_token_id = agent_turn_end(args, tokenizer, stop_token_id)
     stop_id = stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
     reward_model, classes = loaded["reward_model"], reward_processing_classes
     context = data.model_context(model)
@@ -595,6 +681,8 @@ def set_up(
     train_dataset, eval_dataset = prepare_and_check(
         args, tokenizer, built, stop_token_id, train_dataset, eval_dataset, rollout_metrics
     )
+    if train_dataset is None:
+        train_dataset = environment_placeholder_prompts(args, tokenizer)
     first = critic_source if critic_source is not None else sources.sources[0]
     datasets, rollout_func = (train_dataset, eval_dataset), rollouts["rollout_func"]
     return Setup(

@@ -16,7 +16,7 @@ from accelerate.utils import set_seed
 from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
-from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from trl_ppomax import data, models, rewards
 from trl_ppomax.generation import generation_engine
@@ -68,10 +68,10 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
 
     def __init__(
         self,
-        args: PPOMaxConfig,
-        processing_class: PreTrainedTokenizerBase,
-        model: nn.Module,
-        ref_model: nn.Module | None,
+        args: PPOMaxConfig | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        model: nn.Module | str | None = None,
+        ref_model: nn.Module | None = None,
         reward_model: nn.Module | rewards.RewardFunction | list | None = None,
         train_dataset: Dataset | None = None,
         value_model: nn.Module | None = None,
@@ -90,6 +90,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         environment_factory: Callable | None = None,
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
+        args = setup.default_config(args, model)  # TRL GRPO's: a config named after the model
         passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Arguments checked before anything expensive (each refusal names the fix), models built, prompts prepared
         datasets = (train_dataset, eval_dataset, ptx_dataset)
@@ -101,6 +102,8 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         self.is_peft_model = models.is_peft(built.policy)
         args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
         self.ptx_dataset, self.rollout_func, self.agent = ptx_dataset, built.rollout_func, built.agent
+        self.last_rollout = None  # with log_completions: the latest training rollout, printed at each log
+        self.train_started, self.train_summary = time.time(), None
 
         super().__init__(
             model=PolicyAndCritic(built.policy, built.critic),
@@ -126,8 +129,12 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         """The phases' collaborators: generation (the policy's generate, or vLLM; a producer generating ahead with
         ``max_staleness`` ≥ 1), scoring, experience."""
         args = self.args
-        policy = self.accelerator.unwrap_model(self.model_wrapped).policy
-        self.generation = generation_engine(args, self.accelerator, policy, processing_class, self.stop_token_id)
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        policy = unwrapped.policy
+        generator = (
+            policy if args.use_vllm else unwrapped
+        )  # trainer.model.generate: the policy's (TRL's tests patch it)
+        self.generation = generation_engine(args, self.accelerator, generator, processing_class, self.stop_token_id)
         self.lagged = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
         if args.max_staleness:
             self.lagged, self.generation = setup.lagged_rollouts(self, policy, self.generation)
@@ -195,10 +202,13 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         return self.lr_scheduler
 
     # -- The loop --------------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> None:
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
         """Run ``num_total_batches`` PPO-max iterations; ``resume_from_checkpoint`` (a path, or True for the newest
-        checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped."""
-        args = self.args
+        checkpoint in ``output_dir``) continues an interrupted run exactly where it stopped. Returns transformers'
+        ``TrainOutput`` (``training_loss``: the mean policy loss), also logged as ``train_loss`` with the run time."""
+        args, self.train_started, self.train_summary = self.args, time.time(), None
+        if args.grpo_swap_notice:
+            logger.warning(args.grpo_swap_notice)
         try:
             self.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks
             set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
@@ -227,9 +237,26 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
                 self.lagged.close()
             if self.agent is not None:  # the async tools' loop thread (started again if evaluate() needs it)
                 self.agent.close()
+        summary = self.train_summary or self._train_summary()
+        if not self.train_summary:  # stopped early (a callback): the summary in a log of its own
+            self.log(summary)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
             self._load_best_model()
+        return TrainOutput(self.state.global_step, summary["train_loss"], summary)
+
+    def _train_summary(self, last: dict[str, float] | None = None) -> dict[str, float]:
+        """Transformers' end-of-training numbers, ``train_runtime`` and ``train_loss`` (here the mean ``loss/policy``
+        of the logs, ``last`` the one being written), in the final iteration's log, as TRL's tests read them from
+        ``state.log_history[-1]`` beside the metrics."""
+        logs = [*self.state.log_history, last or {}]
+        losses = [entry[M.POLICY_LOSS] for entry in logs if M.POLICY_LOSS in entry]
+        runtime = time.time() - self.train_started
+        return {
+            "train_runtime": runtime,
+            "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+            "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
+        }
 
     def training_iteration(self, iteration: int) -> dict[str, float]:
         """One PPO-max iteration on rollout batch ``iteration`` (§3.2): rollout (generate → score), experience (shape
@@ -237,6 +264,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         non-finite number, every optimizer step skipped) is skipped and counted (:meth:`PPOState.count_iteration`)."""
         args, start = self.args, time.perf_counter()
         rollout = self.training_rollout(iteration)
+        self.last_rollout = rollout if args.log_completions else None  # printed at the next log (TRL GRPO's)
         timings = {M.ROLLOUT_SECONDS: time.perf_counter() - start}
         experience, metrics, problem = self.make_experience(rollout)
         if experience is not None:
@@ -268,8 +296,12 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         if self.control.should_log or iteration == self.num_total_batches:
             means = {name: sum(values) / len(values) for name, values in pending.items()}
             schedule = M.schedule_metrics(self.state, self.lr_scheduler, start, with_critic=self.args.uses_critic)
-            self.log({**means, **schedule})
+            if iteration == self.num_total_batches:  # the run's summary in its last log, as transformers' Trainer
+                self.train_summary = self._train_summary(means)
+            self.log({**means, **schedule, **(self.train_summary or {})})
             pending.clear()
+            if self.last_rollout is not None:
+                self.show_completions(self.last_rollout, self.args.num_completions_to_print)
         if self.control.should_evaluate:
             is_best = self._determine_best_metric(self.evaluate(), trial=None)
             if self.args.save_strategy == SaveStrategy.BEST:

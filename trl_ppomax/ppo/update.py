@@ -85,7 +85,8 @@ def micro_batch_loss(
     policy_loss, stats = _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args)
     if args.kl_placement == "loss":
         ref = rollout.ref_logprobs[:, :width]
-        kl = core.kl_loss(logprobs, ref, mask, args.kl_estimator, weights, clamp=args.kl_clamp)
+        weighted = old if args.kl_loss_importance_weighted else None
+        kl = core.kl_loss(logprobs, ref, mask, args.kl_estimator, weights, clamp=args.kl_clamp, old_logprobs=weighted)
         policy_loss, stats[M.KL_LOSS] = policy_loss + args.kl_coef * kl, kl.detach()
     if ptx_logits is not None:
         ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)

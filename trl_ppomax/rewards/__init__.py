@@ -60,15 +60,16 @@ def completion_texts(
     tokenizer, rollout_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], columns: dict | None
 ) -> dict:
     """What a reward source gets for ``(query_ids, query_mask, response_ids, response_mask)``: decoded ``texts``,
-    TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions``, ``completion_ids``, other ``columns``,
+    TRL-style ``prompts`` (the ``prompt`` column if any) and ``completions`` (an agent's ``completions`` column, the
+    trajectories' messages, as TRL gives them; else the decoded responses), ``completion_ids``, other ``columns``,
     and ``sequence_texts``, a function decoding each row's prompt ⊕ response ids once, padding removed, special tokens
     kept (OpenRLHF's remote reward ``query``), called only for the sources that take them."""
     query_ids, query_mask, response_ids, response_mask = rollout_ids
     texts = (decode_texts(tokenizer, query_ids, query_mask), decode_texts(tokenizer, response_ids, response_mask))
     columns = dict(columns or {})
     prompts = columns.pop("prompt", None) or texts[0]
-    completions = texts[1]
-    if is_conversational({"prompt": prompts[0]}):
+    completions = columns.pop("completions", None) or texts[1]
+    if is_conversational({"prompt": prompts[0]}) and isinstance(completions[0], str):
         completions = [[{"role": "assistant", "content": text}] for text in completions]
     ids = [row[m.bool()].tolist() for row, m in zip(response_ids, response_mask, strict=True)]
 
@@ -245,21 +246,14 @@ class RewardSources:
         return {f"reward_model[{i}]": m for i, m in shared}
 
     def critic_source(self, value_model=None):
-        """The first reward model reading the policy's tokens (the critic's initialisation); if none, a ValueError
-        naming the fix when ``value_model`` is None, else the first reward model (or source)."""
+        """The first reward model reading the policy's tokens (the critic's initialisation, §5.3.3); else, with a
+        ``value_model``, the first reward model (or source), and without one None: the critic is then built from the
+        policy with a fresh scalar head (:func:`~trl_ppomax.models.critic_from_policy`)."""
         for index, module in self.modules:
             if self.processing_classes[index] is None:
                 return module
         if value_model is None:
-            reason = (
-                "every reward model has its own tokenizer, and the critic reads the policy's tokens"
-                if self.modules
-                else "the reward is a function"
-            )
-            raise ValueError(
-                f"The critic cannot be initialised from the reward model: {reason}. Pass a value_model (an "
-                "AutoModelForSequenceClassification with num_labels=1)."
-            )
+            return None
         return self.modules[0][1] if self.modules else self.sources[0]
 
     def prepare(self, prepare_module) -> None:

@@ -1,0 +1,438 @@
+"""TRL's GRPO scripts on PPOMaxTrainer: every ``trl.GRPOConfig`` field taken with TRL's meaning or refused by name,
+GRPOTrainer's keyword form (the model as a folder, the tokenizer loaded beside it, no value model), ``max_steps``, and
+TRL's own agent tests (``tests/test_grpo_trainer.py``: tools, environments, environment-owned rewards and data, several
+environments, ``rollout_func``) ported with the import swapped. Stand-ins for the Hub's tiny models: a Qwen 2.5-shaped
+folder (:func:`user_setups.write_qwen_instruct_folder`) and a sequence classifier built from it; the scripted
+completions are TRL's strings, encoded by the stand-in tokenizer (the Hub tokenizer's ids cannot be downloaded)."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest.mock import patch
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainingArguments
+from user_setups import write_qwen_instruct_folder
+
+from trl_ppomax import PPOMaxConfig as GRPOConfig
+from trl_ppomax import PPOMaxTrainer as GRPOTrainer
+from trl_ppomax.ppo import grpo_names
+
+trl = pytest.importorskip("trl")
+
+
+# ---- every GRPOConfig field ------------------------------------------------------------------------------------------
+def trl_fields() -> dict[str, dataclasses.Field]:
+    """The fields the installed ``trl.GRPOConfig`` adds to ``TrainingArguments``."""
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {f.name: f for f in dataclasses.fields(trl.GRPOConfig) if f.name not in inherited}
+
+
+BATCH = dict(output_dir="unused", report_to="none", per_device_train_batch_size=4)
+#: For each mapped or accepted field: a value a GRPO script sets, and what it must do here.
+EFFECTS = {
+    "num_generations": (4, lambda c: c.num_samples_per_prompt == 4),
+    "max_completion_length": (32, lambda c: c.response_length == 32 and c.max_completion_tokens == 32),
+    "generation_batch_size": (8, lambda c: c.num_mini_batches == 2),
+    "steps_per_generation": (2, lambda c: c.num_mini_batches == 2),
+    "beta": (
+        0.04,
+        lambda c: (
+            (c.kl_coef, c.kl_placement, c.kl_estimator, c.kl_loss_importance_weighted) == (0.04, "loss", "k3", True)
+        ),
+    ),  # fmt: skip
+    "use_bias_correction_kl": (True, lambda c: not c.kl_loss_importance_weighted),  # said, not applied, without beta
+    "num_iterations": (2, lambda c: c.num_ppo_epochs == 2),
+    "epsilon": (0.3, lambda c: c.cliprange == 0.3),
+    "epsilon_high": (0.28, lambda c: c.cliprange_high == 0.28),
+    "delta": (4.0, lambda c: c.dual_clip == 4.0),
+    "scale_rewards": ("batch", lambda c: c.advantage_estimator == "gae"),  # said, not applied, under GAE
+    "loss_type": ("dr_grpo", lambda c: c.loss_aggregation == "seq_mean_token_sum_norm"),
+    "max_tool_calling_iterations": (3, lambda c: c.max_tool_turns == 3),
+    "model_init_kwargs": ('{"dtype": "float32"}', lambda c: c.model_init_kwargs == {"dtype": "float32"}),
+    "trust_remote_code": (True, lambda c: c.trust_remote_code),
+    "disable_dropout": (True, lambda c: c.disable_dropout),
+    "shuffle_dataset": (True, lambda c: c.shuffle_dataset),
+    "top_k": (50, lambda c: c.top_k == 50),
+    "min_p": (0.05, lambda c: c.min_p == 0.05),
+    "generation_kwargs": ({"suppress_tokens": [7]}, lambda c: c.generation_kwargs == {"suppress_tokens": [7]}),
+    "chat_template_kwargs": (
+        {"enable_thinking": False},
+        lambda c: c.chat_template_kwargs == {"enable_thinking": False},
+    ),
+    "cache_implementation": ("static", lambda c: c.cache_implementation == "static"),
+    "mask_truncated_completions": (True, lambda c: c.mask_truncated_completions),
+    "log_completions": (True, lambda c: c.log_completions),
+    "num_completions_to_print": (2, lambda c: c.num_completions_to_print == 2),
+    "log_multimodal": (False, lambda c: c.log_multimodal is False),
+}
+#: For each refused field: a value TRL accepts that is not offered here.
+REFUSED = {
+    "router_aux_loss_coef": 0.001, "cast_lm_head_to_fp32": True, "num_generations_eval": 2, "pad_to_multiple_of": 64,
+    "vllm_structured_outputs_regex": "a+", "sapo_temperature_neg": 2.0, "sapo_temperature_pos": 2.0,
+    "vespo_k_pos": 1.0, "vespo_lambda_pos": 1.0, "vespo_k_neg": 1.0, "vespo_lambda_neg": 1.0,
+    "importance_sampling_level": "sequence", "multi_objective_aggregation": "normalize_then_sum",
+    "sync_ref_model": True, "ref_model_mixup_alpha": 0.9, "ref_model_sync_steps": 64, "top_entropy_quantile": 0.2,
+    "use_adaptive_entropy": True, "entropy_coef_min": 0.1, "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01,
+    "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": 0.5,
+    "off_policy_mask_threshold": 0.5, "log_unique_prompts": True, "log_completions_hub_repo": "me/completions",
+    "use_transformers_continuous_batching": True, "transformers_continuous_batching_config": {"a": 1},
+    "use_transformers_paged": True, "vllm_importance_sampling_cap": 2.0,
+}  # fmt: skip
+
+
+def test_the_table_names_every_field_of_the_installed_grpo_config_once():
+    names = [entry.name for entry in grpo_names.GRPO_NAMES]
+    assert len(names) == len(set(names)) and set(names) == set(trl_fields())
+    ours = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert all(entry.name in ours for entry in grpo_names.GRPO_NAMES)  # the command line parses every one
+
+
+@pytest.mark.parametrize("name", sorted(trl_fields()))
+def test_every_grpo_config_field_is_taken_with_trls_meaning_or_refused_by_name(name):
+    entry = grpo_names.BY_NAME[name]
+    if entry.how == "same":  # ours already: the field is PPOMaxConfig's own, not a GRPO alias
+        assert name not in grpo_names.GRPO_ONLY and name in {f.name for f in dataclasses.fields(GRPOConfig)}
+        return
+    if entry.how == "refused":
+        extra = {"use_vllm": True} if name.startswith("vllm_") else {}  # vLLM's settings act only with vLLM
+        with pytest.raises(ValueError, match=rf"^{name}=.*\(TRL GRPOConfig's\) is not supported: .* Remove it"):
+            GRPOConfig(**BATCH, **extra, **{name: REFUSED[name]})
+        GRPOConfig(**BATCH, **extra, **{name: entry.accepted})  # the value that changes nothing passes
+        return
+    value, effect = EFFECTS[name]
+    assert effect(GRPOConfig(**BATCH, **{name: value})), f"{name}={value!r} did not act"
+
+
+def test_a_config_with_every_trl_default_written_out_is_accepted():
+    """A script that spells out GRPOConfig's defaults (as a YAML dump of one does) is not refused."""
+    defaults = {}
+    for name, f in trl_fields().items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if name not in ("generation_batch_size", "steps_per_generation"):  # TRL refuses both set too
+            defaults[name] = default
+    config = GRPOConfig(output_dir="unused", report_to="none", per_device_train_batch_size=8, **defaults)
+    assert (config.num_samples_per_prompt, config.response_length, config.loss_aggregation) == (
+        8,
+        512,
+        "minibatch_token_mean",
+    )
+    assert config.kl_placement == "loss" and config.kl_coef == 0.0  # beta=0.0 written out: TRL's "no KL"
+
+
+def test_trl_names_beside_ours_with_another_value_are_refused_and_equal_ones_pass():
+    with pytest.raises(ValueError, match=r"num_generations=4 \(TRL's name\) sets num_samples_per_prompt=4.*keep one"):
+        GRPOConfig(**BATCH, num_generations=4, num_samples_per_prompt=2)
+    assert GRPOConfig(**BATCH, num_generations=4, num_samples_per_prompt=4).num_samples_per_prompt == 4
+    with pytest.raises(ValueError, match="generation_batch_size and steps_per_generation both set"):
+        GRPOConfig(**BATCH, generation_batch_size=8, steps_per_generation=2)
+    with pytest.raises(ValueError, match="steps_per_generation=3 must be a multiple of 2"):
+        GRPOConfig(**BATCH, gradient_accumulation_steps=2, steps_per_generation=3)
+    with pytest.raises(ValueError, match="loss_type='cispo'"):
+        GRPOConfig(**BATCH, loss_type="cispo")
+
+
+def test_scale_rewards_gives_trls_group_estimator_and_epsilon():
+    group = GRPOConfig(**BATCH, advantage_estimator="grpo", num_generations=4, scale_rewards=True)
+    assert (group.advantage_estimator, group.group_scale, group.group_std_eps) == ("grpo", "group", 1e-4)
+    none = GRPOConfig(**BATCH, advantage_estimator="grpo", num_generations=4, scale_rewards="none")
+    assert none.advantage_estimator == "dr_grpo"
+    batch = GRPOConfig(**BATCH, advantage_estimator="grpo", num_generations=4, scale_rewards="batch")
+    assert batch.group_scale == "batch"
+    plain = GRPOConfig(**BATCH, advantage_estimator="grpo", num_generations=4)  # ours, unchanged: verl's ε
+    assert (plain.group_scale, plain.group_std_eps) == ("group", 1e-6)
+
+
+def test_the_aliases_read_back_the_runs_values_and_a_config_rebuilt_from_them_is_the_same():
+    config = GRPOConfig(**BATCH, num_generations=2, gradient_accumulation_steps=2)
+    assert (config.num_generations, config.max_completion_length, config.num_iterations) == (2, 53, 4)
+    assert config.steps_per_generation == 2 and config.grpo_swap_notice.startswith("A TRL GRPO script")
+    again = GRPOConfig(**{**BATCH, **{k: v for k, v in config.to_dict().items() if k in grpo_names.GRPO_ONLY}})
+    assert again.num_samples_per_prompt == 2 and again.response_length == 53
+    assert GRPOConfig(**BATCH).grpo_swap_notice is None  # a PPO-max script is told nothing
+
+
+def test_max_steps_is_the_number_of_iterations():
+    config = GRPOConfig(**BATCH, max_steps=5)
+    config.set_run_length(100)
+    assert (config.num_total_batches, config.total_episodes) == (5, 20)
+    with pytest.raises(ValueError, match=r"max_steps=5 .* and total_episodes=8 disagree"):
+        GRPOConfig(**BATCH, max_steps=5, total_episodes=8).set_run_length(100)
+    plain = GRPOConfig(**BATCH)
+    plain.set_run_length(8)
+    assert plain.num_total_batches == 6  # num_train_epochs=3 of 8 prompts, 4 a batch
+
+
+# ---- GRPOTrainer's keyword form, trained -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """Local stand-ins for trl-internal-testing's tiny Qwen causal LM and Qwen2 sequence classifier."""
+    root = tmp_path_factory.mktemp("hub")
+    policy = write_qwen_instruct_folder(root / "tiny-Qwen2.5")
+    scorer = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+    scorer.config.pad_token_id = AutoTokenizer.from_pretrained(policy).pad_token_id
+    scorer.save_pretrained(root / "tiny-Qwen2ForSequenceClassification")
+    AutoTokenizer.from_pretrained(policy).save_pretrained(root / "tiny-Qwen2ForSequenceClassification")
+    return {"policy": str(policy), "scorer": str(root / "tiny-Qwen2ForSequenceClassification")}
+
+
+def conversational_prompts(n: int = 2) -> Dataset:
+    """Shaped like trl-internal-testing/zen's conversational_prompt_only."""
+    questions = ["Beautiful is better than", "Explicit is", "Simple is better than", "Flat is better than"]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": questions[i % 4]}] for i in range(n)]})
+
+
+def swap_args(tmp_path, **overrides) -> GRPOConfig:
+    """TRL's test settings, as its tests write them; max_completion_length 512, not 128: the stand-in tokenizer is
+    byte-level, a tool call 80 tokens where Qwen's is 26."""
+    settings = dict(
+        output_dir=str(tmp_path), learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
+        max_completion_length=512, report_to="none", use_cpu=True,
+    )  # fmt: skip
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def scripted(tokenizer, first: list[str], then: list[str]):
+    """TRL's ``fake_generate``: a call on as many rows as ``first`` (every trajectory's first turn) writes ``first``,
+    others ``then``; the texts encoded by the stand-in tokenizer, right-padded with its pad token."""
+    calls = []
+
+    def fake_generate(input_ids, **kwargs):
+        texts = first if input_ids.shape[0] == len(first) else then
+        calls.append(input_ids.shape[0])
+        rows = [tokenizer(texts[i % len(texts)], add_special_tokens=False)["input_ids"] for i in range(len(input_ids))]
+        width = max(map(len, rows))
+        padded = [row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows]
+        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=-1)
+
+    return fake_generate, calls
+
+
+def written_by(tokenizer, write):
+    """A ``generate`` whose row writes ``write(its context text)``: the policy of a scripted agent."""
+
+    def fake_generate(input_ids, **kwargs):
+        rows = [tokenizer(write(tokenizer.decode(row)), add_special_tokens=False)["input_ids"] for row in input_ids]
+        width = max(map(len, rows))
+        padded = [row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows]
+        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=-1)
+
+    return fake_generate
+
+
+def call_then(call: str, answer: str = "Done!<|im_end|>"):
+    return lambda context: answer if "<tool_response>" in context else call
+
+
+def multiply_tool(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_multiply_tool(a: int, b: int) -> int:
+    """
+    Asynchronously multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+def every_parameter_changed(before: dict, model) -> None:
+    for name, param in before.items():
+        assert not torch.equal(param, model.get_parameter(name)), f"Parameter {name} has not changed."
+
+
+@pytest.mark.parametrize("tools", [[multiply_tool], [async_multiply_tool]], ids=["sync", "async"])
+def test_train_with_tools(hub, tmp_path, tools):
+    """TRL's test_train_with_tools: 3 completions, 2 well-formed calls (one fails: a wrong argument name), one plain
+    answer; the stop settings left alone (stop_token=None): turns still end at <|im_end|>, so the tools run."""
+    name = tools[0].__name__
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=hub["scorer"], args=swap_args(tmp_path), train_dataset=conversational_prompts(),
+        tools=tools,
+    )  # fmt: skip
+    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
+    first = [
+        f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": 3, "b": 4}}}}\n</tool_call><|im_end|>',
+        f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": 3, "c": 4}}}}\n</tool_call><|im_end|>',
+        "I don't know any tool<|im_end|>",
+    ]
+    fake_generate, calls = scripted(trainer.processing_class, first, ["Done!<|im_end|>"])
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert calls[:2] == [3, 2]  # the second turn: only the two trajectories that called
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert trainer.state.log_history[-1]["tools/failure_frequency"] == pytest.approx(1 / 2)
+    every_parameter_changed(previous_trainable_params, trainer.model)
+
+
+def recording(seen: list):
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return [float(len(str(c))) for c in completions]
+
+    return reward
+
+
+def test_reward_functions_get_trls_completions_the_trajectorys_messages(hub, tmp_path):
+    seen: list = []
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=recording(seen), args=swap_args(tmp_path, max_steps=1),
+        train_dataset=conversational_prompts(), tools=[multiply_tool],
+    )  # fmt: skip
+    call = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
+    fake_generate = written_by(trainer.processing_class, call_then(call, "It is 12.<|im_end|>"))
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    trajectory = seen[0]
+    assert [m["role"] for m in trajectory] == ["assistant", "tool", "assistant"]
+    assert trajectory[0]["tool_calls"][0]["function"] == {"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}
+    assert trajectory[1] == {"role": "tool", "name": "multiply_tool", "content": "12"}
+    assert trajectory[-1]["content"] == "It is 12."  # the policy's last words, not the tool's
+
+
+class CounterEnvironment:
+    def reset(self, **kwargs) -> str | None:
+        self.count = 0
+        return None
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
+    """TRL's test_train_with_environment_owned_reward and _owned_data: no reward_funcs, no train_dataset; reset()
+    writes the prompt and get_reward() scores; max_steps sets the length."""
+
+    class Owned(CounterEnvironment):
+        def reset(self, **kwargs) -> str:
+            self.count = 0
+            return "Count up."
+
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=None, args=swap_args(tmp_path, max_steps=2), environment_factory=Owned
+    )
+    call = '<tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call><|im_end|>'
+    fake_generate = written_by(trainer.processing_class, call_then(call))
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.log_history[-1]["rewards/Owned/mean"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="set max_steps"):
+        GRPOTrainer(model=hub["policy"], reward_funcs=None, args=swap_args(tmp_path), environment_factory=Owned)
+
+
+def test_train_with_multiple_environments(hub, tmp_path):
+    """TRL's test_train_with_multiple_environments: a dict of environments, each row's ``environment`` column picks
+    one; only its tools are shown and called."""
+
+    class EchoEnvironment:
+        def reset(self, **kwargs) -> str | None:
+            self.said = ""
+            return None
+
+        def shout(self, text: str) -> str:
+            """
+            Shout a text.
+
+            Args:
+                text: What to shout.
+
+            Returns:
+                The text in capitals.
+            """
+            self.said = text.upper()
+            return self.said
+
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "Go."}]] * 4, "environment": ["counter", "echo"] * 2}
+    )
+    seen: list = []
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=recording(seen), args=swap_args(tmp_path, num_generations=3, max_steps=1),
+        train_dataset=dataset, environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment},
+    )  # fmt: skip
+    calls = {
+        "counter": '<tool_call>\n{"name": "increment", "arguments": {"step": 1}}\n</tool_call><|im_end|>',
+        "echo": '<tool_call>\n{"name": "shout", "arguments": {"text": "hi"}}\n</tool_call><|im_end|>',
+    }
+
+    def write(context: str) -> str:  # each row calls its own environment's tool (the schema in its prompt)
+        return call_then(calls["echo" if '"shout"' in context else "counter"])(context)
+
+    fake_generate = written_by(trainer.processing_class, write)
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    tools_results = [m["content"] for trajectory in seen for m in trajectory if m["role"] == "tool"]
+    assert "1" in tools_results and "HI" in tools_results  # each environment's tool ran, none failed
+    assert trainer.state.log_history[-1]["tools/failure_frequency"] == 0.0
+    bad = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Go."}]] * 3, "environment": ["nope"] * 3})
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=recording([]), args=swap_args(tmp_path / "bad", max_steps=1),
+        train_dataset=bad, environment_factory={"counter": CounterEnvironment},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'nope', which is not among the environments"):
+        trainer.train()
+
+
+def test_rollout_func_gets_each_prompt_num_generations_times(hub, tmp_path):
+    """TRL's rollout_func contract: the prompts repeated ``num_generations`` times, one completion per prompt given."""
+    given: list = []
+
+    def rollout_func(prompts, trainer):
+        given.extend(prompts)
+        tokenizer = trainer.processing_class
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        completion = tokenizer("Done!<|im_end|>", add_special_tokens=False)["input_ids"]
+        return {"prompt_ids": ids, "completion_ids": [completion] * len(prompts),
+                "logprobs": [[0.0] * len(completion)] * len(prompts)}  # fmt: skip
+
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=recording([]), args=swap_args(tmp_path, max_steps=1),
+        train_dataset=conversational_prompts(), rollout_func=rollout_func,
+    )  # fmt: skip
+    trainer.train()
+    assert len(given) == 3 and given[0] == given[1] == given[2]  # one prompt, three generations
+
+
+def test_a_swapped_script_is_told_what_it_runs(hub, tmp_path, caplog):
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=recording([]), args=swap_args(tmp_path, max_steps=1),
+        train_dataset=conversational_prompts(),
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "runs PPO-max (a critic, GAE" in caplog.text and "temperature=0.8 (GRPOConfig: 1.0)" in caplog.text
+    assert trainer.model.critic is not None  # the policy with a fresh scalar head: no reward model to start it from
