@@ -42,7 +42,7 @@ EFFECTS = {
         lambda c: (
             (c.kl_coef, c.kl_placement, c.kl_estimator, c.kl_loss_importance_weighted) == (0.04, "loss", "k3", True)
         ),
-    ),  # fmt: skip
+    ),
     "use_bias_correction_kl": (True, lambda c: not c.kl_loss_importance_weighted),  # said, not applied, without beta
     "num_iterations": (2, lambda c: c.num_ppo_epochs == 2),
     "epsilon": (0.3, lambda c: c.cliprange == 0.3),
