@@ -73,10 +73,11 @@ class HFGeneration:
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1, max_new_tokens=None
     ):
         """See the module docstring; the sampler's log-probs are None (``generate`` samples from the policy itself)."""
-        kwargs = {**self.generation_kwargs(sampling, query_ids.shape[1]), "num_return_sequences": n}
+        kwargs = self.generation_kwargs(sampling, query_ids.shape[1])
         if max_new_tokens is not None:
             kwargs["max_new_tokens"] = max_new_tokens
-        return *generate_responses(self.policy, query_ids, query_mask, kwargs), None
+        queries = query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0)  # as num_return_sequences=n
+        return *generate_responses(self.policy, *queries, kwargs), None
 
     def on_policy_updated(self) -> None:
         """Nothing to do: ``generate`` reads the trained weights themselves."""

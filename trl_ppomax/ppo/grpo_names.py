@@ -452,7 +452,10 @@ def _map_agent_and_sampling(config) -> None:
 
 def apply_grpo_names(config) -> None:
     """Map the TRL GRPO names a script set (:data:`GRPO_NAMES`) onto our fields, refusing those not offered and a
-    TRL name set together with ours to another value. Runs before the preset fills the unset fields."""
+    TRL name set together with ours to another value; a GRPO script's completions end at the eos token, as TRL's
+    (``stop_token="eos"`` unless a stop token is set). Runs before the preset fills the unset fields."""
+    if grpo_names_set(config) and config.stop_token is None and config.stop_token_id is None:
+        config.stop_token = "eos"
     _refuse_non_defaults(config)
     _map_batches(config)
     _map_objective(config)
@@ -496,7 +499,8 @@ def swap_notice(config, set_by_user: set[str]) -> str:
         if name not in set_by_user and not math.isclose(float(getattr(config, name)), trl)
     ]
     kept = f"; PPO-max's defaults where GRPOConfig's differ: {', '.join(differing)}" if differing else ""
-    return f"A TRL GRPO script on PPOMaxTrainer runs {algorithm}{kept}. Set a field to keep GRPO's value."
+    stop = ", completions ending at the eos token as TRL's" if config.stop_token == "eos" else ""
+    return f"A TRL GRPO script on PPOMaxTrainer runs {algorithm}{stop}{kept}. Set a field to keep GRPO's value."
 
 
 def render_table() -> str:
