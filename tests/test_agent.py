@@ -4,6 +4,7 @@ train a tiny SFT agent (trl's SFTTrainer, saved with its tokenizer beside the we
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 
@@ -151,7 +152,7 @@ def test_failures_reach_the_policy_as_tool_messages_naming_the_error():
     )
     outcomes = runner.run([({"divide": divide}, calls)])[0]
     assert [failed for _, failed in outcomes] == [True] * 6
-    errors = [json.loads(message["content"])["error"] for message, _ in outcomes]
+    errors = [ast.literal_eval(message["content"])["error"] for message, _ in outcomes]
     assert "ZeroDivisionError" in errors[0] and "no tool 'multiply'" in errors[1] and "TypeError" in errors[2]
     assert "not JSON" in errors[3] and "needs" in errors[4] and "not closed" in errors[5]
     ok = runner.run(

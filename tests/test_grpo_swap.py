@@ -18,6 +18,7 @@ from user_setups import write_qwen_instruct_folder
 
 from trl_ppomax import PPOMaxConfig as GRPOConfig
 from trl_ppomax import PPOMaxTrainer as GRPOTrainer
+from trl_ppomax import data
 from trl_ppomax.ppo import grpo_names
 
 trl = pytest.importorskip("trl")
@@ -436,3 +437,80 @@ def test_a_swapped_script_is_told_what_it_runs(hub, tmp_path, caplog):
         trainer.train()
     assert "runs PPO-max (a critic, GAE" in caplog.text and "temperature=0.8 (GRPOConfig: 1.0)" in caplog.text
     assert trainer.model.critic is not None  # the policy with a fresh scalar head: no reward model to start it from
+
+
+# ---- the same trajectories, the same completions under both trainers ---------------------------------------------------
+def lookup_rows(sql_command: str) -> list:
+    """
+    Run a read-only SQL query on the interactions table.
+
+    Args:
+        sql_command: The SQL query.
+
+    Returns:
+        The matching rows.
+    """
+    return [("BRCA1", "BARD1")] if "where" in sql_command.lower() else []
+
+
+def evidence_reward(completions, answer, **kwargs):
+    """Shaped like grpo_agent.py's query and structure rewards: reads the calls' arguments, the tools' results (a list
+    of rows is evidence) and the last message's content."""
+    scores = []
+    for completion, expected in zip(completions, answer, strict=True):
+        queries = [
+            call["function"]["arguments"]["sql_command"]
+            for turn in completion
+            for call in turn.get("tool_calls") or []
+        ]
+        rows = [
+            row
+            for turn in completion
+            if turn["role"] == "tool" and isinstance(turn["content"], list)
+            for row in turn["content"]
+        ]
+        final = completion[-1]["content"].lower()
+        scores.append(0.4 * sum(" where " in q.lower() for q in queries) + (2.0 if bool(rows) == (expected == "yes") else -1.5)
+                      + (0.6 if f"*{expected}*" in final else -0.5))  # fmt: skip
+    return scores
+
+
+def test_the_same_trajectories_give_trls_completions_and_scores(hub, tmp_path):
+    """TRL's GRPOTrainer and ours on the same scripted agent (a call, the tool's rows, an answer): the reward functions
+    get equal ``completions`` (assistant messages with ``tool_calls``, ``role: "tool"`` messages, the tool's list
+    kept) and so give equal scores."""
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Do BRCA1 and BARD1 interact?"}]] * 2,
+                                 "answer": ["yes", "no"]})  # fmt: skip
+    calls = ['<tool_call>\n{"name": "lookup_rows", "arguments": {"sql_command": "SELECT * FROM t WHERE a = 1"}}\n'
+             "</tool_call><|im_end|>", "They interact: *yes*<|im_end|>", "*no*<|im_end|>"]  # fmt: skip
+    write = lambda context: calls[1] if "<tool_response>" in context else calls[0]  # noqa: E731
+    seen = {"trl": [], "ours": []}
+    scored = {"trl": [], "ours": []}
+
+    def reward_for(name):
+        def reward(completions, answer, **kwargs):
+            seen[name].extend(completions)
+            scored[name].extend(evidence_reward(completions, answer))
+            return scored[name][-len(completions) :]
+
+        return reward
+
+    args = dict(per_device_train_batch_size=3, num_generations=3, max_completion_length=512, report_to="none",
+                use_cpu=True, bf16=False, shuffle_dataset=False)  # fmt: skip
+    theirs = trl.GRPOTrainer(
+        model=hub["policy"], reward_funcs=reward_for("trl"), train_dataset=dataset, tools=[lookup_rows],
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **args),
+    )  # fmt: skip
+    with patch.object(theirs.model, "generate", side_effect=written_by(theirs.processing_class, write)):
+        theirs.model.train()
+        theirs._prepare_inputs([dataset[0]] * 3)
+    ours = GRPOTrainer(
+        model=hub["policy"], reward_funcs=reward_for("ours"), train_dataset=dataset, tools=[lookup_rows],
+        args=GRPOConfig(output_dir=str(tmp_path / "ours"), **args),
+    )  # fmt: skip
+    tensors, columns = data.split_batch(data.PromptCollator(0)([ours.train_dataset[0]]), "cpu")  # TRL's row
+    with patch.object(ours.model, "generate", side_effect=written_by(ours.processing_class, write)):
+        ours.rollout(tensors["input_ids"], tensors["attention_mask"], True, columns, 3)
+    assert seen["ours"] == seen["trl"] and len(seen["ours"]) == 3
+    assert seen["ours"][0][1]["content"] == [("BRCA1", "BARD1")]  # the tool's rows, a list as TRL keeps it
+    assert scored["ours"] == scored["trl"]

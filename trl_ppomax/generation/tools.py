@@ -228,14 +228,14 @@ class ToolRunner:
 
 
 def _message(name: str, value) -> tuple[dict, bool]:
+    """A tool's result as TRL GRPO writes it: a list (content blocks) kept, anything else as ``str(value)``."""
     if isinstance(value, BaseException):
         return _failure(name, f"{type(value).__name__}: {value}")
-    content = value if isinstance(value, str) else json.dumps(value, default=str)
-    return {"role": "tool", "name": name, "content": content}, False
+    return {"role": "tool", "name": name, "content": value if isinstance(value, list) else str(value)}, False
 
 
 def _failure(name: str, error: str) -> tuple[dict, bool]:
-    return {"role": "tool", "name": name, "content": json.dumps({"error": error})}, True
+    return {"role": "tool", "name": name, "content": str({"error": error})}, True
 
 
 def end_of_turn_token(tokenizer, chat_template_kwargs: dict | None = None) -> int | None:
