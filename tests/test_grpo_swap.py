@@ -91,6 +91,13 @@ def test_the_table_names_every_field_of_the_installed_grpo_config_once():
     assert all(entry.name in ours for entry in grpo_names.GRPO_NAMES)  # the command line parses every one
 
 
+def test_the_guides_table_is_the_codes():
+    from pathlib import Path
+
+    guide = Path(__file__).resolve().parents[1] / "docs" / "grpo-swap-in.md"
+    assert grpo_names.render_table() in guide.read_text()
+
+
 @pytest.mark.parametrize("name", sorted(trl_fields()))
 def test_every_grpo_config_field_is_taken_with_trls_meaning_or_refused_by_name(name):
     entry = grpo_names.BY_NAME[name]
@@ -514,3 +521,22 @@ def test_the_same_trajectories_give_trls_completions_and_scores(hub, tmp_path):
     assert seen["ours"] == seen["trl"] and len(seen["ours"]) == 3
     assert seen["ours"][0][1]["content"] == [("BRCA1", "BARD1")]  # the tool's rows, a list as TRL keeps it
     assert scored["ours"] == scored["trl"]
+
+
+def test_mask_truncated_completions_leaves_cut_responses_out_of_the_losses_only(tmp_path):
+    from helpers import make_trainer
+
+    from trl_ppomax.ppo import core
+
+    for masked in (True, False):
+        trainer = make_trainer(
+            tmp_path / str(masked), stop_token="eos", response_length=3, mask_truncated_completions=masked
+        )
+        batch, columns = data.split_batch(trainer.prompt_batches[0], "cpu")
+        rollout = trainer.rollout(batch["input_ids"], batch["attention_mask"], True, columns)
+        experience, _, _ = trainer.make_experience(rollout)
+        last = rollout.response_ids.gather(1, core.last_token_index(rollout.response_mask)[:, None])[:, 0]
+        cut = last != trainer.processing_class.eos_token_id
+        kept = experience.rollout.policy_mask.sum(1) > 0
+        assert kept.tolist() == (~cut if masked else torch.ones_like(cut)).tolist()
+        assert torch.equal(experience.rollout.scores, rollout.scores)  # the scores still count, as in TRL

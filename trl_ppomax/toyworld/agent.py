@@ -196,7 +196,12 @@ CONDITIONS: dict[str, dict] = {
     "tool": dict(environment=True),
     "no_tool": dict(environment=False),
     "tool_train_on_env_tokens": dict(environment=True, train_on_env_tokens=True),
-}
+    # What a TRL GRPO script runs: no critic, 4 trajectories per prompt (as many trajectories an iteration), k3 KL loss
+    "tool_grpo": dict(
+        environment=True, advantage_estimator="grpo", num_samples_per_prompt=4, kl_placement="loss",
+        kl_estimator="k3", kl_coef=0.04,
+    ),
+}  # fmt: skip
 #: The per-trajectory measurements logged next to the reward (and as ``eval_…``).
 AGENT_METRICS = {"agent/tool_call_rate": tool_call_rate}
 
@@ -225,7 +230,9 @@ def agent_ppo_trainer(
         ref_model=None,
         reward_model=agent_gold_reward,
         train_dataset=agent_prompts(32 * 64, seed=seed),
-        value_model=AutoModelForSequenceClassification.from_pretrained(sft, num_labels=1),
+        value_model=AutoModelForSequenceClassification.from_pretrained(sft, num_labels=1)
+        if config.uses_critic
+        else None,
         eval_dataset=agent_prompts(64, seed=1234),
         environment_factory=environment,
         rollout_metrics=AGENT_METRICS,
