@@ -540,3 +540,47 @@ def test_mask_truncated_completions_leaves_cut_responses_out_of_the_losses_only(
         kept = experience.rollout.policy_mask.sum(1) > 0
         assert kept.tolist() == (~cut if masked else torch.ones_like(cut)).tolist()
         assert torch.equal(experience.rollout.scores, rollout.scores)  # the scores still count, as in TRL
+
+
+class ScriptedTurns:
+    """``prefix_allowed_tokens_fn`` allowing one token: the next of a call, or, after the tool's result, of an answer
+    (module-level, so that the config holding it can be saved with a checkpoint)."""
+
+    CALL = '<tool_call>\n{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.scripts = {False: encode(self.CALL), True: encode("It is 12.<|im_end|>")}
+        self.header = encode("<|im_start|>assistant\n")
+
+    def __call__(self, batch_id: int, input_ids) -> list[int]:
+        ids, width = input_ids.tolist(), len(self.header)
+        start = max(i + width for i in range(len(ids) - width + 1) if ids[i : i + width] == self.header)
+        script = self.scripts["<tool_response>" in self.tokenizer.decode(ids)]
+        written = len(ids) - start
+        return [script[written]] if written < len(script) else [self.tokenizer.eos_token_id]
+
+
+def test_a_tools_run_with_the_default_stop_settings_calls_its_tools(hub, tmp_path):
+    """The real ``generate`` (sampling, the engine's stop token) scripted by ``prefix_allowed_tokens_fn`` (TRL's
+    ``generation_kwargs``), on a tokenizer whose eos is not the end of turn (Qwen's base ``<|endoftext|>``), the stop
+    settings left alone (a GRPO script's: completions end at eos): each turn still ends at ``<|im_end|>``, so the
+    call runs and the answer follows."""
+    tokenizer = AutoTokenizer.from_pretrained(hub["policy"])
+    tokenizer.eos_token = "<|endoftext|>"  # eos ≠ end of turn, as Qwen's base models
+    next_token = ScriptedTurns(tokenizer)
+    with pytest.raises(ValueError, match=r"generation_kwargs=.* cannot be saved with the checkpoints"):
+        GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"prefix_allowed_tokens_fn": lambda b, ids: [0]})
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, total_episodes=2, response_length=128,
+        report_to="none", use_cpu=True, num_sample_generations=0, generation_kwargs={"prefix_allowed_tokens_fn": next_token},
+    )  # fmt: skip
+    assert args.stop_token_id is None
+    trainer = GRPOTrainer(
+        args=args, processing_class=tokenizer, model=hub["policy"], reward_funcs=recording([]),
+        train_dataset=conversational_prompts(), tools=[multiply_tool],
+    )  # fmt: skip
+    trainer.train()
+    logged = trainer.state.log_history[-1]
+    assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0

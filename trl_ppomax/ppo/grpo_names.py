@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import pickle
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -330,6 +331,18 @@ def _json(name: str, value):
     return parsed
 
 
+def _check_picklable(name: str, value) -> None:
+    """Every checkpoint saves the config (``training_args.bin``): a value pickle cannot write would fail the first save,
+    hours in, so it is refused now."""
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        raise ValueError(
+            f"{name}={value!r} cannot be saved with the checkpoints' training_args.bin ({error}): define its functions "
+            "at module level (not inside a function), or leave them out."
+        ) from None
+
+
 def is_default(config, name: str) -> bool:
     """Whether our field ``name`` still holds its dataclass default (or the preset's "unset")."""
     value, default = getattr(config, name), config.__dataclass_fields__[name].default
@@ -442,6 +455,7 @@ def _map_agent_and_sampling(config) -> None:
         _set(config, "max_tool_turns", config.max_tool_calling_iterations, "max_tool_calling_iterations")
     for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
         setattr(config, name, _json(name, getattr(config, name)))
+        _check_picklable(name, getattr(config, name))
     if config.top_k is not None and config.top_k < 0:
         raise ValueError(f"top_k={config.top_k} must be ≥ 0 (0 turns top-k filtering off).")
     if config.min_p is not None and not 0.0 <= config.min_p <= 1.0:
