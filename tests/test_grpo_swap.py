@@ -267,6 +267,7 @@ def every_parameter_changed(before: dict, model) -> None:
         assert not torch.equal(param, model.get_parameter(name)), f"Parameter {name} has not changed."
 
 
+@pytest.mark.slow  # 18 iterations, as TRL's test trains (the default suite keeps the one-iteration tool runs below)
 @pytest.mark.parametrize("tools", [[multiply_tool], [async_multiply_tool]], ids=["sync", "async"])
 def test_train_with_tools(hub, tmp_path, tools):
     """TRL's test_train_with_tools: 3 completions, 2 well-formed calls (one fails: a wrong argument name), one plain
@@ -435,6 +436,7 @@ def test_rollout_func_gets_each_prompt_num_generations_times(hub, tmp_path):
     assert len(given) == 3 and given[0] == given[1] == given[2]  # one prompt, three generations
 
 
+@pytest.mark.slow  # critic warm-up and training: seconds
 def test_a_swapped_script_is_told_what_it_runs(hub, tmp_path, caplog):
     trainer = GRPOTrainer(
         model=hub["policy"], reward_funcs=recording([]), args=swap_args(tmp_path, max_steps=1),
@@ -562,6 +564,7 @@ class ScriptedTurns:
         return [script[written]] if written < len(script) else [self.tokenizer.eos_token_id]
 
 
+@pytest.mark.slow  # the real generate, token by token
 def test_a_tools_run_with_the_default_stop_settings_calls_its_tools(hub, tmp_path):
     """The real ``generate`` (sampling, the engine's stop token) scripted by ``prefix_allowed_tokens_fn`` (TRL's
     ``generation_kwargs``), on a tokenizer whose eos is not the end of turn (Qwen's base ``<|endoftext|>``), the stop

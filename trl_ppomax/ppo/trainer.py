@@ -237,9 +237,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
                 self.lagged.close()
             if self.agent is not None:  # the async tools' loop thread (started again if evaluate() needs it)
                 self.agent.close()
-        summary = self.train_summary or self._train_summary()
-        if not self.train_summary:  # stopped early (a callback): the summary in a log of its own
-            self.log(summary)
+        summary = self.train_summary or self._train_summary()  # stopped early (a callback): returned, not logged
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
             self._load_best_model()
