@@ -395,10 +395,10 @@ def test_the_agent_example_script_and_benchmark_run(tmp_path):
     benchmark = [sys.executable, str(root / "benchmarks/agent.py"), "--small", "--iterations", "2", "--seed", "0"]
     subprocess.run([*benchmark, "--output", str(output)], env=env, check=True, cwd=tmp_path, capture_output=True)
     results = json.loads(output.read_text())
-    assert set(results["conditions"]) == {"tool", "no_tool", "tool_train_on_env_tokens"}
+    assert set(results["conditions"]) == {"tool", "no_tool", "tool_train_on_env_tokens", "tool_grpo"}
     for condition in results["conditions"].values():
         assert len(condition["curves"]["gold_reward"]) == 2 and 0 <= condition["tool_call_rate_final"] <= 1
-    assert len((tmp_path / "agent.runs.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "agent.runs.jsonl").read_text().splitlines()) == 4
 
 
 # ---- round four: tool faults are failures, timeouts, one name per tool, threads closed, environment checks -----------
