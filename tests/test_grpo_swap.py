@@ -587,3 +587,45 @@ def test_a_tools_run_with_the_default_stop_settings_calls_its_tools(hub, tmp_pat
     trainer.train()
     logged = trainer.state.log_history[-1]
     assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0
+
+
+# ---- TRL's refusals, ported (its messages matched) ---------------------------------------------------------------------
+class EnvA:
+    def reset(self, **kwargs): ...
+
+
+class EnvB:
+    def reset(self, **kwargs): ...
+
+
+def test_no_reward_source_raises(hub, tmp_path):
+    training_args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(model=hub["policy"], args=training_args, train_dataset=conversational_prompts())
+
+
+def test_dataset_required_without_environment(hub, tmp_path):
+    training_args = GRPOConfig(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        GRPOTrainer(model=hub["policy"], reward_funcs=hub["scorer"], args=training_args)
+
+
+def test_environment_owned_data_requires_max_steps(hub, tmp_path):
+    class DummyEnvironment:
+        def reset(self, **kwargs):
+            return "Guess the 5-letter word."
+
+    training_args = GRPOConfig(output_dir=str(tmp_path), report_to="none")  # max_steps unset
+    with pytest.raises(ValueError, match="max_steps"):
+        GRPOTrainer(
+            model=hub["policy"], reward_funcs=hub["scorer"], args=training_args, environment_factory=DummyEnvironment
+        )
+
+
+def test_multiple_environments_without_dataset_raises(hub, tmp_path):
+    training_args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none")
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        GRPOTrainer(
+            model=hub["policy"], reward_funcs=hub["scorer"], args=training_args,
+            environment_factory={"a": EnvA, "b": EnvB},
+        )  # fmt: skip

@@ -41,6 +41,13 @@ NO_RUN_LENGTH = (
 )
 
 
+#: TRL GRPO's words for the same refusals, first in ours, so that its tests' messages match.
+TRL_WORDS = {
+    "reward_model": "No reward source provided: ",
+    "train_dataset": "`train_dataset` is required unless an environment_factory owns the data: ",
+}
+
+
 def check_inputs(
     args, processing_class, models: dict, train_dataset, eval_dataset, ptx_dataset, peft_config=None,
     rollouts: dict | None = None,
@@ -61,7 +68,12 @@ def check_inputs(
     for name, value in {**models, "train_dataset": train_dataset}.items():
         owned = name in ("reward_model", "train_dataset") and environment  # an environment may own reward and data
         if name in _MISSING and value is None and not owned:
-            raise ValueError(f"{name} is None: {_MISSING[name]}.")
+            raise ValueError(f"{TRL_WORDS.get(name, '')}{name} is None: {_MISSING[name]}.")
+    if train_dataset is None and isinstance(rollouts.get("environment_factory"), dict):
+        raise ValueError(
+            "A dict environment_factory (several environments) requires a `train_dataset` with an 'environment' "
+            "column naming each row's environment; pass one, or a single environment factory."
+        )
     if train_dataset is None and args.max_steps <= 0:  # an environment owns the data: before any model loads
         raise ValueError(NO_RUN_LENGTH)
     given = [("train_dataset", train_dataset)] if train_dataset is not None else []
