@@ -357,6 +357,7 @@ def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
     with patch.object(trainer.model, "generate", side_effect=fake_generate):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.log_history[-1]["reward"] == trainer.state.log_history[-1]["objective/scores"]  # TRL's name
     assert trainer.state.log_history[-1]["rewards/Owned/mean"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="set max_steps"):
         GRPOTrainer(model=hub["policy"], reward_funcs=None, args=swap_args(tmp_path), environment_factory=Owned)

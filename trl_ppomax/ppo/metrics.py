@@ -23,6 +23,8 @@ STOP_TOKEN_MISSING = "response/stop_token_missing"  # share of responses without
 
 # ---- rollout batch statistics ----------------------------------------------------------------------------------------
 SCORES_STD = "objective/scores_std"
+#: TRL GRPO's names of two of ours, logged beside them for a swapped GRPO script's dashboards and tests.
+TRL_NAMES = {"reward": SCORES, "reward_std": SCORES_STD}
 SCORES_P05 = "objective/scores_p05"
 SCORES_P95 = "objective/scores_p95"
 REWARD_RUNNING_MEAN = "objective/reward_running_mean"
@@ -176,3 +178,8 @@ def schedule_metrics(state, lr_scheduler, start: tuple[float, int], *, with_crit
     if torch.cuda.is_available():
         metrics[PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
     return metrics
+
+
+def with_trl_names(logs: dict[str, float]) -> dict[str, float]:
+    """``logs`` and, beside ours, TRL GRPO's names of them (:data:`TRL_NAMES`)."""
+    return {**logs, **{trl: logs[ours] for trl, ours in TRL_NAMES.items() if ours in logs}}

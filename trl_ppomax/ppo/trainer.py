@@ -296,7 +296,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             schedule = M.schedule_metrics(self.state, self.lr_scheduler, start, with_critic=self.args.uses_critic)
             if iteration == self.num_total_batches:  # the run's summary in its last log, as transformers' Trainer
                 self.train_summary = self._train_summary(means)
-            self.log({**means, **schedule, **(self.train_summary or {})})
+            self.log(M.with_trl_names({**means, **schedule, **(self.train_summary or {})}))
             pending.clear()
             if self.last_rollout is not None:
                 self.show_completions(self.last_rollout, self.args.num_completions_to_print)
