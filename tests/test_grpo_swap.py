@@ -630,3 +630,90 @@ def test_multiple_environments_without_dataset_raises(hub, tmp_path):
             model=hub["policy"], reward_funcs=hub["scorer"], args=training_args,
             environment_factory={"a": EnvA, "b": EnvB},
         )  # fmt: skip
+
+
+# ---- TRL's reward-function tests, ported (slow: each trains, as TRL's do) ------------------------------------------------
+def standard_prompts(n: int = 2) -> Dataset:
+    """Shaped like trl-internal-testing/zen's standard_prompt_only."""
+    return Dataset.from_dict({"prompt": ["Beautiful is better than", "Explicit is", "Simple is", "Flat is"][:n]})
+
+
+def reward_args(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path), learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
+                    max_completion_length=8, report_to="none", use_cpu=True)  # fmt: skip
+    return GRPOConfig(**{**settings, **overrides})
+
+
+def trains_every_parameter(trainer) -> dict:
+    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    every_parameter_changed(previous_trainable_params, trainer.model)
+    return trainer.state.log_history[-1]
+
+
+def longer(completions, **kwargs):
+    """Reward function that rewards longer completions."""
+    return [float(len(completion)) for completion in completions]
+
+
+def unique_letters(completions, **kwargs):
+    """Reward function that rewards completions with more unique letters."""
+    return [float(len(set(completion))) for completion in completions]
+
+
+@pytest.mark.slow
+def test_train_reward_func_standard(hub, tmp_path):
+    trainer = GRPOTrainer(model=hub["policy"], reward_funcs=longer, args=reward_args(tmp_path),
+                          train_dataset=standard_prompts())  # fmt: skip
+    trains_every_parameter(trainer)
+
+
+@pytest.mark.slow
+def test_train_reward_func_conversational(hub, tmp_path):
+    def reward_func(completions, **kwargs):
+        return [float(len(completion[0]["content"])) for completion in completions]
+
+    trainer = GRPOTrainer(model=hub["policy"], reward_funcs=reward_func, args=reward_args(tmp_path),
+                          train_dataset=conversational_prompts())  # fmt: skip
+    trains_every_parameter(trainer)
+
+
+@pytest.mark.slow
+def test_train_sync_and_async_reward_funcs_with_weights_and_none_output(hub, tmp_path):
+    async def async_longer(completions, **kwargs):
+        return [float(len(completion)) for completion in completions]
+
+    def non_applicable_reward_func(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=[async_longer, unique_letters, non_applicable_reward_func],
+        args=reward_args(tmp_path, reward_weights=[0.7, 0.3, 1.0]), train_dataset=standard_prompts(),
+    )  # fmt: skip
+    logged = trains_every_parameter(trainer)
+    for name in ("async_longer", "unique_letters"):
+        assert f"rewards/{name}/mean" in logged and f"rewards/{name}/std" in logged
+
+
+@pytest.mark.slow
+def test_train_mixed_reward_funcs_and_an_additional_column(hub, tmp_path):
+    def reward_func(completions, some_values, **kwargs):
+        """Reward function that rewards completions with lengths closer to the values in some_values."""
+        return [
+            float(abs(len(completion) - value)) for completion, value in zip(completions, some_values, strict=True)
+        ]
+
+    dataset = standard_prompts().add_column("some_values", [2, 3])
+    trainer = GRPOTrainer(model=hub["policy"], reward_funcs=[reward_func, hub["scorer"]], args=reward_args(tmp_path),
+                          train_dataset=dataset)  # fmt: skip
+    trains_every_parameter(trainer)
+
+
+def test_mismatched_reward_processing_classes_length(hub, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(hub["scorer"])
+    with pytest.raises(ValueError, match="reward_processing_classes"):
+        GRPOTrainer(
+            model=hub["policy"], reward_funcs=[hub["scorer"], hub["scorer"]], args=reward_args(tmp_path),
+            train_dataset=standard_prompts(), reward_processing_classes=[tokenizer],
+        )  # fmt: skip

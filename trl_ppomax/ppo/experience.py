@@ -202,6 +202,16 @@ class ExperienceMaker:
             **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self.stop_id),
         }
 
+    def source_spreads(self, rollout: Rollout, keep: torch.Tensor) -> dict[str, float]:
+        """``rewards/<name>/std`` of each reward source over the kept samples of every process (unbiased, a sample a
+        source does not score left out; TRL GRPO's)."""
+        spreads, gather = {}, kept_gather(keep, self.gather)
+        for name, scores in self.reward_sources.metrics(rollout.source_scores).items():
+            values = gather(scores)
+            values = values[~values.isnan()]
+            spreads[name.removesuffix("/mean") + "/std"] = values.std().item() if len(values) > 1 else 0.0
+        return spreads
+
     def _moments_frozen(self, step: int) -> bool:
         """With ``reward_norm_freeze`` only the first ``max(critic_warmup_steps, 1)`` iterations update the moments."""
         return bool(self.args.reward_norm_freeze) and step >= max(self.args.critic_warmup_steps, 1)
@@ -233,6 +243,7 @@ class ExperienceMaker:
         metrics = {name: M.global_mean(value, self.reduce) for name, value in per_response.items()}
         moments, gather = self.ppo_state.running_reward, kept_gather(keep, self.gather)
         metrics.update(M.batch_metrics(rollout, estimate.advantages, estimate.returns, moments, self.reduce, gather))
+        metrics.update(self.source_spreads(rollout, keep))
         if not self.args.uses_critic:  # no critic, no values: the zeros stand in for none
             metrics.pop(M.VALUES)
         else:
