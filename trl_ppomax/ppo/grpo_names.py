@@ -68,8 +68,8 @@ GRPO_NAMES: tuple[GRPOName, ...] = (
     GRPOName(
         "disable_dropout",
         "accepted",
-        "Dropout is always off in the policy, reference and critic (PPO's ratio needs deterministic forwards); "
-        "False is taken as it, with a note.",
+        "Dropout is always off in the policy, reference and critic (PPO's ratio needs deterministic forwards): True "
+        "is what runs; False is accepted and said (dropout stays off).",
     ),
     _refused("cast_lm_head_to_fp32", False, "The LM head runs in the model's dtype; log-probs are taken in float32."),
     # -- generation -------------------------------------------------------------------------------------------------
@@ -88,7 +88,8 @@ GRPO_NAMES: tuple[GRPOName, ...] = (
     GRPOName(
         "shuffle_dataset",
         "accepted",
-        "True (TRL's default): prompts in a reshuffled order each epoch (ours always); False: the dataset's order.",
+        "True (TRL's default): prompts in a reshuffled order each epoch, which is what runs (a resumable order); "
+        "False is accepted and said: the order is still reshuffled.",
     ),
     _refused("pad_to_multiple_of", "auto", "Batches are padded to their longest row; 'auto' and None are accepted."),
     GRPOName(
@@ -462,6 +463,11 @@ def _map_agent_and_sampling(config) -> None:
         raise ValueError(f"min_p={config.min_p} must be in [0, 1] (None turns min-p filtering off).")
     if config.disable_dropout is False:
         logger.info("disable_dropout=False: dropout stays off here (PPO's ratio needs deterministic forwards).")
+    if config.shuffle_dataset is False:
+        logger.warning(
+            "shuffle_dataset=False: not applied, prompts are drawn in a reshuffled order each epoch (a pure function "
+            "of the seed, so that a resume continues exactly); shuffle the dataset yourself for another order."
+        )
 
 
 def apply_grpo_names(config) -> None:
