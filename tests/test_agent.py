@@ -518,7 +518,7 @@ def test_get_reward_results_are_validated():
         and reward.reward_value(True) == 1.0
         and reward.reward_value(np.float32(0.5)) == 0.5
     )
-    assert reward.reward_value(torch.tensor([2.0])) == 2.0 and torch.isnan(torch.tensor(reward.reward_value(None)))
+    assert reward.reward_value(torch.tensor([2.0])) == 2.0 and reward.reward_value(None) is None
     for bad in ("0.5", [1.0], {"score": 1}):
         with pytest.raises(TypeError, match=r"LookupEnvironment.get_reward\(\) returned .*must return a number"):
             reward.reward_value(bad)

@@ -390,7 +390,7 @@ def test_train_with_multiple_environments(hub, tmp_path):
     )
     seen: list = []
     trainer = GRPOTrainer(
-        model=hub["policy"], reward_funcs=recording(seen), args=swap_args(tmp_path, num_generations=3, max_steps=1),
+        model=hub["policy"], reward_funcs=recording(seen), args=swap_args(tmp_path, per_device_train_batch_size=12, max_steps=1),
         train_dataset=dataset, environment_factory={"counter": CounterEnvironment, "echo": EchoEnvironment},
     )  # fmt: skip
     calls = {
@@ -712,8 +712,235 @@ def test_train_mixed_reward_funcs_and_an_additional_column(hub, tmp_path):
 
 def test_mismatched_reward_processing_classes_length(hub, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(hub["scorer"])
-    with pytest.raises(ValueError, match="reward_processing_classes"):
+    with pytest.raises(ValueError, match="must match"):
         GRPOTrainer(
             model=hub["policy"], reward_funcs=[hub["scorer"], hub["scorer"]], args=reward_args(tmp_path),
-            train_dataset=standard_prompts(), reward_processing_classes=[tokenizer],
+            train_dataset=standard_prompts(), reward_processing_classes=tokenizer,  # only one, but need two
         )  # fmt: skip
+
+
+def test_correct_reward_processing_classes_list(hub, tmp_path):
+    processing_class1 = AutoTokenizer.from_pretrained(hub["scorer"])
+    processing_class2 = AutoTokenizer.from_pretrained(hub["scorer"])
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=[hub["scorer"], hub["scorer"]], args=reward_args(tmp_path),
+        train_dataset=standard_prompts(), reward_processing_classes=[processing_class1, processing_class2],
+    )  # fmt: skip
+    assert len(trainer.reward_processing_classes) == 2
+
+
+def test_single_reward_model_with_single_processing_class(hub, tmp_path):
+    single_processing_class = AutoTokenizer.from_pretrained(hub["scorer"])
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=hub["scorer"], args=reward_args(tmp_path), train_dataset=standard_prompts(),
+        reward_processing_classes=single_processing_class,
+    )  # fmt: skip
+    assert len(trainer.reward_processing_classes) == 1
+    assert trainer.reward_processing_classes[0] is single_processing_class
+
+
+@pytest.mark.slow
+def test_reward_metric_reflects_reward_weights(hub, tmp_path):
+    """TRL's test (its default multi_objective_aggregation, sum_then_normalize; normalize_then_sum is refused)."""
+
+    def constant_reward_1(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def constant_reward_0(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=[constant_reward_1, constant_reward_0],
+        args=reward_args(tmp_path, reward_weights=[0.7, 0.3], max_steps=1), train_dataset=standard_prompts(),
+    )  # fmt: skip
+    trainer.train()
+    assert abs(trainer.state.log_history[-1]["reward"] - 0.7) < 1e-5
+
+
+def test_reward_functions_get_the_trainer_state_and_log_metric(hub, tmp_path):
+    """TRL's test_train_with_reward_func_accessing_trainer_state and _with_log_metric, in one run."""
+    steps = []
+
+    def reward_func(completions, **kwargs):
+        trainer_state = kwargs.get("trainer_state")
+        assert trainer_state is not None and hasattr(trainer_state, "global_step")
+        steps.append(trainer_state.global_step)
+        kwargs["log_metric"]("custom_accuracy", 0.75)
+        return [float(len(set(completion))) for completion in completions]
+
+    def named_only(completions, trainer_state):  # a function naming the keyword gets it too
+        return [float(trainer_state.global_step)] * len(completions)
+
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=[reward_func, named_only], args=reward_args(tmp_path, max_steps=2),
+        train_dataset=standard_prompts(),
+    )  # fmt: skip
+    trainer.train()
+    assert steps[0] == 0 and 1 in steps  # the live state: global_step 0 while rollout 1 is scored, 1 for rollout 2
+    logged_keys = {k for entry in trainer.state.log_history for k in entry}
+    assert "custom_accuracy" in logged_keys and trainer.state.log_history[-1]["custom_accuracy"] == 0.75
+
+
+class IncrementEnvironment:
+    def reset(self, **kwargs):
+        self._counter = 0
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self._counter += step
+        return self._counter
+
+
+@pytest.mark.slow  # 5 iterations, as TRL's test trains
+def test_train_with_environment_factory(hub, tmp_path):
+    """TRL's test: environment-owned data (reset() returns None: the placeholder prompt), 3 completions, 2 calls of
+    which one names a tool that does not exist; each trajectory's environment is in ``trainer.environments``."""
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=hub["scorer"], args=swap_args(tmp_path, max_steps=5),
+        environment_factory=IncrementEnvironment,
+    )  # fmt: skip
+    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
+    first = [
+        '<tool_call>\n{"name": "increment", "arguments": {"step": 1}}\n</tool_call><|im_end|>',
+        '<tool_call>\n{"name": "decrement", "arguments": {"step": 2}}\n</tool_call><|im_end|>',
+        "I won't increment<|im_end|>",
+    ]
+    fake_generate, _ = scripted(trainer.processing_class, first, ["Done!<|im_end|>"])
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert trainer.state.log_history[-1]["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert [environment._counter for environment in trainer.environments] == [1, 0, 0]
+    every_parameter_changed(previous_trainable_params, trainer.model)
+
+
+@pytest.mark.slow  # trains as TRL's test does (the policy after the critic's warm-up)
+def test_train_with_malformed_tool_calls(hub, tmp_path):
+    """TRL's test: three malformed calls (no name; <toolcall>; unquoted keys): none runs, so no second turn."""
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=hub["scorer"], args=swap_args(tmp_path),
+        train_dataset=conversational_prompts(), tools=[multiply_tool],
+    )  # fmt: skip
+    previous_trainable_params = {n: param.clone() for n, param in trainer.model.named_parameters()}
+    malformed = [
+        '<tool_call>\n{"arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>',
+        '<toolcall>\n{"arguments": {"a": 3, "b": 4}}\n</toolcall><|im_end|>',
+        '<tool_call>\n{"arguments": {a: 3, b: 4}}\n</tool_call><|im_end|>',
+    ]
+    fake_generate, calls = scripted(trainer.processing_class, malformed, [])
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        trainer.train()
+    assert set(calls) == {3}  # a second turn would mean a malformed call ran
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    every_parameter_changed(previous_trainable_params, trainer.model)
+
+
+def test_train_with_unknown_environment_raises(hub, tmp_path):
+    dataset = conversational_prompts(3).map(lambda example: {"environment": "unknown"})
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=hub["scorer"], args=swap_args(tmp_path, max_steps=1), train_dataset=dataset,
+        environment_factory={"counter": IncrementEnvironment},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not among the environments"):
+        trainer.train()
+
+
+class GuessEnvironment:
+    def reset(self, **kwargs):
+        self._solved = False
+
+    def guess(self, word: str) -> str:
+        """
+        Submit a guess.
+
+        Args:
+            word: The guessed word.
+
+        Returns:
+            Feedback about the guess.
+        """
+        return "nope"
+
+    def get_reward(self) -> float:
+        return 1.0 if self._solved else 0.0
+
+
+def format_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def test_environment_owned_reward_coexists_with_reward_funcs(hub, tmp_path):
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=format_reward, args=swap_args(tmp_path, max_steps=5, reward_weights=[0.5]),
+        environment_factory=GuessEnvironment,
+    )  # fmt: skip
+    assert trainer.reward_func_names == ["format_reward", "GuessEnvironment"]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+    assert len(trainer.reward_funcs) == 2
+    tool_names = [tool.__name__ for tool in trainer.tools]
+    assert "guess" in tool_names and "get_reward" not in tool_names
+
+
+def test_environment_owned_reward_mixed_environments(hub, tmp_path):
+    class ScoredEnvironment:  # owns its reward
+        def reset(self, **kwargs): ...
+
+        def act(self, x: int) -> int:
+            """
+            Act.
+
+            Args:
+                x: A value.
+
+            Returns:
+                The value.
+            """
+            return x
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    class PlainEnvironment:  # no get_reward: scored by reward_funcs
+        def reset(self, **kwargs): ...
+
+        def play(self, x: int) -> int:
+            """
+            Play.
+
+            Args:
+                x: A value.
+
+            Returns:
+                The value.
+            """
+            return x
+
+    dataset = Dataset.from_dict({"environment": ["scored", "scored2", "plain"]})
+    trainer = GRPOTrainer(
+        model=hub["policy"], reward_funcs=format_reward, args=swap_args(tmp_path), train_dataset=dataset,
+        environment_factory={"scored": ScoredEnvironment, "scored2": ScoredEnvironment, "plain": PlainEnvironment},
+    )  # fmt: skip
+    assert trainer.reward_func_names == ["format_reward", "ScoredEnvironment"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0]
+    env_reward_func = trainer.reward_funcs[-1]
+    assert env_reward_func(environments=[ScoredEnvironment(), PlainEnvironment()]) == [1.0, None]
+
+
+def test_a_grpo_script_gets_trls_sample_and_malformed_call_behaviour_a_ppo_max_script_keeps_its_own():
+    grpo, ours = GRPOConfig(**BATCH, num_generations=4), GRPOConfig(**BATCH)
+    assert (grpo.num_sample_generations, grpo.malformed_tool_calls) == (0, "ignore")
+    assert (ours.num_sample_generations, ours.malformed_tool_calls) == (10, "feedback")
+    kept = GRPOConfig(**BATCH, num_generations=4, num_sample_generations=3, malformed_tool_calls="feedback")
+    assert (kept.num_sample_generations, kept.malformed_tool_calls) == (3, "feedback")
+    assert "no sample tables" in grpo.grpo_swap_notice
+    with pytest.raises(ValueError, match="malformed_tool_calls must be one of"):
+        GRPOConfig(**BATCH, malformed_tool_calls="drop")

@@ -10,7 +10,6 @@ from pathlib import Path
 import transformers
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_ppomax"
-TRAINER = PACKAGE / "ppo" / "trainer.py"
 
 
 def private(name: str) -> bool:
@@ -72,10 +71,6 @@ def test_the_check_finds_a_private_name_used_across_modules(tmp_path):
 def test_the_package_root_is_shallow():
     entries = [p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
     assert len(entries) <= 12, sorted(entries)
-
-
-def test_the_trainer_only_orchestrates():
-    assert len(TRAINER.read_text().splitlines()) <= 400
 
 
 def test_no_function_is_over_sixty_lines():

@@ -59,22 +59,32 @@ class EnvironmentReward(RewardSource):
         environments = (batch.columns or {}).get("environments")
         if environments is None:  # e.g. a sample table scored without the agent loop
             return torch.full((len(batch.query_mask),), float("nan"))
+        rewards = self(environments)
+        if inspect.isawaitable(rewards):
+
+            async def scores():
+                return torch.tensor([float("nan") if r is None else r for r in await rewards])
+
+            return scores()
+        return torch.tensor([float("nan") if r is None else r for r in rewards])
+
+    def __call__(self, environments: list, **kwargs):
+        """TRL's environment reward function: ``get_reward()`` of each environment of this class, None for the others
+        (an awaitable of the list when ``get_reward`` is ``async def``)."""
         mine = [e if type(e) is self.environment_type else None for e in environments]
         if inspect.iscoroutinefunction(self.environment_type.get_reward):
 
             async def rewards():
-                return torch.tensor(
-                    [float("nan") if e is None else self.reward_value(await e.get_reward()) for e in mine]
-                )
+                return [None if e is None else self.reward_value(await e.get_reward()) for e in mine]
 
             return rewards()
-        return torch.tensor([float("nan") if e is None else self.reward_value(e.get_reward()) for e in mine])
+        return [None if e is None else self.reward_value(e.get_reward()) for e in mine]
 
-    def reward_value(self, value) -> float:
+    def reward_value(self, value) -> float | None:
         """``get_reward()``'s value as a float: a number (bool, int, float, numpy scalar, one-element tensor), or None
-        as NaN (not scored: dropped unless another source scores it, as a reward function's None)."""
+        (not scored: NaN, dropped unless another source scores it, as a reward function's None)."""
         if value is None:
-            return float("nan")
+            return None
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return float(value)
         if isinstance(value, numbers.Real):
@@ -108,6 +118,7 @@ class AgentRollouts:
         )
         self.tools = _by_name(tools or [], "tools")
         self.pools: dict = {name: [self._new_environment(name)] for name in self.factories}
+        self.environments: list | None = None
         self.schemas = {None: [tool_schema(function) for function in self.tools.values()]}
         for name, (probe,) in self.pools.items():
             methods = environment_methods(probe)
@@ -123,6 +134,12 @@ class AgentRollouts:
     def close(self) -> None:
         """Stop the tool runner's threads (the trainer calls it when training ends)."""
         self.runner.close()
+
+    @property
+    def tool_functions(self) -> list[Callable]:
+        """TRL's ``trainer.tools``: the standalone tools, then each environment's methods (of its first instance)."""
+        methods = [m for pool in self.pools.values() for m in environment_methods(pool[0]).values()]
+        return [*self.tools.values(), *methods]
 
     @property
     def environment_types(self) -> list[type]:
@@ -150,6 +167,7 @@ class AgentRollouts:
         rows = data.repeat_rows({**rows, "prompt": list(prompts)}, n)
         names = self._environment_names(rows)
         environments = self._environments(names)
+        self.environments = environments if self.factories else None  # TRL's trainer.environments: the last batch's
         prompts = [self._prompt(i, rows, environments) for i in range(len(rows["prompt"]))]
         schemas = [self.schemas[name] for name in names]
         prompt_ids = [
@@ -239,6 +257,8 @@ class AgentRollouts:
                 message, calls = self.parse(written, contexts[k], schemas[i])
                 trajectories.messages[i].append(message)
                 calls = calls if schemas[i] else []  # no tool to call (an environment without methods): one turn
+                if self.args.malformed_tool_calls == "ignore":  # TRL's: a call that cannot be parsed is text
+                    calls = [call for call in calls if call.error is None]
                 if not written or written[-1] != self.stop_token_id:
                     continue  # cut by a budget: the trajectory ends
                 if calls and (self.args.max_tool_turns is None or turn < self.args.max_tool_turns):

@@ -34,6 +34,7 @@ GradClipScope = Literal["per_model", "joint"]
 KLPlacement = Literal["reward", "loss"]
 StalenessCorrection = Literal["tis", "icepop"]
 GroupScale = Literal["group", "batch"]
+MalformedToolCalls = Literal["feedback", "ignore"]
 
 #: The tricks beyond the paper, off in the paper's and trl's presets.
 _BEYOND_PAPER_OFF = {"reward_norm_freeze": False, "reward_winsorize": None, "lam_critic": None, "lam_alpha": None}
@@ -551,6 +552,12 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         "Seconds a tool call may take (sync tools in a worker thread, async ones with asyncio.wait_for); a call past it "
         "is a failure the policy reads ('TimeoutError: …') and counts in tools/failure_rate. None: wait for every call.",
     )
+    malformed_tool_calls: MalformedToolCalls | None = _field(  # noqa: RUF009
+        None,
+        "A tool call that cannot be parsed (bad JSON, no name): 'feedback' runs a turn whose result says what is wrong "
+        "(a failure in tools/failure_rate); 'ignore' leaves it text, as TRL GRPO does (the turn ends the trajectory). "
+        "None: 'feedback', or 'ignore' in a TRL GRPO script.",
+    )
     rollout_func_importance_sampling: bool = _field(
         False,
         "With a rollout_func whose logprobs μ come from another sampler (e.g. a vLLM server of its own): weight each "
@@ -608,6 +615,8 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         given = {name for name in grpo_names.DIFFERING_DEFAULTS if not grpo_names.is_default(self, name)}
         grpo_set = grpo_names.grpo_names_set(self)
         grpo_names.apply_grpo_names(self)  # TRL GRPO's names onto ours, before the preset fills the rest
+        if self.malformed_tool_calls is None:
+            self.malformed_tool_calls = "feedback"
         self._skip_critic_warmup_without_critic()
         self._skip_whitening_of_final_advantages()
         self._resolve_preset()
@@ -710,6 +719,7 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
             ("loss_aggregation", LossAggregation),
             ("staleness_correction", StalenessCorrection),
             ("group_scale", GroupScale),
+            ("malformed_tool_calls", MalformedToolCalls),
         ):
             choices = get_args(allowed)
             if getattr(self, name) not in choices:

@@ -473,9 +473,17 @@ def _map_agent_and_sampling(config) -> None:
 def apply_grpo_names(config) -> None:
     """Map the TRL GRPO names a script set (:data:`GRPO_NAMES`) onto our fields, refusing those not offered and a
     TRL name set together with ours to another value; a GRPO script's completions end at the eos token, as TRL's
-    (``stop_token="eos"`` unless a stop token is set). Runs before the preset fills the unset fields."""
-    if grpo_names_set(config) and config.stop_token is None and config.stop_token_id is None:
-        config.stop_token = "eos"
+    (``stop_token="eos"`` unless a stop token is set), and it generates only to train, as TRL's
+    (``num_sample_generations=0`` unless set: no sample tables, ``log_completions`` prints TRL's), and a malformed
+    tool call is text, as TRL's (``malformed_tool_calls="ignore"`` unless set). Runs before the preset fills the
+    unset fields."""
+    if grpo_names_set(config):
+        if config.stop_token is None and config.stop_token_id is None:
+            config.stop_token = "eos"
+        if is_default(config, "num_sample_generations"):
+            config.num_sample_generations = 0
+        if config.malformed_tool_calls is None:
+            config.malformed_tool_calls = "ignore"
     _refuse_non_defaults(config)
     _map_batches(config)
     _map_objective(config)
@@ -520,6 +528,7 @@ def swap_notice(config, set_by_user: set[str]) -> str:
     ]
     kept = f"; PPO-max's defaults where GRPOConfig's differ: {', '.join(differing)}" if differing else ""
     stop = ", completions ending at the eos token as TRL's" if config.stop_token == "eos" else ""
+    stop += ", no sample tables (log_completions prints TRL's)" if config.num_sample_generations == 0 else ""
     return f"A TRL GRPO script on PPOMaxTrainer runs {algorithm}{stop}{kept}. Set a field to keep GRPO's value."
 
 

@@ -613,15 +613,28 @@ def agent_turn_end(args, tokenizer, stop_token_id: int | None) -> int | None:
     return turn_end
 
 
+#: TRL GRPO's prompt of a row whose environment writes it (``reset()``): one empty user turn.
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+
+
 def environment_placeholder_prompts(args, tokenizer) -> Dataset:
     """TRL GRPO's training without a ``train_dataset``: the environment's ``reset()`` writes each prompt, so the
     dataset is one rollout batch of empty user turns (cycled, tokenized here: they are not prompts to check), and
     ``max_steps`` says how long to train."""
     if args.max_steps <= 0:
         raise ValueError(NO_RUN_LENGTH)
-    rows, empty = max(1, args.batch_size // args.num_samples_per_prompt), [{"role": "user", "content": ""}]
-    ids = data.tokenize_prompt(empty, tokenizer, template_kwargs=args.chat_template_kwargs)
-    return Dataset.from_dict({"prompt": [empty] * rows, "input_ids": [ids] * rows})
+    rows = max(1, args.batch_size // args.num_samples_per_prompt)
+    return with_empty_prompts(Dataset.from_dict({"row": list(range(rows))}), args, tokenizer).remove_columns("row")
+
+
+def with_empty_prompts(dataset: Dataset | None, args, tokenizer) -> Dataset | None:
+    """A dataset of an environment's rows (e.g. only TRL's ``environment`` column) with TRL's empty user turn as
+    each row's prompt when it has neither ``prompt`` nor ``input_ids`` (tokenized here: not prompts to check);
+    others unchanged."""
+    if dataset is None or {"prompt", "input_ids"} & set(dataset.column_names):
+        return dataset
+    ids = data.tokenize_prompt(EMPTY_PROMPT, tokenizer, template_kwargs=args.chat_template_kwargs)
+    return dataset.add_column("prompt", [EMPTY_PROMPT] * len(dataset)).add_column("input_ids", [ids] * len(dataset))
 
 
 def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
@@ -672,6 +685,8 @@ def set_up(
     train_dataset, eval_dataset, _ = datasets
     rollouts = check_rollout_sources(args, **rollouts)
     tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollouts)
+    if rollouts["environment_factory"] is not None:  # an environment's rows may carry no prompt: reset() writes it
+        train_dataset = with_empty_prompts(train_dataset, args, tokenizer)
     model, ref_model, value_model = loaded["model"], loaded["ref_model"], loaded["value_model"]
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
     if rollouts["tools"] or rollouts["environment_factory"] is not None:

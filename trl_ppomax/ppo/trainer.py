@@ -124,6 +124,12 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
         self._build_phases(processing_class, rollout_metrics)
+        self.reward_log = rewards.RewardLog()
+        self._offer_run_keywords()
+
+    def _offer_run_keywords(self) -> None:
+        """TRL's keywords for every reward function: ``trainer_state`` and ``log_metric`` (logged with the metrics)."""
+        self.reward_sources.run_keywords = {"trainer_state": self.state, "log_metric": self.reward_log.log_metric}
 
     def _build_phases(self, processing_class, rollout_metrics) -> None:
         """The phases' collaborators: generation (the policy's generate, or vLLM; a producer generating ahead with
@@ -152,6 +158,35 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
     @rollout_metrics.setter
     def rollout_metrics(self, value: dict[str, rewards.RewardFunction]) -> None:
         self.experience_maker.rollout_metrics = dict(value)
+
+    # TRL GRPOTrainer's attributes, read by its users' callbacks and tests
+    @property
+    def reward_funcs(self) -> list:
+        """The reward sources, as TRL's ``reward_funcs`` (an environment's ``get_reward`` last, a callable)."""
+        return self.reward_sources.sources
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return self.reward_sources.names
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        return torch.tensor(self.reward_sources.weights)
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """One per reward source: its own tokenizer, or None where it reads the policy's tokens."""
+        return self.reward_sources.processing_classes
+
+    @property
+    def tools(self) -> list[Callable]:
+        """The tools the policy may call: the standalone ones, then the environments' methods ([] without an agent)."""
+        return [] if self.agent is None else self.agent.tool_functions
+
+    @property
+    def environments(self) -> list | None:
+        """The environments of the last rollout's trajectories, in row order (None without ``environment_factory``)."""
+        return None if self.agent is None else self.agent.environments
 
     @property
     def total_episodes(self) -> int:
@@ -216,6 +251,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             self.sample_every = max(1, self.num_total_batches // max(1, args.num_sample_generations))
             if resume_from_checkpoint:
                 self.restore_checkpoint(resume_from_checkpoint)
+            self._offer_run_keywords()  # the state a resume restored
             pending: dict[str, list[float]] = defaultdict(list)
             start = (time.time(), self.state.episode)
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -271,7 +307,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             metrics.update(update_metrics, **{M.UPDATE_SECONDS: time.perf_counter() - start})
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
         counters = {name: float(value) for name, value in self.ppo_state.counters.items()}
-        engines = [e for e in (self.generation, self.lagged, self.agent) if e is not None]
+        engines = [e for e in (self.generation, self.lagged, self.agent, self.reward_log) if e is not None]
         measured = {name: value for engine in engines for name, value in engine.pop_metrics().items()}
         return {**metrics, **timings, **measured, **counters}
 

@@ -38,6 +38,7 @@ __all__ = [
     "ModelSource",
     "OwnTokenizerModelSource",
     "RewardFunction",
+    "RewardLog",
     "RewardSource",
     "RewardSources",
     "ScoringBatch",
@@ -92,13 +93,15 @@ class ScoringBatch:
     """A rollout chunk to score: query ⊕ response ``inputs`` (``input_ids``, ``attention_mask``, ``position_ids``,
     :func:`~trl_ppomax.models.sequence_inputs`), the query and response masks, the policy's ``tokenizer`` and the
     dataset's other ``columns`` of these prompts (lists). ``given`` is what a function gets (:func:`completion_texts`),
-    decoded once, on first use."""
+    decoded once, on first use; ``run_keywords`` are the run's own keywords a function gets beside them
+    (:attr:`RewardSources.run_keywords`)."""
 
     tokenizer: object
     inputs: dict[str, torch.Tensor]
     query_mask: torch.Tensor
     response_mask: torch.Tensor
     columns: dict[str, list] | None = None
+    run_keywords: dict | None = None
 
     @cached_property
     def given(self) -> dict:
@@ -155,6 +158,7 @@ class FunctionSource(RewardSource):
 
     def score(self, batch: ScoringBatch):
         given = dict(batch.given)
+        given["columns"] = {**given["columns"], **(batch.run_keywords or {})}
         device = batch.inputs["input_ids"].device
         return call_reward_function(self.function, given.pop("prompts"), given.pop("completions"), device, **given)
 
@@ -196,7 +200,9 @@ class RewardSources:
     """The trainer's reward sources (TRL's ``reward_funcs``): reward models, functions and model ids (loaded by the
     trainer's checks first), combined as ``Σ wᵢ·rᵢ`` with ``weights`` (all 1 by default; NaN scores of a source, e.g.
     a function returning None, are left out of the sum unless every source is NaN). ``processing_classes`` aligns with
-    the sources: a tokenizer (or a path) for a reward model with its own vocabulary, None for the policy's."""
+    the sources: a tokenizer (or a path) for a reward model with its own vocabulary, None for the policy's.
+    ``run_keywords``: what every reward function gets beside the batch (the trainer sets TRL's ``trainer_state`` and
+    ``log_metric``, :class:`RewardLog`)."""
 
     def __init__(self, sources, processing_classes=None, weights=None) -> None:
         self.sources = list(sources) if isinstance(sources, list | tuple) else [sources]
@@ -209,16 +215,24 @@ class RewardSources:
                     "Hub id of one, a reward function, or a RewardSource."
                 )
         count = len(self.sources)
-        processing_classes = list(processing_classes) if processing_classes is not None else [None] * count
+        if processing_classes is None:
+            processing_classes = [None] * count
+        elif not isinstance(processing_classes, list | tuple):  # one tokenizer, as TRL takes it for one source
+            processing_classes = [processing_classes]
+        processing_classes = list(processing_classes)
         weights = list(weights) if weights is not None else [1.0] * count
         for name, given in (("reward_processing_classes", processing_classes), ("reward_weights", weights)):
             if len(given) != count:
-                raise ValueError(f"{name} has {len(given)} entries for {count} reward sources; give one per source.")
+                raise ValueError(
+                    f"{name} has {len(given)} entries for {count} reward sources: the number must match; give one "
+                    "per source."
+                )
         self.processing_classes = [
             AutoTokenizer.from_pretrained(os.fspath(p)) if isinstance(p, str | os.PathLike) else p
             for p in processing_classes
         ]
         self.weights = [float(w) for w in weights]
+        self.run_keywords: dict = {}
         names = [scorer.name for scorer in self.scorers]
         self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
         for source, tokenizer in zip(self.sources, self.processing_classes, strict=True):
@@ -263,7 +277,7 @@ class RewardSources:
 
     def score(self, tokenizer, inputs, query_mask, response_mask, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(combined (B,), per-source (B, S))`` scores of query ⊕ response ``inputs``."""
-        batch = ScoringBatch(tokenizer, inputs, query_mask, response_mask, columns)
+        batch = ScoringBatch(tokenizer, inputs, query_mask, response_mask, columns, self.run_keywords)
         each = [scores.float() for scores in awaited([scorer.score(batch) for scorer in self.scorers])]
         per_source = torch.stack(each, dim=1)
         if len(each) == 1:
@@ -278,6 +292,22 @@ class RewardSources:
         if per_source is None:
             return {}
         return {f"rewards/{name}/mean": per_source[:, i] for i, name in enumerate(self.names)}
+
+
+class RewardLog:
+    """TRL's ``log_metric(name, value)`` for reward functions: each value kept until :meth:`pop_metrics` returns
+    their means (the trainer logs them with the iteration's metrics)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(float(value))
+
+    def pop_metrics(self) -> dict[str, float]:
+        means = {name: sum(values) / len(values) for name, values in self.values.items()}
+        self.values = {}
+        return means
 
 
 def text_metrics(functions: dict[str, RewardFunction], tokenizer, rollout) -> dict[str, torch.Tensor]:

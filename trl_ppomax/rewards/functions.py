@@ -48,6 +48,8 @@ def is_positional_pair(function, available: Sequence[str] = ()) -> bool:
 
 #: The keywords every reward function is offered (the dataset's other columns come with them).
 REWARD_KEYWORDS = ("prompts", "completions", "completion_ids")
+#: The run's keywords every reward function is offered in training, as TRL's (:class:`~trl_ppomax.rewards.RewardLog`).
+RUN_KEYWORDS = ("trainer_state", "log_metric")
 #: Dataset columns that are not passed to reward functions (``prompt`` comes as ``prompts=``).
 NOT_PASSED_COLUMNS = ("prompt", "input_ids", "attention_mask", "loss_mask")
 
@@ -65,7 +67,7 @@ def reward_function_problem(function, available: Sequence[str], what: str = "rew
     if not missing:
         return None
     name = getattr(function, "__name__", type(function).__name__)
-    columns = [key for key in available if key not in REWARD_KEYWORDS]
+    columns = [key for key in available if key not in (*REWARD_KEYWORDS, *RUN_KEYWORDS)]
     column_text = f" (here: {', '.join(columns)})" if columns else " (none here)"
     shown = ", ".join(str(p) for p in parameters)
     return (
@@ -81,7 +83,7 @@ def reward_function_problem(function, available: Sequence[str], what: str = "rew
 def check_reward_functions(sources, columns: Sequence[str] = (), what: str = "reward function") -> None:
     """A ``TypeError`` (:func:`reward_function_problem`) for a function among ``sources`` (one source or a list; models
     and paths are skipped) that could not be called with the keywords and the dataset ``columns``."""
-    available = [*REWARD_KEYWORDS, *(c for c in columns if c not in NOT_PASSED_COLUMNS)]
+    available = [*REWARD_KEYWORDS, *RUN_KEYWORDS, *(c for c in columns if c not in NOT_PASSED_COLUMNS)]
     for source in sources if isinstance(sources, list | tuple) else [sources]:
         if callable(source) and not isinstance(source, nn.Module):
             problem = reward_function_problem(source, available, what)

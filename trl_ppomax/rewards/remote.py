@@ -103,9 +103,18 @@ class RemoteRewardModel:
         )
 
     def __call__(
-        self, prompts: list, completions: list, completion_ids=None, *, sequence_texts=None, **columns
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids=None,
+        *,
+        sequence_texts=None,
+        trainer_state=None,
+        log_metric=None,
+        **columns,
     ) -> list[float | None]:
-        """One score (or None) per completion, in order, from the server; ``completion_ids`` are not sent. The
+        """One score (or None) per completion, in order, from the server; ``completion_ids`` and the trainer's
+        ``trainer_state`` and ``log_metric`` are not sent. The
         trainer's ``sequence_texts`` (:func:`~trl_ppomax.rewards.completion_texts`) are sent as ``query``, else
         :meth:`queries` of the texts."""
         if len(prompts) != len(completions):
