@@ -20,6 +20,7 @@ from trl_ppomax import PPOMaxConfig as GRPOConfig
 from trl_ppomax import PPOMaxTrainer as GRPOTrainer
 from trl_ppomax import data
 from trl_ppomax.ppo import grpo_names
+from trl_ppomax.ppo import metrics as M
 
 trl = pytest.importorskip("trl")
 
@@ -357,7 +358,9 @@ def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
     with patch.object(trainer.model, "generate", side_effect=fake_generate):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.state.log_history[-1]["train_loss"] is not None
-    assert trainer.state.log_history[-1]["reward"] == trainer.state.log_history[-1]["objective/scores"]  # TRL's name
+    logged = trainer.state.log_history[-1]
+    for trl_name, ours in M.TRL_NAMES.items():  # TRL's names beside ours
+        assert logged[trl_name] == logged[ours], trl_name
     assert trainer.state.log_history[-1]["rewards/Owned/mean"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="set max_steps"):
         GRPOTrainer(model=hub["policy"], reward_funcs=None, args=swap_args(tmp_path), environment_factory=Owned)

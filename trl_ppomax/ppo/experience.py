@@ -253,7 +253,8 @@ class ExperienceMaker:
         if isinstance(estimate.lam_policy, torch.Tensor):
             metrics[M.LAM_POLICY] = M.global_mean(estimate.lam_policy[keep], self.reduce)
         if (n := self.args.num_samples_per_prompt) > 1:
-            metrics[M.SCORES_STD_WITHIN_PROMPT] = M.within_prompt_std(rollout.scores, keep, n, self.reduce)
+            spread, zero_spread = M.within_prompt_std(rollout.scores, keep, n, self.reduce)
+            metrics[M.SCORES_STD_WITHIN_PROMPT], metrics[M.SCORES_ZERO_STD_FRAC] = spread, zero_spread
         if self.args.reward_winsorize is not None:
             clipped = self.winsorized(rollout.scores) != rollout.scores
             metrics[M.SCORES_WINSORIZED] = M.global_mean(clipped[keep], self.reduce)

@@ -23,8 +23,6 @@ STOP_TOKEN_MISSING = "response/stop_token_missing"  # share of responses without
 
 # ---- rollout batch statistics ----------------------------------------------------------------------------------------
 SCORES_STD = "objective/scores_std"
-#: TRL GRPO's names of two of ours, logged beside them for a swapped GRPO script's dashboards and tests.
-TRL_NAMES = {"reward": SCORES, "reward_std": SCORES_STD}
 SCORES_P05 = "objective/scores_p05"
 SCORES_P95 = "objective/scores_p95"
 REWARD_RUNNING_MEAN = "objective/reward_running_mean"
@@ -36,6 +34,7 @@ EXPLAINED_VARIANCE = "critic/explained_variance"  # 1 − Var(R − V) / Var(R) 
 SCORES_WINSORIZED = "objective/scores_winsorized"  # share of raw scores clipped by reward_winsorize
 LAM_POLICY = "critic/lam_policy"  # mean GAE λ of the policy's advantages (with lam_alpha: per response)
 SCORES_STD_WITHIN_PROMPT = "objective/scores_std_within_prompt"  # n > 1: mean std of a prompt's sampled scores
+SCORES_ZERO_STD_FRAC = "objective/scores_zero_std_frac"  # n > 1: share of prompts whose sampled scores are all equal
 
 # ---- update (means over the PPO epochs' micro-batches) ----------------------------------------------------------------
 POLICY_LOSS = "loss/policy"
@@ -153,15 +152,19 @@ def batch_metrics(rollout, advantages, returns, running_reward, reduce: Reduce, 
     }
 
 
-def within_prompt_std(scores: torch.Tensor, keep: torch.Tensor, samples_per_prompt: int, reduce: Reduce) -> float:
-    """Mean over prompts, on every process, of the standard deviation of a prompt's sampled raw scores (B,), rows
-    ``i·n … i·n + n − 1`` being prompt ``i``'s (the kept samples; prompts with fewer than two left out). Near 0: the
+def within_prompt_std(
+    scores: torch.Tensor, keep: torch.Tensor, samples_per_prompt: int, reduce: Reduce
+) -> tuple[float, float]:
+    """The mean over prompts, on every process, of the standard deviation of a prompt's sampled raw scores (B,), rows
+    ``i·n … i·n + n − 1`` being prompt ``i``'s (the kept samples; prompts with fewer than two left out), and the share
+    of those prompts whose std is 0 (TRL's ``frac_reward_zero_std``: no advantage for a group estimator). Near 0: the
     reward does not tell a prompt's answers apart, whatever it says across prompts."""
     values, kept = scores.float().view(-1, samples_per_prompt), keep.float().view(-1, samples_per_prompt)
     count = kept.sum(1)
     mean = (values * kept).sum(1) / count.clamp(min=1)
-    variance = ((values - mean[:, None]) ** 2 * kept).sum(1) / count.clamp(min=1)
-    return global_mean(variance.sqrt()[count >= 2], reduce)
+    std = (((values - mean[:, None]) ** 2 * kept).sum(1) / count.clamp(min=1)).sqrt()[count >= 2]
+    zero = torch.isclose(std, torch.zeros_like(std)).float()
+    return global_mean(std, reduce), global_mean(zero, reduce)
 
 
 def schedule_metrics(state, lr_scheduler, start: tuple[float, int], *, with_critic: bool) -> dict[str, float]:
@@ -178,6 +181,19 @@ def schedule_metrics(state, lr_scheduler, start: tuple[float, int], *, with_crit
     if torch.cuda.is_available():
         metrics[PEAK_GPU_MEMORY] = torch.cuda.max_memory_allocated() / 1e9
     return metrics
+
+
+#: TRL GRPO's names of some of ours (the same quantity), logged beside them for a swapped GRPO script's dashboards
+#: and tests; ``completions/mean_length`` counts the policy's tokens (an agent's tool tokens left out).
+TRL_NAMES = {
+    "reward": SCORES,
+    "reward_std": SCORES_STD,
+    "frac_reward_zero_std": SCORES_ZERO_STD_FRAC,
+    "completions/mean_length": RESPONSE_LENGTH,
+    "completions/clipped_ratio": STOP_TOKEN_MISSING,
+    "entropy": ENTROPY,
+    "clip_ratio/region_mean": CLIPFRAC,
+}
 
 
 def with_trl_names(logs: dict[str, float]) -> dict[str, float]:
