@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from trl_ppomax.base import metrics as M
 from trl_ppomax.data.files import write_json
 from trl_ppomax.generation import HFGeneration
 from trl_ppomax.generation.agent import AgentRollouts
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.scoring import policy_logprobs
 from trl_ppomax.toyworld.agent import (
     AGENT_METRICS,

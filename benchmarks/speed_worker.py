@@ -132,7 +132,7 @@ def main() -> None:
     else:
         from trl_ppomax import PPOMaxConfig as PPOConfig
         from trl_ppomax import PPOMaxTrainer as PPOTrainer
-        from trl_ppomax.ppo import metrics
+        from trl_ppomax.base import metrics
 
         kl_key, length_key = metrics.KL, metrics.RESPONSE_LENGTH
         extra = {"preset": args.preset, "temperature": 0.7}

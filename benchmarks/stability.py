@@ -39,8 +39,8 @@ from typing import NamedTuple
 
 from transformers import TrainerCallback
 
+from trl_ppomax.base.metrics import EPISODE
 from trl_ppomax.data.files import atomic_file, write_json
-from trl_ppomax.ppo.metrics import EPISODE
 from trl_ppomax.reporting.plotting import training_dynamics_figure
 from trl_ppomax.toyworld.build import WorldSettings, prepare_world
 from trl_ppomax.toyworld.pipeline import CURVE_KEYS, METHODS, ppo_config, run_method, win_tie_lose_vs_sft

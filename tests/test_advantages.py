@@ -15,7 +15,8 @@ import torch
 from helpers import StopAt, changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig
-from trl_ppomax.ppo import advantages, core
+from trl_ppomax.base import core
+from trl_ppomax.ppo import advantages
 from trl_ppomax.toyworld.tiny import build_models
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import make_trainer
 
 from trl_ppomax import PPOMaxConfig
-from trl_ppomax.ppo import core, metrics
+from trl_ppomax.base import core, metrics
 from trl_ppomax.ppo.config import PRESETS
 from trl_ppomax.ppo.experience import Rollout
 

@@ -1,4 +1,4 @@
-"""Unit tests for ``trl_ppomax.ppo.core``: hand-computed tensors for every function, plus invariants.
+"""Unit tests for ``trl_ppomax.base.core``: hand-computed tensors for every function, plus invariants.
 
 Expected values are written out by hand or computed with plain-Python float loops in the test; the function under
 test never produces its own expectation. Cross-process statistics are tested by running two simulated "processes"
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from helpers import run_distributed
 
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo.core import (
+from trl_ppomax.base import core
+from trl_ppomax.base.core import (
     RunningMoments,
     clipped_policy_loss,
     clipped_value_loss,

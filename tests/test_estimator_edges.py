@@ -13,7 +13,7 @@ import torch
 from helpers import changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig
-from trl_ppomax.ppo import core
+from trl_ppomax.base import core
 from trl_ppomax.ppo.config import KL_ESTIMATOR_ALIASES
 
 

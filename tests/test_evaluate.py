@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 from helpers import make_trainer, snapshot
 
+from trl_ppomax.base import metrics as M
 from trl_ppomax.cli import main
 from trl_ppomax.data import tokenize_prompt
 from trl_ppomax.judging.base import JsonlCache, Pair, combine_swapped, margin_verdict
@@ -21,7 +22,6 @@ from trl_ppomax.judging.report import count, tally, wilson_interval
 from trl_ppomax.judging.run import evaluate_policy
 from trl_ppomax.judging.scored import FunctionJudge, RewardModelJudge
 from trl_ppomax.models import sequence_scores
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.toyworld import eval_prompts, gold_rewards
 
 CAT = "user: tell me about the cat </s> assistant:"

@@ -10,10 +10,10 @@ from helpers import make_trainer
 from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig
+from trl_ppomax.base import core, metrics
 from trl_ppomax.data import prepare_text_dataset
 from trl_ppomax.models import response_logits, sequence_inputs
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.ppo import core, metrics
 
 
 def first_rollout(trainer):

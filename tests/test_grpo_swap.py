@@ -19,8 +19,8 @@ from user_setups import write_qwen_instruct_folder
 from trl_ppomax import PPOMaxConfig as GRPOConfig
 from trl_ppomax import PPOMaxTrainer as GRPOTrainer
 from trl_ppomax import data
+from trl_ppomax.base import metrics as M
 from trl_ppomax.ppo import grpo_names
-from trl_ppomax.ppo import metrics as M
 
 trl = pytest.importorskip("trl")
 
@@ -532,7 +532,7 @@ def test_the_same_trajectories_give_trls_completions_and_scores(hub, tmp_path):
 def test_mask_truncated_completions_leaves_cut_responses_out_of_the_losses_only(tmp_path):
     from helpers import make_trainer
 
-    from trl_ppomax.ppo import core
+    from trl_ppomax.base import core
 
     for masked in (True, False):
         trainer = make_trainer(

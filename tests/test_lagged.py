@@ -13,9 +13,9 @@ from helpers import PolicyVersions, StopAt, make_trainer
 from torch.testing import assert_close
 
 from trl_ppomax import PPOMaxConfig
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import lagged
 from trl_ppomax.generation.lagged import GumbelSampler, behaviour_weights
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo import setup
 from trl_ppomax.ppo.scoring import policy_logprobs
 

@@ -9,9 +9,9 @@ from accelerate.state import PartialState
 from helpers import make_trainer
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
+from trl_ppomax.base import core
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.models import load_weights, reference_policy
-from trl_ppomax.ppo import core
 from trl_ppomax.toyworld.tiny import build_models
 
 

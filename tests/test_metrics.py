@@ -1,5 +1,5 @@
 """One source for metric names: everything the readers (CollapseMonitor, the figures, the toy world) look up in the
-logs is a name a real tiny run logs. Renaming a metric in the trainer without changing ``trl_ppomax.ppo.metrics`` (which
+logs is a name a real tiny run logs. Renaming a metric in the trainer without changing ``trl_ppomax.base.metrics`` (which
 the readers use) fails here."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from trl_ppomax.ppo import metrics
-from trl_ppomax.ppo.metrics import eval_name
+from trl_ppomax.base import metrics
+from trl_ppomax.base.metrics import eval_name
 from trl_ppomax.ppo.monitor import CollapseMonitor
 from trl_ppomax.reporting import plotting
 from trl_ppomax.toyworld import pipeline

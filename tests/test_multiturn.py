@@ -11,9 +11,10 @@ import torch
 from helpers import make_trainer
 from torch.testing import assert_close
 
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation.custom import custom_rollout
-from trl_ppomax.ppo import core, update
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.ppo import update
 from trl_ppomax.toyworld.tiny import build_models
 
 

@@ -1,4 +1,4 @@
-"""Non-finite rewards and numbers during a run (``trl_ppomax.ppo.experience``, ``ppo.core``): dropped per sample,
+"""Non-finite rewards and numbers during a run (``trl_ppomax.ppo.experience``, ``base.core``): dropped per sample,
 skipped per batch, stopped after ``max_skipped_iterations`` in a row; losses with nothing left to average over."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import StopAt, changed, make_trainer, run_distributed, snapshot
 
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.ppo.experience import Rollout, drop_non_finite, kept_gather
 from trl_ppomax.ppo.state import PPOState
 from trl_ppomax.toyworld.tiny import (

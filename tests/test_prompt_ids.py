@@ -17,8 +17,7 @@ from transformers import LlamaTokenizer, LlamaTokenizerFast
 from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax.data import prepare_prompt_dataset, tokenize_prompt
-from trl_ppomax.data.sources import load_any_dataset
-from trl_ppomax.moss.data import release_files
+from trl_ppomax.moss.data import load_dataset_or_release, release_files
 from trl_ppomax.moss.prompt import SPEAKER_TAGS, format_dialogue, setup_tokenizer
 
 
@@ -122,7 +121,7 @@ def test_release_prompt_file(lang_tok, tmp_path):
     path = tmp_path / "train.json"
     path.write_text(json.dumps(dialogues, ensure_ascii=False), encoding="utf-8")
 
-    dataset = load_any_dataset(str(path))
+    dataset = load_dataset_or_release(str(path))
     assert dataset["prompt"][0] == [assistant(q), user(a)]  # roles from the end: the last turn is the human's
     assert dataset["prompt"][1] == [user("hello"), assistant("hi"), user(long_question)]
 
@@ -208,11 +207,11 @@ def test_a_release_data_folder_loads_as_one_train_and_one_eval_dataset(tmp_path,
     write_json(tmp_path / "notes.json", {"not": "data"})
     assert release_files(str(tmp_path)) == [str(tmp_path / "a_train.json"), str(tmp_path / "b_train.json")]
     with caplog.at_level(logging.WARNING, logger="trl_ppomax.data"):
-        train = load_any_dataset(str(tmp_path))
-        evaluation = load_any_dataset(str(tmp_path), split="valid")
+        train = load_dataset_or_release(str(tmp_path))
+        evaluation = load_dataset_or_release(str(tmp_path), split="valid")
     assert train["prompt"] == [roles(["q1"]), roles(["q2", "a2", "q3"])]  # sorted files, roles from the end
     assert evaluation["prompt"] == [roles(["v1"])]
-    assert load_any_dataset(str(tmp_path), split="validation")["prompt"] == evaluation["prompt"]
+    assert load_dataset_or_release(str(tmp_path), split="validation")["prompt"] == evaluation["prompt"]
     assert "b_train.json: dropped 1 of 2 samples with no turns or an empty one" in caplog.text
     assert "valid.json: dropped 2 of 3 samples" in caplog.text
 
@@ -220,7 +219,7 @@ def test_a_release_data_folder_loads_as_one_train_and_one_eval_dataset(tmp_path,
 def test_the_release_ptx_format_loads_as_dialogues(tmp_path):
     path = tmp_path / "ptx_train.json"
     write_json(path, [["q", "a"], ["q", "a", "q2", "a2"], ["alone"], ["q", ""]])
-    ptx = load_any_dataset(str(path), kind="ptx")
+    ptx = load_dataset_or_release(str(path), kind="ptx")
     # roles from the start, the human's first (ppo_datahelper.PPOSFTDataset); fewer than two turns or an empty one:
     # dropped, as the release does
     assert ptx["messages"] == [
@@ -234,7 +233,7 @@ def test_the_release_ptx_format_loads_as_dialogues(tmp_path):
     assert row["input_ids"] == tokenizer("Human:q</s>Assistant:a</s>")["input_ids"]  # BOS + the release's text
     tokens = tokenizer.convert_ids_to_tokens(row["input_ids"])
     assert [t for t, m in zip(tokens, row["loss_mask"], strict=True) if m] == ["Assistant", ":", "a", "</s>"]
-    assert load_any_dataset(str(path))["prompt"][0] == roles(["q", "a"])  # as prompts: roles from the end
+    assert load_dataset_or_release(str(path))["prompt"][0] == roles(["q", "a"])  # as prompts: roles from the end
 
 
 def test_the_recipe_reads_a_release_folder(tmp_path):

@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification, pipeline
 from trl import RewardConfig, RewardTrainer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig, PPOMaxRewardTrainer, PPOMaxTrainer
-from trl_ppomax.ppo import core
+from trl_ppomax.base import core
 from trl_ppomax.reward_modeling.trainer import HISTOGRAM_NAME, with_lm_head
 from trl_ppomax.rewards.stats import fold_reward_stats, reward_statistics
 from trl_ppomax.toyworld.tiny import WORDS, build_models, prompt_texts

@@ -10,8 +10,9 @@ from datasets import Dataset
 from helpers import TINY, changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
+from trl_ppomax.base import core
 from trl_ppomax.cli.plan import plan as run_plan
-from trl_ppomax.ppo import core, setup
+from trl_ppomax.ppo import setup
 from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 

@@ -11,7 +11,7 @@ import torch
 from helpers import StopAt, make_trainer
 
 from trl_ppomax import PPOMaxConfig
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.base import metrics as M
 
 #: Large steps, so that ratios leave [1 − ε, 1 + ε] within the epochs of one batch.
 LOUD = dict(learning_rate=3e-2, num_ppo_epochs=4)

@@ -20,9 +20,9 @@ from torch.testing import assert_close
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, models
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import HFGeneration
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.batching import forward_queries
 from trl_ppomax.toyworld.tiny import build_tokenizer, llama_config, prompt_texts
 

@@ -19,7 +19,7 @@ _LAZY = {
     "PPOMaxRewardTrainer": ".reward_modeling.trainer",
     "PPOMaxTrainer": ".ppo.trainer",
     "RemoteRewardModel": ".rewards.remote",
-    "RunningMoments": ".ppo.core",
+    "RunningMoments": ".base.core",
     "WinRateCallback": ".judging.callback",
     "evaluate_policy": ".judging.run",
 }
@@ -27,10 +27,10 @@ _LAZY = {
 __all__ = sorted([*_LAZY, "__version__"])
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are imported lazily by __getattr__
+    from trl_ppomax.base.core import RunningMoments as RunningMoments
     from trl_ppomax.judging.callback import WinRateCallback as WinRateCallback
     from trl_ppomax.judging.run import evaluate_policy as evaluate_policy
     from trl_ppomax.ppo.config import PPOMaxConfig as PPOMaxConfig
-    from trl_ppomax.ppo.core import RunningMoments as RunningMoments
     from trl_ppomax.ppo.monitor import CollapseMonitor as CollapseMonitor
     from trl_ppomax.ppo.trainer import PPOMaxTrainer as PPOMaxTrainer
     from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig as PPOMaxRewardConfig

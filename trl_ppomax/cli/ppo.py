@@ -32,9 +32,9 @@ from trl import ModelConfig, ScriptArguments, get_peft_config
 
 from trl_ppomax.cli.arguments import model_kwargs, parse_script_args, setup_distributed
 from trl_ppomax.cli.plan import plan
-from trl_ppomax.data.sources import check_local_paths, load_any_dataset, to_prompt_dataset
+from trl_ppomax.data.sources import check_local_paths, to_prompt_dataset
 from trl_ppomax.moss import setup_tokenizer
-from trl_ppomax.moss.data import release_files
+from trl_ppomax.moss.data import load_dataset_or_release, release_files
 from trl_ppomax.ppo.config import PPOMaxConfig, check_int_fields
 from trl_ppomax.ppo.monitor import CollapseMonitor
 from trl_ppomax.ppo.trainer import PPOMaxTrainer
@@ -147,7 +147,7 @@ def load_prompts(script_args):
     """Training and (optional) evaluation prompts: from ``eval_dataset_name``, else the ``*valid.json`` files of a
     release data folder given as ``dataset_name``, else ``eval_samples`` prompts held out of the training ones."""
     train = to_prompt_dataset(
-        load_any_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+        load_dataset_or_release(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     )
     if script_args.max_train_prompts:
         train = train.select(range(min(script_args.max_train_prompts, len(train))))
@@ -156,7 +156,7 @@ def load_prompts(script_args):
         eval_name = script_args.dataset_name
     if eval_name:
         eval_split = "valid" if release_files(eval_name, "valid") else "train"
-        evaluation = to_prompt_dataset(load_any_dataset(eval_name, split=eval_split))
+        evaluation = to_prompt_dataset(load_dataset_or_release(eval_name, split=eval_split))
         if script_args.eval_samples:
             evaluation = evaluation.select(range(min(script_args.eval_samples, len(evaluation))))
     elif script_args.eval_samples:
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> PPOMaxTraine
         train_prompts, eval_prompts = load_prompts(script_args)
         ptx = None
         if script_args.ptx_dataset_name:
-            ptx = load_any_dataset(
+            ptx = load_dataset_or_release(
                 script_args.ptx_dataset_name,
                 script_args.ptx_dataset_config,
                 split=script_args.ptx_dataset_split,

@@ -1,5 +1,6 @@
-"""Where datasets come from: a Hub id, a local folder or data file, or the MOSS-RLHF release's data files (read as
-the release reads them, :mod:`trl_ppomax.moss.data`); a missing local path is named at once, a bad file's line too."""
+"""Where datasets come from: a Hub id, a local folder or data file (the MOSS-RLHF release's data files are read on top,
+by :func:`trl_ppomax.moss.data.load_dataset_or_release`); a missing local path is named at once, a bad file's line
+too."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ import contextlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Literal
 
 from datasets import Dataset, load_dataset
-
-from trl_ppomax.moss.data import read_release_files, release_files
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 DATA_EXTENSIONS = (*FILE_BUILDERS, ".arrow")
@@ -40,13 +38,8 @@ def check_local_paths(settings: dict[str, str | None], datasets: Sequence[str] =
             )
 
 
-def load_any_dataset(
-    name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
-) -> Dataset:
-    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt). The MOSS-RLHF
-    release's data files (:func:`release_files`) are read as the release reads them, as prompts or ptx dialogues."""
-    if files := release_files(name, split):
-        return read_release_files(files, kind)
+def load_any_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
+    """A split from a Hub id, a local folder, or a local data file (.json/.jsonl/.parquet/.csv/.txt)."""
     if os.path.isfile(name) and os.path.splitext(name)[1] in FILE_BUILDERS:
         return load_data_file(name, split)
     return load_dataset(name, name=config, split=split)

@@ -25,8 +25,8 @@ from transformers import (
     TopKLogitsWarper,
 )
 
+from trl_ppomax.base.core import nucleus_threshold, response_mask_from_stop
 from trl_ppomax.generation import correction
-from trl_ppomax.ppo.core import nucleus_threshold, response_mask_from_stop
 
 __all__ = [
     "Generated",
@@ -162,7 +162,7 @@ class GeneratedTokensPenalty(LogitsProcessor):
 
 
 class NucleusFilter(LogitsProcessor):
-    """Top-p filtering as :func:`~trl_ppomax.ppo.core.nucleus_threshold` defines it (the full sort's tokens, found
+    """Top-p filtering as :func:`~trl_ppomax.base.core.nucleus_threshold` defines it (the full sort's tokens, found
     without sorting the vocabulary; transformers' ``TopPLogitsWarper`` sorts it at every step): scores below the nucleus
     set to −∞, in place."""
 

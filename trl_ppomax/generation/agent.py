@@ -29,10 +29,10 @@ import torch
 from trl import is_conversational
 
 from trl_ppomax import data
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import Generated
 from trl_ppomax.generation.custom import padded
 from trl_ppomax.generation.tools import ToolRunner, ToolTurnTokens, tool_call_parser, tool_schema
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.rewards import RewardSource
 
 __all__ = ["AgentRollouts", "EnvironmentReward", "environment_methods"]

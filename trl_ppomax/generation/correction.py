@@ -8,8 +8,8 @@ from statistics import fmean as mean
 
 import torch
 
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 
 __all__ = ["REDUCERS", "SAMPLING_STATS", "reduced", "sampler_weights"]
 

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import HFGeneration, generate_in_chunks
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
 
 __all__ = [
     "GumbelSampler",

@@ -17,9 +17,9 @@ from collections import defaultdict
 
 import torch
 
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import correction
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
 
 #: How ``pop_metrics`` reduces each statistic: the sampling gap's, and the engine's times summed.
 REDUCERS = {**correction.REDUCERS, M.VLLM_SYNC_SECONDS: sum, M.VLLM_GENERATION_SECONDS: sum}

@@ -11,12 +11,12 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from trl_ppomax.base import metrics as M
+from trl_ppomax.base.core import ends_with_stop
 from trl_ppomax.data import rows_of_this_process
 from trl_ppomax.data.files import read_json, write_json
 from trl_ppomax.judging.base import VERDICTS, margin_verdict
 from trl_ppomax.judging.scored import ScoreJudge
-from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.core import ends_with_stop
 from trl_ppomax.ppo.setup import prepare_eval_prompts
 from trl_ppomax.rewards import decode_texts
 

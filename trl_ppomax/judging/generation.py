@@ -13,9 +13,10 @@ from datasets import Dataset, load_dataset
 from tqdm.auto import tqdm
 
 from trl_ppomax.data import PromptCollator, model_context, prepare_prompt_dataset
-from trl_ppomax.data.sources import load_any_dataset, to_prompt_dataset
+from trl_ppomax.data.sources import to_prompt_dataset
 from trl_ppomax.generation import generate_responses, generation_kwargs
 from trl_ppomax.judging.base import ALL, JsonlCache, Pair, prompt_key
+from trl_ppomax.moss.data import load_dataset_or_release
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ def load_prompts(
     if not isinstance(source, Dataset):
         name, _, data_dir = source.partition("#")
         dataset = (
-            load_dataset(name, data_dir=data_dir, split=split) if data_dir else load_any_dataset(name, split=split)
+            load_dataset(name, data_dir=data_dir, split=split)
+            if data_dir
+            else load_dataset_or_release(name, split=split)
         )
     if category_column is not None and category_column not in dataset.column_names:
         raise ValueError(f"--category-column {category_column!r} is not a column of {source}: {dataset.column_names}.")

@@ -12,6 +12,7 @@ from typing import Literal
 from datasets import Dataset
 
 from trl_ppomax.data import is_blank
+from trl_ppomax.data.sources import load_any_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +92,13 @@ def roles_from_the_end(turns: list[str]) -> list[dict[str, str]]:
 def roles_from_the_start(turns: list[str]) -> list[dict[str, str]]:
     """Messages for a list of turns whose first one is the user's: ``[user, assistant, user, ...]``."""
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def load_dataset_or_release(
+    name: str, config: str | None = None, split: str = "train", kind: Literal["prompts", "ptx"] = "prompts"
+) -> Dataset:
+    """:func:`~trl_ppomax.data.sources.load_any_dataset`, or the release's data files (:func:`release_files`) read as
+    the release reads them, as prompts or ptx dialogues."""
+    if files := release_files(name, split):
+        return read_release_files(files, kind)
+    return load_any_dataset(name, config, split)

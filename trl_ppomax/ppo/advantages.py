@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_ppomax.ppo import core
+from trl_ppomax.base import core
 
 __all__ = [
     "ESTIMATORS",

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from trl_ppomax.ppo import core
+from trl_ppomax.base import core
 
 
 def token_budget_batches(

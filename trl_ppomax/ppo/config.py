@@ -20,8 +20,8 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 from transformers import TrainingArguments
 
+from trl_ppomax.base.core import KLEstimator, LossAggregation, RewardNorm
 from trl_ppomax.ppo import advantages, grpo_names
-from trl_ppomax.ppo.core import KLEstimator, LossAggregation, RewardNorm
 from trl_ppomax.ppo.grpo_names import GRPOArguments
 
 logger = logging.getLogger(__name__)

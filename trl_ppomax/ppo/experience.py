@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from trl_ppomax import rewards
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
+from trl_ppomax.base.core import Reduce
 from trl_ppomax.generation import pad_right
-from trl_ppomax.ppo import advantages, core
-from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.core import Reduce
+from trl_ppomax.ppo import advantages
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
+from trl_ppomax.base import metrics
 from trl_ppomax.data.files import last_checkpoint_before
-from trl_ppomax.ppo import metrics
 
 logger = logging.getLogger(__name__)
 

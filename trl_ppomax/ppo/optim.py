@@ -39,7 +39,7 @@ def clip_gradients(
     ``"per_model"`` clips policy and critic separately (``policy/grad_norm``, ``critic/grad_norm``), ``"joint"`` as
     one vector (``grad_norm``, the release's single engine). ``max_norm`` 0 only measures. ``critic_only`` (critic
     warm-up) drops the policy's gradients first, so the optimizer leaves the policy and its Adam state untouched."""
-    from trl_ppomax.ppo.metrics import CRITIC_GRAD_NORM, GRAD_NORM, POLICY_GRAD_NORM
+    from trl_ppomax.base.metrics import CRITIC_GRAD_NORM, GRAD_NORM, POLICY_GRAD_NORM
 
     if critic_only:
         for parameter in wrapper.policy.parameters():
@@ -60,7 +60,7 @@ def deepspeed_step(engine) -> tuple[dict[str, torch.Tensor], bool]:
     """What a DeepSpeed engine did at its last step (it clips with ``gradient_clipping = max_grad_norm`` and steps
     inside ``backward``): ``({"grad_norm": norm before clipping}, applied)``; the engine skips the step when the norm
     is not finite (fp32, fp16, and bf16 with ``check_grad_overflow``)."""
-    from trl_ppomax.ppo.metrics import GRAD_NORM
+    from trl_ppomax.base.metrics import GRAD_NORM
 
     norm = engine.get_global_grad_norm()
     stats = {GRAD_NORM: torch.tensor(float(norm))} if norm is not None else {}

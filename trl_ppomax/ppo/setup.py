@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ppomax import data, rewards
 from trl_ppomax import models as modeling
+from trl_ppomax.base import metrics as M
 from trl_ppomax.data.sources import looks_local
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.config import PPOMaxConfig
 
 logger = logging.getLogger(__name__)

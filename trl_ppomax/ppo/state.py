@@ -7,8 +7,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from trl_ppomax.ppo import metrics as M
-from trl_ppomax.ppo.core import RunningMoments
+from trl_ppomax.base import metrics as M
+from trl_ppomax.base.core import RunningMoments
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One iteration (§3.2, §5), each phase in its module: generate (:mod:`~trl_ppomax.generation`) → score
 (:mod:`~trl_ppomax.ppo.scoring`) → shape rewards and estimate advantages (:mod:`~trl_ppomax.ppo.experience`) →
-update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.ppo.core`."""
+update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.base.core`."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from trl_ppomax import data, models, rewards
+from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import batching, optim, setup, update
-from trl_ppomax.ppo import metrics as M
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin

@@ -11,8 +11,8 @@ from torch import nn
 from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
 from trl_ppomax import models
-from trl_ppomax.ppo import core
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.base import core
+from trl_ppomax.base import metrics as M
 from trl_ppomax.ppo.batching import forward_queries
 from trl_ppomax.ppo.experience import Experience
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback, TrainerState
 
+from trl_ppomax.base import metrics
+from trl_ppomax.base.metrics import eval_name
 from trl_ppomax.data.files import checkpoint_folders
-from trl_ppomax.ppo import metrics
-from trl_ppomax.ppo.metrics import eval_name
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

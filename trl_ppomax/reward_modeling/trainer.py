@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import RewardTrainer
 from trl.data_utils import is_conversational
 
+from trl_ppomax.base import core
 from trl_ppomax.models import score_head, score_position, without_zero3_init
-from trl_ppomax.ppo import core
 from trl_ppomax.reporting.plotting import log_image
 from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
 from trl_ppomax.rewards.stats import fold_reward_stats, reward_statistics, store_reward_stats

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 from trl import is_conversational
 from trl.trainer.utils import disable_dropout_in_model, pad
 
+from trl_ppomax.base import core
 from trl_ppomax.models import backbone_and_head, check_single_label, sequence_scores
-from trl_ppomax.ppo import core
 from trl_ppomax.rewards.functions import (
     RewardFunction,
     awaited,

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from trl_ppomax.ppo import core
+from trl_ppomax.base import core
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ BUILD_MODULES = (
     "trl_ppomax.reward_modeling.config",
     "trl_ppomax.rewards.stats",
     "trl_ppomax.models",
-    "trl_ppomax.ppo.core",
+    "trl_ppomax.base.core",
 )
 #: Libraries whose version changes the trained weights (numerics, trainers, tokenization).
 BUILD_LIBRARIES = ("torch", "transformers", "trl", "tokenizers", "datasets", "accelerate")

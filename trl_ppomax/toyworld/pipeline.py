@@ -10,7 +10,7 @@ import shutil
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from trl_ppomax.ppo import metrics as M
+from trl_ppomax.base import metrics as M
 from trl_ppomax.toyworld.build import QUIET, World
 from trl_ppomax.toyworld.world import WorldSampler, gold_rewards
 

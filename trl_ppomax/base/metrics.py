@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from trl_ppomax.ppo.core import Reduce, ends_with_stop, masked_mean
+from trl_ppomax.base.core import Reduce, ends_with_stop, masked_mean
 
 # ---- per response, averaged over the rollout batch (and logged by evaluate() as eval_<name>) -----------------------
 KL = "objective/kl"  # Σ_t KL_t of the response (the configured estimator)
