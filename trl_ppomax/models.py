@@ -22,6 +22,7 @@ from transformers.trainer_utils import load_sharded_checkpoint
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from trl.trainer.utils import disable_dropout_in_model
 
+from trl_ppomax.base import compat
 from trl_ppomax.data.files import ADAPTER_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ def fsdp_unsharded(*models: nn.Module) -> Iterator[None]:
 
     roots = [model for model in models if isinstance(model, FSDPModule)]
     for root in roots:
-        root._get_fsdp_state()._lazy_init()  # what the root's first forward would do (a no-op after it)
+        compat.fsdp_lazy_init(root)  # what the root's first forward would do (a no-op after it)
         root.unshard()
     try:
         yield

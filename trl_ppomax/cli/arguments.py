@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from trl_ppomax.base import compat
+
 COMMANDS_DIR = Path(__file__).resolve().parent
 CONFIGS_DIR = COMMANDS_DIR / "configs"
 ACCELERATE_CONFIGS_DIR = COMMANDS_DIR / "accelerate_configs"
@@ -148,13 +150,13 @@ def _parse(dataclasses: tuple, argv: list[str], prog: str | None) -> tuple:
     parser = TrlParser(dataclasses, **({"prog": prog} if prog else {}))
     path, argv = split_flag(argv, ("--config",), "argument {flag}: expected one argument")
     if path is not None:
-        config = read_config(path, {action.dest for action in parser._actions if action.dest != "help"})
+        config = read_config(path, compat.parser_destinations(parser))
         for key, value in config.pop("env", {}).items():
             os.environ[key] = str(value)
         parser.set_defaults_with_config(**config)
     *parsed, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if unknown:
-        raise ConfigError("; ".join(_unknown_arguments(unknown, parser._option_string_actions)))
+        raise ConfigError("; ".join(_unknown_arguments(unknown, compat.option_actions(parser))))
     return tuple(parsed)
 
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from trl_ppomax.base import core
+from trl_ppomax.base import compat, core
 from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import correction
 
@@ -92,7 +92,7 @@ class VLLMEngine:
         parameter stream goes through vLLM's in-place ``reload_weights``, which re-runs the packing."""
         start = time.perf_counter()
         if self.generation.mode == "colocate" and self.on_cpu:
-            self.load_snapshot(self.generation._iter_named_params())
+            self.load_snapshot(compat.vllm_named_parameters(self.generation))
         else:
             self.generation.sync_weights()
         self.stale = False
@@ -101,7 +101,7 @@ class VLLMEngine:
     # -- max_staleness ≥ 1: the producer's engine (colocated), at the versions the schedule names ----------------------
     def snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of the policy's weights under vLLM's names (PEFT merged), taken in the trainer's thread."""
-        return [(name, tensor.detach().clone()) for name, tensor in self.generation._iter_named_params()]
+        return [(name, tensor.detach().clone()) for name, tensor in compat.vllm_named_parameters(self.generation)]
 
     def load_snapshot(self, named_weights) -> None:
         """Load ``(name, tensor)`` pairs into the colocated engine (re-packed on CPU) and drop its prefix cache."""

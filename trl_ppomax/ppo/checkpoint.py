@@ -34,6 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, rotat
 from transformers.utils import PushInProgress
 from transformers.utils.hub import hf_api
 
+from trl_ppomax.base import compat
 from trl_ppomax.data.files import (
     CRITIC_DIR,
     PPO_STATE_NAME,
@@ -120,7 +121,9 @@ class CheckpointMixin:
         self._lock_owner = object()  # this trainer's token for the output_dir lock
         super().__init__(args=args, model=model, **trainer_kwargs)
         if self.args.push_to_hub:
-            self.add_callback(_OnTrainEnd(self._finish_current_push))  # as transformers' Trainer does
+            self.add_callback(
+                _OnTrainEnd(functools.partial(compat.finish_current_push, self))
+            )  # as transformers' Trainer does
         self.add_callback(_OnTrainEnd(self._unlock_output_dir))
 
     # -- before the first rollout -----------------------------------------------------------------------------------
@@ -305,8 +308,8 @@ class CheckpointMixin:
                 # engine-only saves: the engine folder holds the weights; _save_optimizer_and_scheduler writes it
                 self._save_weights(folder, CRITIC_DIR, write_engine=self.args.save_only_model)
                 if not self.args.save_only_model:
-                    self._save_optimizer_and_scheduler(folder)
-                    self._save_rng_state(folder)
+                    compat.save_optimizer_and_scheduler(self, folder)
+                    compat.save_rng_state(self, folder)
                 if self.args.should_save:
                     self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
                     write_json(os.path.join(folder, PPO_STATE_NAME), self._ppo_state())
@@ -400,7 +403,7 @@ class CheckpointMixin:
             self._load_weights_from(path)
         if not weights_only:
             with checkpoint_files.reading(path, f"{OPTIMIZER_NAME} / {SCHEDULER_NAME}", loading=True):
-                self._load_optimizer_and_scheduler(path)
+                compat.load_optimizer_and_scheduler(self, path)
             if self._learning_rates_changed(saved.get("run") or {}):  # resume_allow_changes: the new rates apply
                 optim.rebase_learning_rates(self.optimizer, self.lr_scheduler, self.args)
         planned = self.state  # this run's plan (max_steps …), which resume_allow_changes may have changed
@@ -420,7 +423,7 @@ class CheckpointMixin:
             )
         else:
             with checkpoint_files.reading(path, "rng_state*.pth", loading=True):
-                self._load_rng_state(path)
+                compat.load_rng_state(self, path)
         if self.lagged is not None:
             with checkpoint_files.reading(path, "lagged_rollouts_*.pt", loading=True):
                 self.lagged.load(path, self.accelerator.process_index, self.state.global_step)

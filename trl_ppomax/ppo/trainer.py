@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput
 
 from trl_ppomax import data, models, rewards
+from trl_ppomax.base import compat
 from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
@@ -337,7 +338,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             if self.last_rollout is not None:
                 self.show_completions(self.last_rollout, self.args.num_completions_to_print)
         if self.control.should_evaluate:
-            is_best = self._determine_best_metric(self.evaluate(), trial=None)
+            is_best = compat.determine_best_metric(self, self.evaluate())
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = is_best
         if self.args.num_sample_generations > 0 and iteration % self.sample_every == 0:
@@ -350,7 +351,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         args = self.args
         if args.eval_strategy == IntervalStrategy.NO and not args.eval_on_start:
             return
-        is_best = self._determine_best_metric(self.evaluate(), trial=None)
+        is_best = compat.determine_best_metric(self, self.evaluate())
         keeps_best = args.load_best_model_at_end or args.save_strategy == SaveStrategy.BEST
         self.control.should_save = is_best and keeps_best and args.save_strategy != SaveStrategy.NO
         self._save_if_asked()

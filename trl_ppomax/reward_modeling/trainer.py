@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl import RewardTrainer
 from trl.data_utils import is_conversational
 
-from trl_ppomax.base import core
+from trl_ppomax.base import compat, core
 from trl_ppomax.models import score_head, score_position, without_zero3_init
 from trl_ppomax.reporting.plotting import log_image
 from trl_ppomax.reward_modeling.config import PPOMaxRewardConfig
@@ -127,7 +127,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
             loss = loss + self.args.lm_loss_coef * lm_loss
             metrics.update({"lm_loss": lm_loss.detach(), "lm_token_accuracy": lm_stats["accuracy"]})
         for name, value in metrics.items():
-            self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value).mean().item())
+            compat.trainer_metrics(self)[mode][name].append(self.accelerator.gather_for_metrics(value).mean().item())
         if mode == "eval":
             self._eval_rewards.append(self.accelerator.gather_for_metrics(torch.stack([chosen, rejected], dim=1)))
         return (loss, outputs) if return_outputs else loss
