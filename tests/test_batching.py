@@ -8,9 +8,9 @@ from helpers import changed, make_trainer, snapshot
 
 from trl_ppomax import PPOMaxConfig
 from trl_ppomax.base import metrics
+from trl_ppomax.base.rollout import Rollout, merge_rollouts
 from trl_ppomax.generation import generate_responses
 from trl_ppomax.ppo.batching import forward_groups, token_budget_batches
-from trl_ppomax.ppo.experience import Rollout, merge_rollouts
 
 
 def first_rollout(trainer, n: int = 1) -> Rollout:

@@ -9,8 +9,8 @@ from helpers import make_trainer
 
 from trl_ppomax import PPOMaxConfig
 from trl_ppomax.base import core, metrics
+from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.ppo.config import PRESETS
-from trl_ppomax.ppo.experience import Rollout
 
 NEW_OPTIONS = ("reward_norm_freeze", "reward_winsorize", "lam_critic", "lam_alpha")
 

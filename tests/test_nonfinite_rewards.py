@@ -13,7 +13,8 @@ from helpers import StopAt, changed, make_trainer, run_distributed, snapshot
 
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
-from trl_ppomax.ppo.experience import Rollout, drop_non_finite, kept_gather
+from trl_ppomax.base.rollout import Rollout
+from trl_ppomax.ppo.experience import drop_non_finite, kept_gather
 from trl_ppomax.ppo.state import PPOState
 from trl_ppomax.toyworld.tiny import (
     build_models,

@@ -13,7 +13,6 @@ engine measured since the last call. :class:`HFGeneration` samples with the poli
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from transformers import (
 )
 
 from trl_ppomax.base.core import nucleus_threshold, response_mask_from_stop
+from trl_ppomax.base.rollout import Generated, pad_right
 from trl_ppomax.generation import correction
 
 __all__ = [
@@ -36,22 +36,6 @@ __all__ = [
     "generation_engine",
     "generation_kwargs",
 ]
-
-
-@dataclass
-class Generated:
-    """What a rollout's generation wrote, to be scored: prompts (N, L) left-padded, responses (N, T) right-padded, the
-    sampler's log-probs (N, T) when another sampler wrote them (vLLM, a lagged copy), ``env_mask`` (N, T) 0 on a
-    multi-turn trajectory's environment tokens, and ``columns``: per-row values for the reward functions (a
-    ``rollout_func``'s extra keys, the agent's ``environments``)."""
-
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    sampler_logprobs: torch.Tensor | None = None
-    env_mask: torch.Tensor | None = None
-    columns: dict[str, list] = field(default_factory=dict)
 
 
 class HFGeneration:
@@ -125,12 +109,6 @@ def progress(chunks: list, args, desc: str = "Generating") -> list:
     from tqdm.auto import tqdm
 
     return tqdm(chunks, desc=desc, leave=False)
-
-
-def pad_right(tensors, value: int | float) -> torch.Tensor:
-    """Concatenate (B_i, T_i) tensors along rows, right-padded with ``value`` to the widest."""
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
 
 
 @torch.no_grad()

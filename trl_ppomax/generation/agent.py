@@ -99,7 +99,7 @@ class AgentRollouts:
     """The multi-turn loop for one trainer (see the module docstring). ``tools``: the functions every trajectory may
     call; ``environment_factory``: a zero-argument callable making an environment (checked here: it needs ``reset``),
     or TRL's dict of them by name, each row's ``environment`` column choosing its own (only that environment's
-    methods are its tools). :meth:`generate` returns a :class:`~trl_ppomax.generation.Generated` of trajectories, with
+    methods are its tools). :meth:`generate` returns a :class:`~trl_ppomax.base.rollout.Generated` of trajectories, with
     TRL's ``completions`` (the messages of each trajectory) for conversational prompts, and the tool statistics
     (``pop_metrics``)."""
 

@@ -3,7 +3,7 @@
 the batch's prompts ``num_samples_per_prompt`` times in a row (TRL's ``num_generations``), and the output one entry
 per given prompt. ``env_mask`` marks, per completion token, what
 the policy wrote (1) and what an environment or tool inserted (0): those tokens are attended to but never trained on
-(:attr:`~trl_ppomax.ppo.experience.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
+(:attr:`~trl_ppomax.base.rollout.Rollout.policy_mask`). Other keys are forwarded to the reward functions, as
 columns (a key that clashes with what they already receive is refused). The trainer scores the trajectories with its
 own forwards; ``logprobs`` (the sampler's, 0 where the environment wrote) corrects for another sampler with
 ``rollout_func_importance_sampling`` (then they must be finite and ≤ 0), else it is checked only. Lists, tuples,
@@ -43,7 +43,7 @@ def custom_rollout(
     importance_sampling: bool = False,
 ):
     """Call ``rollout_func(prompts, trainer)``, each prompt repeated ``samples_per_prompt`` times, and check its output (clear errors naming the key and the fix): a
-    :class:`~trl_ppomax.generation.Generated` of N = B·n rows, its ``columns`` the extra keys. Refused: an extra key
+    :class:`~trl_ppomax.base.rollout.Generated` of N = B·n rows, its ``columns`` the extra keys. Refused: an extra key
     named as a dataset column (``columns``) or one of :data:`REWARD_KEYWORDS`, an id outside ``[0, vocab_size)``, a
     prompt and completion longer than ``context_length``, and (``importance_sampling``) log-probs that are not finite
     or above 0."""

@@ -13,8 +13,8 @@ from trl.trainer.utils import print_prompt_completions_sample
 
 from trl_ppomax import data, models
 from trl_ppomax.base import metrics as M
+from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.data import rows_of_this_process
-from trl_ppomax.ppo.experience import Rollout
 from trl_ppomax.ppo.setup import prepare_eval_prompts
 from trl_ppomax.reporting.plotting import log_table
 from trl_ppomax.rewards import decode_texts

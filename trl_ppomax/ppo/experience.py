@@ -1,11 +1,11 @@
-"""The tensors of one rollout batch, and phase 2, which turns them into training targets (:class:`ExperienceMaker`).
-Sequences are ``[query (left-padded, width L) | response (right-padded, width T)]`` (see ``trl_ppomax.models``)."""
+"""Phase 2: a scored :class:`~trl_ppomax.base.rollout.Rollout` turned into training targets (:class:`ExperienceMaker`,
+an :class:`Experience`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -13,60 +13,10 @@ from trl_ppomax import rewards
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
 from trl_ppomax.base.core import Reduce
-from trl_ppomax.generation import pad_right
+from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.ppo import advantages
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Rollout:
-    """One rollout batch on one process. ``B`` = prompts, ``L`` = query width, ``T`` = response width."""
-
-    query_ids: torch.Tensor  # (B, L) left-padded prompts
-    query_mask: torch.Tensor  # (B, L) 1 on prompt tokens
-    response_ids: torch.Tensor  # (B, T) sampled tokens, pad after the stop token
-    response_mask: torch.Tensor  # (B, T) 1 on response tokens up to and including the stop token
-    logprobs: torch.Tensor  # (B, T) log π_old(y_t) at the sampling temperature
-    ref_logprobs: torch.Tensor  # (B, T) log π_ref(y_t) at the sampling temperature
-    values: torch.Tensor  # (B, T) V_old(s_t) from the critic
-    scores: torch.Tensor  # (B,) reward-model score, after the missing-stop-token penalty
-    policy_perplexity: torch.Tensor  # (B,) perplexity of the policy (temperature 1) on its own response
-    ref_perplexity: torch.Tensor  # (B,) perplexity of the reference model (temperature 1) on the same response
-    source_scores: torch.Tensor | None = None  # (B, S) each reward source's score (rewards.RewardSources), if known
-    sampling_weights: torch.Tensor | None = None  # (B, T) truncated importance weights of a vLLM rollout, if corrected
-    env_mask: torch.Tensor | None = None  # (B, T) 1 on the tokens the policy wrote, 0 on the environment's (tools)
-
-    @property
-    def policy_mask(self) -> torch.Tensor:
-        """(B, T) the tokens trained on: the response's, less the environment's (``env_mask`` 0) in a multi-turn
-        trajectory. The losses, the KL penalty, GAE, the whitening and the length metrics use it; the forwards
-        attend to the whole ``response_mask``."""
-        return self.response_mask if self.env_mask is None else self.response_mask * self.env_mask
-
-    def select(self, index: torch.Tensor) -> Rollout:
-        """Rows ``index`` of every field."""
-        return Rollout(**{f.name: take_rows(getattr(self, f.name), index) for f in fields(self)})
-
-
-def take_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    return None if tensor is None else tensor[index]
-
-
-def merge_rollouts(parts: list[Rollout], groups: list[torch.Tensor], pad_token_id: int) -> Rollout:
-    """One rollout of ``sum(len(g))`` rows from ``parts[i]`` holding rows ``groups[i]`` (micro-batches, possibly
-    reordered by length), response-width fields right-padded to the widest part."""
-    order = torch.cat(groups).argsort()
-
-    def merge(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        if any(t is None for t in tensors):
-            return None
-        if tensors[0].dim() == 2 and name not in ("query_ids", "query_mask", "source_scores"):  # (B, T) fields
-            return pad_right(tensors, pad_token_id if name == "response_ids" else 0)[order]
-        return torch.cat(tensors)[order]
-
-    return Rollout(**{f.name: merge(f.name) for f in fields(Rollout)})
 
 
 @dataclass

@@ -11,10 +11,10 @@ from collections.abc import Callable
 import torch
 
 from trl_ppomax import data, models, rewards
+from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.generation import Generated, generate_in_chunks
 from trl_ppomax.generation.custom import custom_rollout
 from trl_ppomax.generation.vllm import VLLMEngine
-from trl_ppomax.ppo.experience import Rollout
 from trl_ppomax.ppo.setup import embedding_size
 
 
@@ -98,7 +98,7 @@ class RolloutMixin:
 
     @torch.no_grad()
     def score_rollout(self, generate: Callable[[], Generated], columns: dict, samples_per_prompt: int) -> Rollout:
-        """The rollout of ``generate()``'s :class:`~trl_ppomax.generation.Generated`, called where the policy is ready
+        """The rollout of ``generate()``'s :class:`~trl_ppomax.base.rollout.Generated`, called where the policy is ready
         to generate: the policy's and reference's log-probs, the values and the scores. ``columns``: the prompts'
         columns, repeated ``samples_per_prompt`` times as the generated prompts are."""
         n = samples_per_prompt

@@ -11,8 +11,8 @@ from trl.trainer.utils import selective_log_softmax
 
 from trl_ppomax import data, models, rewards
 from trl_ppomax.base.core import sequence_perplexity
+from trl_ppomax.base.rollout import Rollout, merge_rollouts, take_rows
 from trl_ppomax.ppo.batching import forward_groups, forward_queries
-from trl_ppomax.ppo.experience import Rollout, merge_rollouts, take_rows
 
 
 class Scorer:

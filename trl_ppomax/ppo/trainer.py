@@ -21,13 +21,14 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from trl_ppomax import data, models, rewards
 from trl_ppomax.base import compat
 from trl_ppomax.base import metrics as M
+from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import batching, optim, setup, update
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin
-from trl_ppomax.ppo.experience import Experience, ExperienceMaker, Rollout, process_sum
+from trl_ppomax.ppo.experience import Experience, ExperienceMaker, process_sum
 from trl_ppomax.ppo.rollouts import RolloutMixin
 from trl_ppomax.ppo.scoring import Scorer
 from trl_ppomax.ppo.state import PPOState, start_trainer_state
