@@ -132,6 +132,7 @@ def test_evaluate_policy_end_to_end_and_resume(world, tmp_path, monkeypatch):
         evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", [], GenerationSettings(max_new_tokens=5))
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_resumed_generation_samples_what_an_uninterrupted_run_would(world, tmp_path):
     prompts = load_prompts(eval_prompts(8))
     whole = evaluate_policy(world.sft, world.sft, prompts, tmp_path / "whole", [], TOY)
@@ -145,6 +146,7 @@ def test_resumed_generation_samples_what_an_uninterrupted_run_would(world, tmp_p
     assert read("cut") == read("whole")
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_cli_pairwise_with_categories_and_the_human_round_trip(world, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": p, "topic": p.split()[-3]} for p in eval_prompts(6)["prompt"]]

@@ -366,6 +366,7 @@ def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
         GRPOTrainer(model=hub["policy"], reward_funcs=None, args=swap_args(tmp_path), environment_factory=Owned)
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_train_with_multiple_environments(hub, tmp_path):
     """TRL's test_train_with_multiple_environments: a dict of environments, each row's ``environment`` column picks
     one; only its tools are shown and called."""

@@ -232,6 +232,7 @@ def test_long_prompts_lose_their_start(tokenizer, model, caplog):
         assert row["scores"] == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_compare_writes_report_predictions_and_table(tokenizer, tmp_path, capsys):
     paths = {}
     for name, letter in [("policy", "B"), ("baseline", "A")]:

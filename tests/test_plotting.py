@@ -142,6 +142,7 @@ def test_nothing_to_plot_is_an_error(tmp_path):
 # writing the PNG
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_plot_writes_a_png_and_creates_folders(tmp_path):
     path = tmp_path / "a" / "b" / "dynamics.png"
     result = plot_training_dynamics(synthetic_history(), path, title="PPO-max")
@@ -149,6 +150,7 @@ def test_plot_writes_a_png_and_creates_folders(tmp_path):
     assert_png(path)
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_overlay_of_other_runs_has_a_legend_per_run(tmp_path):
     extra = {"vanilla": synthetic_history(steps=15, gold=False, collapse_at=7), "no-norm": synthetic_history(10)}
     fig = training_dynamics_figure(synthetic_history(), extra=extra, name="ppo_max")
@@ -228,6 +230,7 @@ def test_bad_state_file_is_a_value_error(tmp_path):
 # command line
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_cli_plot_default_output(tmp_path, capsys):
     run = tmp_path / "run"
     write_state(run, synthetic_history())
@@ -237,6 +240,7 @@ def test_cli_plot_default_output(tmp_path, capsys):
     assert_png(run / "training_dynamics.png")
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_cli_plot_compare(tmp_path, capsys):
     write_state(tmp_path / "ppo_max", synthetic_history())
     write_state(tmp_path / "vanilla" / "checkpoint-5", synthetic_history(steps=5, gold=False))

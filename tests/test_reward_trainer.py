@@ -91,6 +91,7 @@ def test_learns_the_rule_and_logs_metrics(trained):
     assert (Path(trained.args.output_dir) / HISTOGRAM_NAME).stat().st_size > 0
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_imitation_loss_lowers_chosen_perplexity(tmp_path):
     perplexity = {}
     for coef in (0.0, 1.0):

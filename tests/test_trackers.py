@@ -108,6 +108,7 @@ def test_markdown_table_escapes_pipes_and_line_breaks():
     ]
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_tensorboard_run_holds_completions_and_figure(tmp_path, monkeypatch):
     """Item 12 of issue 26: a ``report_to="tensorboard"`` run writes the completions (text) and the training-dynamics
     figure (image) into the run's own TensorBoard folder, beside its scalars."""

@@ -449,6 +449,7 @@ def test_checkpoints_hold_a_loadable_policy(tmp_path):
     AutoModelForCausalLM.from_pretrained(checkpoints[0])
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_counters_are_logged_as_current_values(tmp_path):
     trainer = make_trainer(tmp_path, total_episodes=64, logging_steps=2)
     trainer.train()

@@ -27,6 +27,7 @@ def same_weights(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_the_kl_as_a_loss_is_trained_and_logged_under_the_same_names(tmp_path):
     in_loss = make_trainer(tmp_path / "loss", kl_placement="loss", kl_estimator="k2", kl_coef=0.5)
     in_reward = make_trainer(tmp_path / "reward", kl_coef=0.5)
@@ -44,6 +45,7 @@ def test_the_kl_as_a_loss_is_trained_and_logged_under_the_same_names(tmp_path):
     assert math.isfinite(last[M.KL_LOSS]) and last[M.KL_LOSS] >= 0 and M.KL in last
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_clip_higher_changes_the_update_once_ratios_pass_one_plus_epsilon(tmp_path):
     plain = trained(tmp_path, "plain", **LOUD)
     assert plain.state.log_history[0][M.CLIPFRAC] > 0  # the symmetric clip was active
@@ -52,6 +54,7 @@ def test_clip_higher_changes_the_update_once_ratios_pass_one_plus_epsilon(tmp_pa
     assert same_weights(plain.model.policy, trained(tmp_path, "same", cliprange_high=0.2, **LOUD).model.policy)
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_dual_clip_bounds_negative_advantages_and_logs_its_share(tmp_path):
     dual = trained(tmp_path, "dual", dual_clip=1.01, **LOUD)
     logged = dual.state.log_history[0]

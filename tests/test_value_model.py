@@ -88,6 +88,7 @@ def test_a_save_without_a_critic_removes_the_earlier_value_model(tmp_path, saved
     assert not list(saved_with_critic.glob(".tmp-*")) and not list(saved_with_critic.glob(".old-*"))
 
 
+@pytest.mark.slow  # seconds (the README's command stays under 4 minutes; .ci/run runs it)
 def test_a_rerun_with_overwrite_output_dir_leaves_no_critic_of_the_first_run(tmp_path):
     """The first run saves its critic into output_dir; a critic-free rerun there (overwrite_output_dir) saves none."""
     out = tmp_path / "out"
