@@ -108,7 +108,15 @@ def models(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("name", "heading"), python_sections(), ids=[f"{n}: {h}" for n, h in python_sections()])
+#: Sections that build the toy world (half a minute cold): slow, so the README's command builds none (.ci/run runs them).
+BUILDS_THE_WORLD = {("evaluation.md", "In Python"), ("toy-world.md", "Run it in Python")}
+
+
+@pytest.mark.parametrize(
+    ("name", "heading"),
+    [pytest.param(n, h, marks=[pytest.mark.slow] if (n, h) in BUILDS_THE_WORLD else []) for n, h in python_sections()],
+    ids=[f"{n}: {h}" for n, h in python_sections()],
+)
 def test_python_blocks_run(name, heading, models, tmp_path, monkeypatch, cache_root):
     for entry in models.iterdir():
         (tmp_path / entry.name).symlink_to(entry)

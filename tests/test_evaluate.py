@@ -107,6 +107,7 @@ def test_rm_judge_scores_the_trained_inputs(tiny_dir, tmp_path):
     assert verdict == margin_verdict(scored["policy"], scored["baseline"])
 
 
+@pytest.mark.slow  # builds the toy world, half a minute cold (.ci/run runs it)
 def test_evaluate_policy_end_to_end_and_resume(world, tmp_path, monkeypatch):
     prompts = load_prompts(eval_prompts(8))
     judges = [FunctionJudge(gold_rewards), RewardModelJudge(world.reward)]
@@ -199,6 +200,7 @@ def test_cli_pairwise_with_categories_and_the_human_round_trip(world, tmp_path, 
     assert (human["win"], human["lose"], human["n"]) == (wins, 6 - wins, 6)
 
 
+@pytest.mark.slow  # builds the toy world, half a minute cold (.ci/run runs it)
 def test_cli_errors_are_one_line(world, tmp_path, capsys):
     base = ["evaluate", "--policy", world.sft, "--baseline", world.sft, "--output", str(tmp_path / "o")]
     data = tmp_path / "p.jsonl"

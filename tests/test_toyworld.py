@@ -44,6 +44,7 @@ def test_sft_data_is_mediocre():
     assert -0.5 < sum(scores) / len(scores) < 0.6 and max(scores) == 1.5
 
 
+@pytest.mark.slow  # builds the toy world, half a minute cold (.ci/run runs it)
 def test_world_is_cached_and_the_reward_model_is_an_imperfect_proxy(world, world_cache):
     assert 0.6 < world.report["held_out_accuracy"] < 0.95
     start = time.time()
