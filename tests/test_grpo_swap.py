@@ -319,10 +319,9 @@ def test_reward_functions_get_trls_completions_the_trajectorys_messages(hub, tmp
     assert trajectory[-1]["content"] == "It is 12."  # the policy's last words, not the tool's
 
 
-class CounterEnvironment:
-    def reset(self, **kwargs) -> str | None:
-        self.count = 0
-        return None
+class IncrementEnvironment:
+    def reset(self, **kwargs):
+        self._counter = 0
 
     def increment(self, step: int) -> int:
         """
@@ -334,11 +333,15 @@ class CounterEnvironment:
         Returns:
             The updated counter value.
         """
-        self.count += step
-        return self.count
+        self._counter += step
+        return self._counter
+
+
+class CounterEnvironment(IncrementEnvironment):
+    """TRL's counter, owning its reward: the count."""
 
     def get_reward(self) -> float:
-        return float(self.count)
+        return float(self._counter)
 
 
 def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
@@ -347,7 +350,7 @@ def test_train_with_environment_owned_reward_and_data(hub, tmp_path):
 
     class Owned(CounterEnvironment):
         def reset(self, **kwargs) -> str:
-            self.count = 0
+            self._counter = 0
             return "Count up."
 
     trainer = GRPOTrainer(
@@ -783,24 +786,6 @@ def test_reward_functions_get_the_trainer_state_and_log_metric(hub, tmp_path):
     assert steps[0] == 0 and 1 in steps  # the live state: global_step 0 while rollout 1 is scored, 1 for rollout 2
     logged_keys = {k for entry in trainer.state.log_history for k in entry}
     assert "custom_accuracy" in logged_keys and trainer.state.log_history[-1]["custom_accuracy"] == 0.75
-
-
-class IncrementEnvironment:
-    def reset(self, **kwargs):
-        self._counter = 0
-
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self._counter += step
-        return self._counter
 
 
 @pytest.mark.slow  # 5 iterations, as TRL's test trains
