@@ -124,14 +124,14 @@ def test_token_budget_micro_batches_give_the_row_split_loss_and_gradients(tmp_pa
     torch.manual_seed(1)
     experience, _, _ = trainer.make_experience(rollout)
     minibatch = torch.randperm(trainer.args.local_batch_size)[: trainer.args.local_mini_batch_size]
-    losses, original = [], trainer.micro_batch_loss
+    losses, original = [], trainer.updater.micro_batch_loss
 
     def record(*args):
         loss, stats = original(*args)
         losses.append(loss.detach() / trainer.accelerator.gradient_accumulation_steps)  # what backward() applies
         return loss, stats
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", record)
+    monkeypatch.setattr(trainer.updater, "micro_batch_loss", record)
     trainer.model.zero_grad(set_to_none=True)
     trainer.accumulate_gradients(experience, minibatch, critic_only=False)
     row_split, row_loss, row_count = gradients(trainer), sum(losses), len(losses)

@@ -94,13 +94,13 @@ def test_advantages_whitened_per_minibatch(tmp_path, monkeypatch):
     experience, _, _ = trainer.make_experience(first_rollout(trainer))
     torch.testing.assert_close(experience.advantages, experience.raw_advantages)  # nothing normalised yet
     seen = []
-    original = trainer.micro_batch_loss
+    original = trainer.updater.micro_batch_loss
 
     def record(step_experience, index, *args):
         seen.append((step_experience.advantages, index))
         return original(step_experience, index, *args)
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", record)
+    monkeypatch.setattr(trainer.updater, "micro_batch_loss", record)
     trainer.ppo_update(experience)
     for start in range(0, len(seen), trainer.args.gradient_accumulation_steps):  # the micro-batches of a minibatch
         advantages = seen[start][0]

@@ -180,13 +180,13 @@ def test_skips_in_a_row_are_counted_and_stop_the_run(pattern, limit, total, stop
 def test_a_run_whose_every_optimizer_step_is_skipped_stops_with_an_error(tmp_path, monkeypatch):
     """Issue 26, bad 5: skipped updates used to end the run normally, untrained; they count as skipped iterations."""
     trainer = make_trainer(tmp_path, total_episodes=64, max_skipped_iterations=2)
-    original = trainer.micro_batch_loss
+    original = trainer.updater.micro_batch_loss
 
     def poisoned(*args):
         loss, stats = original(*args)
         return loss * math.nan, stats
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", poisoned)
+    monkeypatch.setattr(trainer.updater, "micro_batch_loss", poisoned)
     before = snapshot(trainer.model)
     with pytest.raises(RuntimeError, match=r"Stopped at iteration 2: 2 iterations in a row .*all 2 optimizer steps"):
         trainer.train()

@@ -101,14 +101,14 @@ def test_nan_reward_skips_the_iteration(tmp_path):
 
 def poison_losses(trainer, monkeypatch, iterations=None) -> None:
     """Every micro-batch loss NaN (in ``iterations`` only, when given)."""
-    original = trainer.micro_batch_loss
+    original = trainer.updater.micro_batch_loss
 
     def poisoned(*args):
         loss, stats = original(*args)
         hit = iterations is None or trainer.state.global_step + 1 in iterations
         return (loss * float("nan") if hit else loss), stats
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", poisoned)
+    monkeypatch.setattr(trainer.updater, "micro_batch_loss", poisoned)
 
 
 def test_nan_loss_never_reaches_the_optimizer(tmp_path, monkeypatch):

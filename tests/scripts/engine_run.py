@@ -65,13 +65,13 @@ def parse() -> argparse.Namespace:
 def poison_gradients(trainer, iteration: int) -> None:
     """During iteration ``iteration`` every micro-batch loss is NaN (on every rank), so every gradient is, and each
     optimizer step of that iteration must be skipped and counted, whatever the engine."""
-    loss_of = trainer.micro_batch_loss
+    loss_of = trainer.updater.micro_batch_loss
 
     def poisoned(*args, **kwargs):
         loss, stats = loss_of(*args, **kwargs)
         return (loss * float("nan") if trainer.state.global_step + 1 == iteration else loss), stats
 
-    trainer.micro_batch_loss = poisoned
+    trainer.updater.micro_batch_loss = poisoned
 
 
 def full_state(trainer) -> dict[str, torch.Tensor] | None:

@@ -24,7 +24,7 @@ from trl_ppomax.base import metrics as M
 from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
-from trl_ppomax.ppo import batching, optim, setup, update
+from trl_ppomax.ppo import optim, setup, update
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import EvaluationMixin
@@ -126,6 +126,17 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
         self._build_phases(processing_class, rollout_metrics)
+        self.updater = update.PPOUpdate(
+            model=self.model_wrapped,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            accelerator=self.accelerator,
+            args=args,
+            ppo_state=self.ppo_state,
+            ptx_batches=self.ptx_batches,
+            whiten=self.experience_maker.whitened,
+            deepspeed=self.is_deepspeed_enabled,
+        )
         self.reward_log = rewards.RewardLog()
         self._offer_run_keywords()
 
@@ -314,17 +325,11 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         return {**metrics, **timings, **measured, **counters}
 
     def _update_and_sync(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
-        """The PPO update (the critic alone during its warm-up, §5.3.3), then the generation engine told of the new
-        policy; returns the update's metrics and why nothing trained, else None."""
-        args, skipped = self.args, self.ppo_state.counters[M.SKIPPED_UPDATES]
-        metrics = self.ppo_update(experience, critic_only=iteration <= args.critic_warmup_steps)
-        steps, problem = args.update_epochs * args.num_mini_batches, None
-        if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:
-            problem = f"non-finite gradients: all {steps} optimizer steps skipped"
-        elif iteration > args.critic_warmup_steps:
+        """The PPO update (:meth:`PPOUpdate.run`), then the generation engine told of the new policy; returns the
+        update's metrics and why nothing trained, else None."""
+        metrics, problem = self.updater.run(experience, iteration)
+        if problem is None and iteration > self.args.critic_warmup_steps:
             self.generation.on_policy_updated()  # e.g. vLLM gets the new weights before the next rollout
-        if iteration == args.critic_warmup_steps and self.is_deepspeed_enabled:
-            optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
         return metrics, problem
 
     def _log_evaluate_save(self, pending: dict[str, list[float]], iteration: int, start: tuple[float, int]) -> None:
@@ -369,63 +374,15 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         ``(experience, metrics, None)``, or ``(None, {}, why)`` on every process when the batch must be skipped."""
         return self.experience_maker.make(rollout, self.state.global_step)
 
-    # -- Phase 3: PPO update ---------------------------------------------------------------------------------------------
+    # -- Phase 3: PPO update (:class:`~trl_ppomax.ppo.update.PPOUpdate`) -----------------------------------------------
     def ppo_update(self, experience: Experience, critic_only: bool = False) -> dict[str, float]:
-        """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over its
-        micro-batches (:meth:`accumulate_gradients`), then the critic alone up to ``num_critic_epochs``.
-        ``critic_only`` trains the critic alone (§5.3.3)."""
-        args, stats = self.args, defaultdict(list)
-        for epoch, minibatch in update.minibatches(args, experience.advantages.device):
-            step_experience = experience
-            if args.advantage_whitening_scope == "minibatch":
-                step_experience = update.whitened_per_minibatch(experience, minibatch, self.experience_maker.whitened)
-            # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
-            log_entropy = epoch == 0 or args.entropy_coef > 0
-            critic_alone = critic_only or epoch >= args.num_ppo_epochs
-            micro_stats = self.accumulate_gradients(step_experience, minibatch, critic_alone, log_entropy)
-            for step_stats in [*micro_stats, self._optimizer_step(critic_alone)]:
-                for name, value in step_stats.items():
-                    stats[name].append(value)
-        return update.mean_stats(stats, self.accelerator)
+        """The update's epochs over ``experience`` (:meth:`PPOUpdate.epochs`); ``critic_only``: the critic alone."""
+        return self.updater.epochs(experience, critic_only, self.state.global_step + 1)
 
-    def accumulate_gradients(
-        self, experience: Experience, minibatch: torch.Tensor, critic_only: bool, log_entropy: bool = True
-    ) -> list[dict[str, torch.Tensor]]:
-        """Forward and backward of one minibatch's micro-batches
-        (:func:`~trl_ppomax.ppo.batching.update_micro_batches`); returns each micro-batch's stats."""
-        divisor = self.model_wrapped.gradient_accumulation_steps() if self.is_deepspeed_enabled else None
-        batches = batching.update_micro_batches(experience.rollout, minibatch, self.args, self.accelerator, divisor)
+    def accumulate_gradients(self, experience, minibatch, critic_only: bool, log_entropy: bool = True) -> list[dict]:
+        """One minibatch's forwards and backwards (:meth:`PPOUpdate.accumulate_gradients`)."""
+        return self.updater.accumulate_gradients(experience, minibatch, critic_only, log_entropy)
 
-        def loss_of(rows, loss_weights):
-            return self.micro_batch_loss(experience, rows, critic_only, loss_weights, log_entropy)
-
-        steps = self.args.gradient_accumulation_steps
-        return update.accumulate(batches, loss_of, self.model_wrapped, self.accelerator, steps)
-
-    def micro_batch_loss(
-        self,
-        experience: Experience,
-        index: torch.Tensor,
-        critic_only: bool,
-        loss_weights: torch.Tensor | None = None,
-        log_entropy: bool = True,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO-max loss of micro-batch ``index`` (:func:`~trl_ppomax.ppo.update.micro_batch_loss`), ptx included."""
-        ptx = self._next_ptx_batch() if self.ptx_batches is not None else None
-        model, args = self.model_wrapped, self.args
-        return update.micro_batch_loss(model, experience, index, critic_only, args, ptx, loss_weights, log_entropy)
-
-    def _optimizer_step(self, critic_only: bool) -> dict[str, torch.Tensor]:
-        """:func:`optim.optimizer_step`; a step skipped for a non-finite gradient is counted and logged."""
-        stats = optim.optimizer_step(
-            self.model_wrapped, self.accelerator, self.optimizer, self.lr_scheduler, self.args, critic_only
-        )
-        if stats is None:
-            self.ppo_state.counters[M.SKIPPED_UPDATES] += 1
-            logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", self.state.global_step + 1)
-        return stats or {}
-
-    def _next_ptx_batch(self) -> dict[str, torch.Tensor]:
-        batch = self.ptx_batches[self.ppo_state.ptx_batches_used]
-        self.ppo_state.ptx_batches_used += 1
-        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
+    def micro_batch_loss(self, experience, index, critic_only: bool, loss_weights=None, log_entropy: bool = True):
+        """One micro-batch's PPO-max loss and stats (:meth:`PPOUpdate.micro_batch_loss`)."""
+        return self.updater.micro_batch_loss(experience, index, critic_only, loss_weights, log_entropy)

@@ -1,10 +1,13 @@
 """Phase 3 of an iteration, the PPO update (§3.2): ``num_ppo_epochs`` passes over the rollout in ``num_mini_batches``
-optimizer steps, each accumulated over micro-batches, and the PPO-max loss of one micro-batch (maths in ``core``)."""
+optimizer steps, each accumulated over micro-batches, and the PPO-max loss of one micro-batch (maths in ``core``).
+:class:`PPOUpdate` runs it; the functions below are its steps."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -13,8 +16,121 @@ from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_e
 from trl_ppomax import models
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
-from trl_ppomax.ppo.batching import forward_queries
+from trl_ppomax.ppo import optim
+from trl_ppomax.ppo.batching import forward_queries, update_micro_batches
 from trl_ppomax.ppo.experience import Experience
+from trl_ppomax.ppo.state import PPOState
+
+logger = logging.getLogger(__name__)
+
+
+class PPOUpdate:
+    """The update phase: owns the prepared model (the policy and critic, :class:`~trl_ppomax.models.PolicyAndCritic`
+    as ``accelerator.prepare`` returned it), its optimizer and schedule (the trainer's, the same objects), the ptx
+    stream and the skipped-step counter (in ``ppo_state``, which checkpointing saves).
+
+    Args:
+        model: the prepared model (a DeepSpeed engine under ZeRO).
+        optimizer, lr_scheduler: stepped once per minibatch (:func:`~trl_ppomax.ppo.optim.optimizer_step`).
+        accelerator: the run's ``Accelerator``.
+        args: the run's :class:`~trl_ppomax.PPOMaxConfig` (the update's epochs, minibatches, losses and clipping).
+        ppo_state: the resumable state; ``counters[SKIPPED_UPDATES]`` and ``ptx_batches_used`` change here.
+        ptx_batches: the PPO-ptx stream (indexable), or None without ``ptx_coef``.
+        whiten: ``(advantages, mask) -> whitened`` over every process, for ``advantage_whitening_scope="minibatch"``.
+        deepspeed: whether ``model`` is a DeepSpeed engine (it clips, steps and divides by its accumulation itself).
+
+    Public surface: :meth:`run` (one iteration's update), :meth:`accumulate_gradients` and :meth:`micro_batch_loss`
+    (one minibatch, one micro-batch; tests wrap the latter to poison or record a loss)."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        accelerator,
+        args,
+        ppo_state: PPOState,
+        ptx_batches: Sequence | None,
+        whiten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        deepspeed: bool = False,
+    ) -> None:
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.accelerator, self.args, self.ppo_state = accelerator, args, ppo_state
+        self.ptx_batches, self.whiten = ptx_batches, whiten
+        self.uses_engine = deepspeed
+
+    def run(self, experience: Experience, iteration: int) -> tuple[dict[str, float], str | None]:
+        """The update of rollout batch ``iteration`` (the critic alone during its warm-up, §5.3.3): returns its mean
+        metrics and why nothing trained (every optimizer step skipped for a non-finite gradient), else None."""
+        args, skipped = self.args, self.ppo_state.counters[M.SKIPPED_UPDATES]
+        metrics = self.epochs(experience, critic_only=iteration <= args.critic_warmup_steps, iteration=iteration)
+        steps, problem = args.update_epochs * args.num_mini_batches, None
+        if self.ppo_state.counters[M.SKIPPED_UPDATES] - skipped == steps:
+            problem = f"non-finite gradients: all {steps} optimizer steps skipped"
+        if iteration == args.critic_warmup_steps and self.uses_engine:
+            optim.restart_policy_adam(self.optimizer)  # the policy starts training next: a fresh Adam for it
+        return metrics, problem
+
+    def epochs(self, experience: Experience, critic_only: bool = False, iteration: int = 0) -> dict[str, float]:
+        """``num_ppo_epochs`` passes over the rollout in ``num_mini_batches`` optimizer steps, each accumulated over
+        its micro-batches (:meth:`accumulate_gradients`), then the critic alone up to ``num_critic_epochs``;
+        ``critic_only`` trains the critic alone (§5.3.3). Returns the mean of every statistic."""
+        args, stats = self.args, defaultdict(list)
+        for epoch, minibatch in minibatches(args, experience.advantages.device):
+            step_experience = experience
+            if args.advantage_whitening_scope == "minibatch":
+                step_experience = whitened_per_minibatch(experience, minibatch, self.whiten)
+            # H is logged from the first epoch only unless it trains: a full pass over the vocabulary per token
+            log_entropy = epoch == 0 or args.entropy_coef > 0
+            critic_alone = critic_only or epoch >= args.num_ppo_epochs
+            micro_stats = self.accumulate_gradients(step_experience, minibatch, critic_alone, log_entropy)
+            for step_stats in [*micro_stats, self.optimizer_step(critic_alone, iteration)]:
+                for name, value in step_stats.items():
+                    stats[name].append(value)
+        return mean_stats(stats, self.accelerator)
+
+    def accumulate_gradients(
+        self, experience: Experience, minibatch: torch.Tensor, critic_only: bool, log_entropy: bool = True
+    ) -> list[dict[str, torch.Tensor]]:
+        """Forward and backward of one minibatch's micro-batches
+        (:func:`~trl_ppomax.ppo.batching.update_micro_batches`); returns each micro-batch's stats."""
+        divisor = self.model.gradient_accumulation_steps() if self.uses_engine else None
+        batches = update_micro_batches(experience.rollout, minibatch, self.args, self.accelerator, divisor)
+
+        def loss_of(rows, loss_weights):
+            return self.micro_batch_loss(experience, rows, critic_only, loss_weights, log_entropy)
+
+        return accumulate(batches, loss_of, self.model, self.accelerator, self.args.gradient_accumulation_steps)
+
+    def micro_batch_loss(
+        self,
+        experience: Experience,
+        index: torch.Tensor,
+        critic_only: bool,
+        loss_weights: torch.Tensor | None = None,
+        log_entropy: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """PPO-max loss of micro-batch ``index`` (:func:`micro_batch_loss`), the next ptx batch included."""
+        ptx = self.next_ptx_batch() if self.ptx_batches is not None else None
+        return micro_batch_loss(self.model, experience, index, critic_only, self.args, ptx, loss_weights, log_entropy)
+
+    def optimizer_step(self, critic_only: bool, iteration: int = 0) -> dict[str, torch.Tensor]:
+        """:func:`~trl_ppomax.ppo.optim.optimizer_step`; a step skipped for a non-finite gradient is counted and
+        logged."""
+        stats = optim.optimizer_step(
+            self.model, self.accelerator, self.optimizer, self.lr_scheduler, self.args, critic_only
+        )
+        if stats is None:
+            self.ppo_state.counters[M.SKIPPED_UPDATES] += 1
+            logger.warning("Optimizer step skipped at iteration %d: non-finite gradient.", iteration)
+        return stats or {}
+
+    def next_ptx_batch(self) -> dict[str, torch.Tensor]:
+        """The next batch of the PPO-ptx stream, on this process's device (its position in ``ppo_state``)."""
+        batch = self.ptx_batches[self.ppo_state.ptx_batches_used]
+        self.ppo_state.ptx_batches_used += 1
+        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
 
 def minibatches(args, device) -> Iterator[tuple[int, torch.Tensor]]:
