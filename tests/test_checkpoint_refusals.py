@@ -50,7 +50,7 @@ def no_rollout(trainer, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rollout started before the fault was reported")
 
-    monkeypatch.setattr(trainer, "rollout", refuse)
+    monkeypatch.setattr(trainer.rollouts, "rollout", refuse)
     return trainer
 
 

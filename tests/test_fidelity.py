@@ -227,13 +227,13 @@ def test_ptx_loss_mask_reaches_the_loss(tmp_path, monkeypatch):
 def test_evaluation_samples_like_training_when_asked(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, eval_do_sample=True, eval_dataset=Dataset.from_dict({"prompt": ["hi"] * 4}))
     calls = []
-    original = trainer.rollout
+    original = trainer.rollouts.rollout
 
     def spy(query_ids, query_mask, sampling=True, **kwargs):
         calls.append(sampling)
         return original(query_ids, query_mask, sampling=sampling, **kwargs)
 
-    monkeypatch.setattr(trainer, "rollout", spy)
+    monkeypatch.setattr(trainer.rollouts, "rollout", spy)
     trainer.evaluate()
     assert calls == [True]
 

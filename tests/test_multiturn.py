@@ -196,7 +196,7 @@ def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens
             vllm_importance_sampling_clip_max=1e9, output_dir=tmp_path / str(offset),
         )  # fmt: skip
         batch = trainer.prompt_batches[0]
-        rollout = trainer.custom_rollout(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]})
+        rollout = trainer.rollouts.custom(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]})
         weights[offset] = rollout.sampling_weights
         policy = rollout.policy_mask.bool()
         assert (rollout.sampling_weights[~policy] <= 1).all()
@@ -206,7 +206,7 @@ def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens
     off = make_trainer(tmp_path, rollout_func=fixed_rollout(-3.0), output_dir=tmp_path / "off")
     batch = off.prompt_batches[0]
     assert (
-        off.custom_rollout(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]}).sampling_weights
+        off.rollouts.custom(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]}).sampling_weights
         is None
     )
 

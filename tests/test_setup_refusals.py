@@ -18,6 +18,7 @@ from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, data, rewards
 from trl_ppomax.data import tokenize_prompt
+from trl_ppomax.ppo.rollouts import Rollouts
 from trl_ppomax.rewards import call_reward_function
 from trl_ppomax.toyworld.tiny import (
     build_models,
@@ -42,7 +43,7 @@ def rollout_forbidden(monkeypatch):
     def forbidden(self, *args, **kwargs):
         raise AssertionError("the first rollout started: the fault was not caught at construction")
 
-    monkeypatch.setattr(PPOMaxTrainer, "rollout", forbidden)
+    monkeypatch.setattr(Rollouts, "rollout", forbidden)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -679,13 +680,13 @@ def test_evaluate_prepares_raw_prompts_as_training_does(tmp_path, monkeypatch):
     """Over the prompt budget: kept whole while prompt + response fit the context, skipped beyond; never cut."""
     trainer = make_trainer(tmp_path, max_prompt_length=10, response_length=CONTEXT - 40)
     widths = []
-    original = PPOMaxTrainer.rollout
+    original = Rollouts.rollout
 
     def recording(self, query_ids, query_mask, sampling=True, **kwargs):
         widths.append(query_ids.shape[1])
         return original(self, query_ids, query_mask, sampling, **kwargs)
 
-    monkeypatch.setattr(PPOMaxTrainer, "rollout", recording)
+    monkeypatch.setattr(Rollouts, "rollout", recording)
     fits, too_long = " ".join(["hello"] * 30), " ".join(["hello"] * 60)  # 30 tokens ≤ 128 − 88 = 40 < 60
     long_prompts = Dataset.from_dict({"prompt": [fits, too_long, *prompt_texts(2)]})
     metrics = trainer.evaluate(long_prompts)
@@ -695,7 +696,7 @@ def test_evaluate_prepares_raw_prompts_as_training_does(tmp_path, monkeypatch):
 
 def test_evaluate_refuses_bad_raw_prompts_before_generating(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path)
-    monkeypatch.setattr(PPOMaxTrainer, "rollout", lambda *a, **k: pytest.fail("rollout started"))
+    monkeypatch.setattr(Rollouts, "rollout", lambda *a, **k: pytest.fail("rollout started"))
     with pytest.raises(ValueError, match=r"eval_dataset holds input_ids outside the policy's vocabulary"):
         trainer.evaluate(Dataset.from_dict({"input_ids": [[1, 2, 500]]}))
     with pytest.raises(ValueError, match=r"eval_dataset: 1 of 2 prompts are empty"):

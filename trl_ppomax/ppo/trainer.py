@@ -27,9 +27,9 @@ from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import optim, setup, update
 from trl_ppomax.ppo.checkpoint import CheckpointMixin
 from trl_ppomax.ppo.config import PPOMaxConfig
-from trl_ppomax.ppo.evaluation import EvaluationMixin
+from trl_ppomax.ppo.evaluation import Evaluator
 from trl_ppomax.ppo.experience import Experience, ExperienceMaker, process_sum
-from trl_ppomax.ppo.rollouts import RolloutMixin
+from trl_ppomax.ppo.rollouts import Rollouts
 from trl_ppomax.ppo.scoring import Scorer
 from trl_ppomax.ppo.state import PPOState, start_trainer_state
 from trl_ppomax.reporting.hub import TAGS
@@ -38,7 +38,7 @@ from trl_ppomax.reporting.plotting import DynamicsFigureCallback
 logger = logging.getLogger(__name__)
 
 
-class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
+class PPOMaxTrainer(CheckpointMixin, Trainer):
     """PPO-max trainer with the constructor of trl 1.12's ``PPOTrainer``.
 
     Args:
@@ -126,17 +126,6 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
         self._prepare_models()
         self._build_phases(processing_class, rollout_metrics)
-        self.updater = update.PPOUpdate(
-            model=self.model_wrapped,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            accelerator=self.accelerator,
-            args=args,
-            ppo_state=self.ppo_state,
-            ptx_batches=self.ptx_batches,
-            whiten=self.experience_maker.whitened,
-            deepspeed=self.is_deepspeed_enabled,
-        )
         self.reward_log = rewards.RewardLog()
         self._offer_run_keywords()
 
@@ -145,23 +134,113 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         self.reward_sources.run_keywords = {"trainer_state": self.state, "log_metric": self.reward_log.log_metric}
 
     def _build_phases(self, processing_class, rollout_metrics) -> None:
-        """The phases' collaborators: generation (the policy's generate, or vLLM; a producer generating ahead with
-        ``max_staleness`` ≥ 1), scoring, experience."""
-        args = self.args
-        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        policy = unwrapped.policy
-        generator = (
-            policy if args.use_vllm else unwrapped
-        )  # trainer.model.generate: the policy's (TRL's tests patch it)
-        self.generation = generation_engine(args, self.accelerator, generator, processing_class, self.stop_token_id)
-        self.lagged = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
+        """The phases' parts: generation and scoring (:class:`Rollouts`), experience, the update, evaluation."""
+        args, accelerator, sources, state = self.args, self.accelerator, self.reward_sources, self.ppo_state
+        metrics = dict(rollout_metrics or {})
+        self.experience_maker = ExperienceMaker(
+            args, state, accelerator, processing_class, sources, metrics, self.stop_id
+        )
+        self.rollouts = self._rollout_phase()
+        self.evaluator = self._evaluator()
+        self.updater = update.PPOUpdate(
+            model=self.model_wrapped,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            accelerator=accelerator,
+            args=args,
+            ppo_state=state,
+            ptx_batches=self.ptx_batches,
+            whiten=self.experience_maker.whitened,
+            deepspeed=self.is_deepspeed_enabled,
+        )
+
+    def _rollout_phase(self) -> Rollouts:
+        """Generation (the policy's generate, or vLLM; a producer generating ahead with ``max_staleness`` ≥ 1), then
+        scoring."""
+        args, accelerator, tokenizer = self.args, self.accelerator, self.processing_class
+        unwrapped = accelerator.unwrap_model(self.model_wrapped)
+        generator = unwrapped.policy if args.use_vllm else unwrapped  # trainer.model.generate (TRL's tests patch it)
+        engine = generation_engine(args, accelerator, generator, tokenizer, self.stop_token_id)
+        producer = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
         if args.max_staleness:
-            self.lagged, self.generation = setup.lagged_rollouts(self, policy, self.generation)
-        accelerator, sources, stop_id = self.accelerator, self.reward_sources, self.stop_id
-        sampler = self.lagged or self.generation  # whose importance_weights correct rollouts with sampler log-probs
-        self.scorer = Scorer(args, accelerator, processing_class, sources, self.ref_model, sampler, stop_id)
-        metrics, state = dict(rollout_metrics or {}), self.ppo_state
-        self.experience_maker = ExperienceMaker(args, state, accelerator, processing_class, sources, metrics, stop_id)
+            producer, engine = setup.lagged_rollouts(self, unwrapped.policy, engine)
+        sampler = producer or engine  # whose importance_weights correct rollouts with sampler log-probs
+        sources = self.reward_sources
+        scorer = Scorer(args, accelerator, tokenizer, sources, self.ref_model, sampler, self.stop_id)
+        return Rollouts(
+            args=args,
+            accelerator=accelerator,
+            tokenizer=tokenizer,
+            model=self.model_wrapped,
+            engine=engine,
+            producer=producer,
+            scorer=scorer,
+            agent=self.agent,
+            rollout_func=self.rollout_func,
+            trainer=self,
+            prompt_batches=self.prompt_batches,
+            frozen_modules=[module for _, module in sources.modules],
+            collator=self.data_collator,
+        )
+
+    def _evaluator(self) -> Evaluator:
+        return Evaluator(
+            args=self.args,
+            accelerator=self.accelerator,
+            tokenizer=self.processing_class,
+            rollouts=self.rollouts,
+            experience_maker=self.experience_maker,
+            reduce_sum=self.reduce_sum,
+            datasets=lambda: (self.train_dataset, self.eval_dataset),
+            prepare=lambda dataset: setup.prepare_eval_prompts(self, dataset),
+            report=self._report_evaluation,
+            current_step=lambda: self.state.global_step,
+            callbacks=self.callback_handler.callbacks,
+        )
+
+    # -- The parts' public names, kept on the trainer ----------------------------------------------------------------
+    @property
+    def scorer(self) -> Scorer:
+        return self.rollouts.scorer
+
+    @property
+    def generation(self):
+        """The run's generation engine (:mod:`~trl_ppomax.generation`; settable)."""
+        return self.rollouts.engine
+
+    @generation.setter
+    def generation(self, engine) -> None:
+        self.rollouts.engine = engine
+
+    @property
+    def lagged(self):
+        """The producer of rollouts generated ahead (``max_staleness`` ≥ 1), else None."""
+        return self.rollouts.producer
+
+    @property
+    def vllm(self):
+        """The vLLM engine with ``use_vllm=True`` (:attr:`Rollouts.vllm`), else None."""
+        return self.rollouts.vllm
+
+    def rollout(self, query_ids, query_mask, sampling=True, columns=None, samples_per_prompt=1) -> Rollout:
+        """Responses to left-padded prompts, scored (:meth:`Rollouts.rollout`)."""
+        return self.rollouts.rollout(query_ids, query_mask, sampling, columns, samples_per_prompt)
+
+    def rollout_rows(self, dataset: Dataset, rows: list[int], sampling: bool, scores_only: bool = False) -> Rollout:
+        """The rollout of ``rows`` of a prepared prompt dataset (:meth:`Rollouts.rollout_rows`)."""
+        return self.rollouts.rollout_rows(dataset, rows, sampling, scores_only)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Generate on every evaluation prompt and log the per-response metrics' means (:meth:`Evaluator.evaluate`)."""
+        return self.evaluator.evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _report_evaluation(self, metrics: dict[str, float]) -> None:
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+
+    def generate_completions(self, sampling: bool = False, num_prompts: int = 8) -> list[dict[str, object]]:
+        """A table of a few prompts' responses and scores, printed and logged (:meth:`Evaluator.generate_completions`)."""
+        return self.evaluator.generate_completions(sampling, num_prompts)
 
     @property
     def rollout_metrics(self) -> dict[str, rewards.RewardFunction]:
@@ -310,7 +389,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
         rewards, advantages), update; returns the metrics to log. A batch that cannot train (no finite reward, a
         non-finite number, every optimizer step skipped) is skipped and counted (:meth:`PPOState.count_iteration`)."""
         args, start = self.args, time.perf_counter()
-        rollout = self.training_rollout(iteration)
+        rollout = self.rollouts.training(iteration)
         self.last_rollout = rollout if args.log_completions else None  # printed at the next log (TRL GRPO's)
         timings = {M.ROLLOUT_SECONDS: time.perf_counter() - start}
         experience, metrics, problem = self.make_experience(rollout)
@@ -342,7 +421,7 @@ class PPOMaxTrainer(CheckpointMixin, EvaluationMixin, RolloutMixin, Trainer):
             self.log(M.with_trl_names({**means, **schedule, **(self.train_summary or {})}))
             pending.clear()
             if self.last_rollout is not None:
-                self.show_completions(self.last_rollout, self.args.num_completions_to_print)
+                self.evaluator.show_completions(self.last_rollout, self.args.num_completions_to_print)
         if self.control.should_evaluate:
             is_best = compat.determine_best_metric(self, self.evaluate())
             if self.args.save_strategy == SaveStrategy.BEST:
