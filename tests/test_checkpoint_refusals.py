@@ -570,7 +570,7 @@ def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_holder(tmp_pa
     with pytest.raises(AssertionError, match="a rollout started"):  # the holder is gone: the same trainer starts
         trainer.train()
     assert (out / LOCK_NAME).read_text().startswith(f"{os.getpid()} on ")
-    trainer._unlock_output_dir()
+    trainer.checkpointer.unlock_output_dir()
 
 
 def test_the_output_dir_lock_is_released_when_training_ends(tmp_path):

@@ -141,3 +141,62 @@ def test_the_layer_check_finds_an_upward_import(tmp_path):
     (package / "base" / "core.py").write_text("def f():\n    from trl_ppomax.ppo import trainer\n")
     (package / "data.py").write_text("from trl_ppomax import moss, base\n")
     assert wrong_way_imports(package) == [("base/core.py", "ppo"), ("data.py", "moss")]
+
+
+# ---- one iteration (docs/architecture.md, "One iteration, file by file") ---------------------------------------------
+#: The files that hold the steps of one default iteration, in the order it runs them.
+ITERATION_FILES = (
+    "ppo/trainer.py",
+    "ppo/rollouts.py",
+    "generation/__init__.py",
+    "ppo/scoring.py",
+    "ppo/experience.py",
+    "ppo/update.py",
+)
+#: What those steps call by name: the maths, metric names and rollout types (``base/``), prompts (``data/``), models,
+#: reward sources, the config's derived settings, and the update's micro-batching, optimizer step, estimator table
+#: and skip counters.
+ITERATION_HELPERS = (
+    "base/",
+    "data/",
+    "models.py",
+    "rewards/",
+    "ppo/config.py",
+    "ppo/batching.py",
+    "ppo/optim.py",
+    "ppo/advantages.py",
+    "ppo/state.py",
+    "generation/correction.py",
+)
+
+
+def files_run_by(call) -> list[str]:
+    """The package files (relative to the package) whose functions run during ``call()``, in order of first call."""
+    import sys
+
+    seen: dict[str, None] = {}
+
+    def profile(frame, event, arg):
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(PACKAGE):
+            seen.setdefault(path.relative_to(PACKAGE).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return list(seen)
+
+
+def test_one_iteration_is_followed_in_six_files(tmp_path):
+    from helpers import changed, make_trainer, snapshot
+
+    from trl_ppomax.ppo.state import start_trainer_state
+
+    trainer = make_trainer(tmp_path)
+    start_trainer_state(trainer.state, trainer.args, len(trainer.train_dataset) * trainer.args.num_samples_per_prompt)
+    before = snapshot(trainer.model)
+    files = files_run_by(lambda: trainer.training_iteration(1))
+    assert [name for name in files if not name.startswith(ITERATION_HELPERS)] == list(ITERATION_FILES)
+    assert changed(before, trainer.model) > 0, "the iteration trained nothing"

@@ -63,7 +63,7 @@ def test_crash_mid_save_leaves_no_valid_looking_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", crash)
     trainer.state.global_step = 4
     with pytest.raises(OSError, match="disk full"):
-        trainer._save_checkpoint(trainer.model, trial=None)
+        trainer.checkpointer.save_checkpoint()
     assert not (out / "checkpoint-4").exists()
     assert not (out / ".tmp-checkpoint-4").exists()  # removed on the exception; a hard kill would leave it
     assert get_last_checkpoint(str(out)).endswith("checkpoint-2")
@@ -74,7 +74,7 @@ def test_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
     with torch.no_grad():
         next(trainer.model.policy.parameters())[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite weights"):
-        trainer._save_checkpoint(trainer.model, trial=None)
+        trainer.checkpointer.save_checkpoint()
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 

@@ -77,7 +77,7 @@ def poison_gradients(trainer, iteration: int) -> None:
 def full_state(trainer) -> dict[str, torch.Tensor] | None:
     """The full (gathered) state dict of the policy + critic wrapper (on the main process; None elsewhere). A
     collective: every process must call it."""
-    if trainer._engine_checkpoint_only:  # accelerate refuses to gather then; the engine itself can (a test only)
+    if trainer.checkpointer.engine_checkpoint_only:  # accelerate refuses to gather then; the engine itself can (a test only)
         state = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
     else:
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
@@ -243,7 +243,7 @@ def main() -> None:
         "counters": dict(trainer.ppo_state.counters),
         "checksum_initial": initial,
         "checksum_at_train_begin": recorder.at_train_begin,
-        "engine_checkpoint_only": trainer._engine_checkpoint_only,
+        "engine_checkpoint_only": trainer.checkpointer.engine_checkpoint_only,
         "checksum_after_warmup": recorder.after_warmup,
         "adam_steps_after_warmup": recorder.adam_steps_after_warmup,
         "checksum": final,

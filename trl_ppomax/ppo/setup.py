@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl_ppomax import data, rewards
 from trl_ppomax import models as modeling
 from trl_ppomax.base import metrics as M
+from trl_ppomax.data.files import probe_writable
 from trl_ppomax.data.sources import looks_local
 from trl_ppomax.ppo.config import PPOMaxConfig
 
@@ -683,6 +684,8 @@ def set_up(
     arguments by name, ``datasets``: train, eval and ptx), policy, reference and critic (if needed) built, then
     checked with the prepared prompt datasets (:func:`prepare_and_check`)."""
     train_dataset, eval_dataset, _ = datasets
+    if args.should_save:
+        probe_writable(args.output_dir)  # a folder that cannot be written fails before any model is built
     rollouts = check_rollout_sources(args, **rollouts)
     tokenizer, loaded = check_inputs(args, tokenizer, passed, *datasets, peft_config, rollouts)
     if rollouts["environment_factory"] is not None:  # an environment's rows may carry no prompt: reset() writes it

@@ -1,8 +1,10 @@
 """PPOMaxTrainer: PPO-max on the current TRL stack, with trl 1.12's ``PPOTrainer`` constructor; it only orchestrates.
 
-One iteration (§3.2, §5), each phase in its module: generate (:mod:`~trl_ppomax.generation`) → score
-(:mod:`~trl_ppomax.ppo.scoring`) → shape rewards and estimate advantages (:mod:`~trl_ppomax.ppo.experience`) →
-update (:mod:`~trl_ppomax.ppo.update`) → log; the maths in :mod:`~trl_ppomax.base.core`."""
+One iteration (§3.2, §5), each phase a part with its own module: rollout = generate → score
+(:class:`~trl_ppomax.ppo.rollouts.Rollouts`) → shape rewards and estimate advantages
+(:class:`~trl_ppomax.ppo.experience.ExperienceMaker`) → update (:class:`~trl_ppomax.ppo.update.PPOUpdate`) → log;
+evaluation (:class:`~trl_ppomax.ppo.evaluation.Evaluator`) and checkpointing
+(:class:`~trl_ppomax.ppo.checkpoint.Checkpointer`) beside them; the maths in :mod:`~trl_ppomax.base.core`."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
 from trl_ppomax.ppo import optim, setup, update
-from trl_ppomax.ppo.checkpoint import CheckpointMixin
+from trl_ppomax.ppo.checkpoint import Checkpointer
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import Evaluator
 from trl_ppomax.ppo.experience import Experience, ExperienceMaker, process_sum
@@ -38,7 +40,7 @@ from trl_ppomax.reporting.plotting import DynamicsFigureCallback
 logger = logging.getLogger(__name__)
 
 
-class PPOMaxTrainer(CheckpointMixin, Trainer):
+class PPOMaxTrainer(Trainer):
     """PPO-max trainer with the constructor of trl 1.12's ``PPOTrainer``.
 
     Args:
@@ -106,7 +108,6 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
         self.ptx_dataset, self.rollout_func, self.agent = ptx_dataset, built.rollout_func, built.agent
         self.last_rollout = None  # with log_completions: the latest training rollout, printed at each log
         self.train_started, self.train_summary = time.time(), None
-
         super().__init__(
             model=PolicyAndCritic(built.policy, built.critic),
             args=args,
@@ -124,17 +125,18 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
         self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
         self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
+        identity = models.model_identity(self.model)  # counted before accelerator.prepare shards the models
         self._prepare_models()
-        self._build_phases(processing_class, rollout_metrics)
-        self.reward_log = rewards.RewardLog()
+        self._build_phases(processing_class, rollout_metrics, identity)
         self._offer_run_keywords()
 
     def _offer_run_keywords(self) -> None:
         """TRL's keywords for every reward function: ``trainer_state`` and ``log_metric`` (logged with the metrics)."""
         self.reward_sources.run_keywords = {"trainer_state": self.state, "log_metric": self.reward_log.log_metric}
 
-    def _build_phases(self, processing_class, rollout_metrics) -> None:
-        """The phases' parts: generation and scoring (:class:`Rollouts`), experience, the update, evaluation."""
+    def _build_phases(self, processing_class, rollout_metrics, model_identity: dict) -> None:
+        """The phases' parts: generation and scoring (:class:`Rollouts`), experience, the update, evaluation,
+        checkpointing; the reward functions' ``log_metric`` log."""
         args, accelerator, sources, state = self.args, self.accelerator, self.reward_sources, self.ppo_state
         metrics = dict(rollout_metrics or {})
         self.experience_maker = ExperienceMaker(
@@ -153,6 +155,10 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
             whiten=self.experience_maker.whitened,
             deepspeed=self.is_deepspeed_enabled,
         )
+        self.checkpointer = Checkpointer(
+            trainer=self, ppo_state=state, producer=self.lagged, model_identity=model_identity
+        )
+        self.reward_log = rewards.RewardLog()
 
     def _rollout_phase(self) -> Rollouts:
         """Generation (the policy's generate, or vLLM; a producer generating ahead with ``max_staleness`` ≥ 1), then
@@ -337,12 +343,12 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
         if args.grpo_swap_notice:
             logger.warning(args.grpo_swap_notice)
         try:
-            self.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks
+            self.checkpointer.claim_run(resume_from_checkpoint)  # once per trainer; output_dir and checkpoint checks
             set_seed(args.seed, device_specific=True)  # a different sampling seed on each process
             start_trainer_state(self.state, args, self._episodes_per_epoch)
             self.sample_every = max(1, self.num_total_batches // max(1, args.num_sample_generations))
             if resume_from_checkpoint:
-                self.restore_checkpoint(resume_from_checkpoint)
+                self.checkpointer.restore_checkpoint(resume_from_checkpoint)
             self._offer_run_keywords()  # the state a resume restored
             pending: dict[str, list[float]] = defaultdict(list)
             start = (time.time(), self.state.episode)
@@ -368,7 +374,7 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
         summary = self.train_summary or self._train_summary()  # stopped early (a callback): returned, not logged
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.state.global_step >= self.num_total_batches:
-            self._load_best_model()
+            self.checkpointer.load_best_model()
         return TrainOutput(self.state.global_step, summary["train_loss"], summary)
 
     def _train_summary(self, last: dict[str, float] | None = None) -> dict[str, float]:
@@ -443,8 +449,28 @@ class PPOMaxTrainer(CheckpointMixin, Trainer):
 
     def _save_if_asked(self) -> None:
         if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
+            self.checkpointer.save_checkpoint()
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    # -- Saving (:class:`~trl_ppomax.ppo.checkpoint.Checkpointer`): transformers' hooks ---------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The policy and tokenizer as a plain transformers (or PEFT adapter) folder, with ``save_value_model`` the
+        critic in its ``value_model/``, atomically (:meth:`Checkpointer.save_model`); pushed with ``push_to_hub``."""
+        self.checkpointer.save_model(output_dir, push=self.args.push_to_hub and not _internal_call)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.checkpointer.save_checkpoint()
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """transformers' ``Trainer.push_to_hub``; when only DeepSpeed engine checkpoints are saved, a warning says how
+        to consolidate and push ``output_dir`` instead (:meth:`Checkpointer.push_engine_checkpoint`)."""
+        if self.checkpointer.engine_checkpoint_only:
+            return self.checkpointer.push_engine_checkpoint()
+        return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **_):
+        """README.md in ``output_dir`` (:meth:`Checkpointer.create_model_card`)."""
+        self.checkpointer.create_model_card(model_name, dataset_name, tags)
 
     # -- Phase 2: rewards and advantages ---------------------------------------------------------------------------------
     @torch.no_grad()
