@@ -77,7 +77,8 @@ def poison_gradients(trainer, iteration: int) -> None:
 def full_state(trainer) -> dict[str, torch.Tensor] | None:
     """The full (gathered) state dict of the policy + critic wrapper (on the main process; None elsewhere). A
     collective: every process must call it."""
-    if trainer.checkpointer.engine_checkpoint_only:  # accelerate refuses to gather then; the engine itself can (a test only)
+    # accelerate refuses to gather then; the engine itself can (a test only)
+    if trainer.checkpointer.engine_checkpoint_only:
         state = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
     else:
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
