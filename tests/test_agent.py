@@ -21,7 +21,7 @@ from user_setups import qwen_style_tokenizer
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, data
 from trl_ppomax.base import metrics as M
 from trl_ppomax.generation.agent import AgentRollouts, EnvironmentReward
-from trl_ppomax.generation.custom import padded
+from trl_ppomax.generation.rollout_func import padded
 from trl_ppomax.generation.tools import ToolRunner, ToolTurnTokens, parse_tool_calls, tool_call_parser, tool_schema
 from trl_ppomax.toyworld.agent import (
     TOOL_CALL,

@@ -60,11 +60,12 @@ def test_batch_i_is_sampled_by_version_i_minus_1_minus_k_exactly(tmp_path, k):
     saved = versions.copy()
     for batch in taken:
         model.load_state_dict(versions.versions[batch.version])
-        n = trainer.args.num_samples_per_prompt
-        queries = (batch.query_ids.repeat_interleave(n, 0), batch.query_mask.repeat_interleave(n, 0))
+        out = batch.generated  # the prompts repeated num_samples_per_prompt times, as scoring reads them
         with torch.no_grad():
-            expected = policy_logprobs(model, *queries, batch.response_ids, batch.response_mask, trainer.args)
-        assert torch.equal(expected, batch.behaviour_logprobs), batch.index
+            expected = policy_logprobs(
+                model, out.query_ids, out.query_mask, out.response_ids, out.response_mask, trainer.args
+            )
+        assert torch.equal(expected, out.sampler_logprobs), batch.index
     model.load_state_dict(saved)
     staleness = [e[M.STALENESS_MAX] for e in trainer.state.log_history if M.STALENESS_MAX in e]
     assert staleness == [min(i - 1, k) for i in range(1, 5)]
@@ -233,19 +234,19 @@ def test_a_group_estimator_trains_with_lagged_rollouts(tmp_path, name):
     trainer.train()
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.policy.named_parameters())
     assert trainer.state.global_step == 4 and all(M.POLICY_LOSS in e for e in trainer.state.log_history[:4])
-    first = taken[0]
-    assert first.response_ids.shape[0] == 2 * first.query_ids.shape[0]
-    pairs = first.response_ids.view(first.query_ids.shape[0], 2, -1)
+    first = taken[0].generated
+    assert torch.equal(first.query_ids[0::2], first.query_ids[1::2])  # each prompt twice in a row
+    pairs = first.response_ids.view(first.query_ids.shape[0] // 2, 2, -1)
     assert (pairs[:, 0] != pairs[:, 1]).any()  # a prompt's two samples are two draws, not one repeated
     trained = {n: p.clone() for n, p in trainer.model.policy.state_dict().items()}
     trainer.model.policy.load_state_dict(before, strict=False)  # version 0 sampled batch 1
-    queries = (first.query_ids.repeat_interleave(2, 0), first.query_mask.repeat_interleave(2, 0))
+    queries = (first.query_ids, first.query_mask)
     with torch.no_grad():
         expected = policy_logprobs(
             trainer.model.policy, *queries, first.response_ids, first.response_mask, trainer.args
         )
     trainer.model.policy.load_state_dict(trained)
-    assert torch.equal(expected, first.behaviour_logprobs)
+    assert torch.equal(expected, first.sampler_logprobs)
 
 
 def test_max_staleness_with_a_vllm_server_or_a_sharded_engine_is_refused_and_everyday_setups_pass(tmp_path):

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
-from trl_ppomax.generation.custom import custom_rollout
+from trl_ppomax.generation.rollout_func import call_rollout_func
 from trl_ppomax.ppo import update
 from trl_ppomax.toyworld.tiny import build_models
 
@@ -152,21 +152,21 @@ def test_the_environments_tokens_add_nothing_to_the_loss(tmp_path):
 def test_rollout_func_output_is_checked_with_the_fix_named():
     prompts = ["a b", "c d"]
     good = {"prompt_ids": [[1, 2]] * 2, "completion_ids": [[3, 4], [5]], "logprobs": [[0.0, 0.0], [0.0]]}
-    batch = custom_rollout(lambda p, t: good, prompts, None, 1, 0, "cpu")
+    batch = call_rollout_func(lambda p, t: good, prompts, None, 1, 0, "cpu")
     assert batch.env_mask is None and batch.response_mask.tolist() == [[1, 1], [1, 0]]
     with pytest.raises(ValueError, match=r"\['logprobs'\] missing"):
-        custom_rollout(lambda p, t: {"prompt_ids": [], "completion_ids": []}, prompts, None, 1, 0, "cpu")
+        call_rollout_func(lambda p, t: {"prompt_ids": [], "completion_ids": []}, prompts, None, 1, 0, "cpu")
     with pytest.raises(ValueError, match=r"for the 4 prompts it was given .*one completion per prompt given"):
-        custom_rollout(lambda p, t: good, prompts, None, 2, 0, "cpu")
+        call_rollout_func(lambda p, t: good, prompts, None, 2, 0, "cpu")
     seen = []  # TRL's contract: each prompt repeated num_generations times, in a row
-    custom_rollout(lambda p, t: seen.extend(p) or {k: v * 2 for k, v in good.items()}, prompts, None, 2, 0, "cpu")
+    call_rollout_func(lambda p, t: seen.extend(p) or {k: v * 2 for k, v in good.items()}, prompts, None, 2, 0, "cpu")
     assert seen == ["a b", "a b", "c d", "c d"]
     with pytest.raises(ValueError, match="'env_mask' row 1 has 2 entries for 1"):
-        custom_rollout(lambda p, t: {**good, "env_mask": [[1, 0], [1, 1]]}, prompts, None, 1, 0, "cpu")
+        call_rollout_func(lambda p, t: {**good, "env_mask": [[1, 0], [1, 1]]}, prompts, None, 1, 0, "cpu")
     with pytest.raises(ValueError, match="0 \\(environment\\) or 1"):
-        custom_rollout(lambda p, t: {**good, "env_mask": [[1, 2], [1]]}, prompts, None, 1, 0, "cpu")
+        call_rollout_func(lambda p, t: {**good, "env_mask": [[1, 2], [1]]}, prompts, None, 1, 0, "cpu")
     with pytest.raises(TypeError, match="must return a dict"):
-        custom_rollout(lambda p, t: [], prompts, None, 1, 0, "cpu")
+        call_rollout_func(lambda p, t: [], prompts, None, 1, 0, "cpu")
 
 
 def test_rollout_func_with_max_staleness_is_refused(tmp_path):
@@ -195,8 +195,7 @@ def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens
             tmp_path, rollout_func=fixed_rollout(offset), rollout_func_importance_sampling=True,
             vllm_importance_sampling_clip_max=1e9, output_dir=tmp_path / str(offset),
         )  # fmt: skip
-        batch = trainer.prompt_batches[0]
-        rollout = trainer.rollouts.custom(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]})
+        rollout = trainer.rollouts.training(1)  # the user's rollout_func on the first batch, scored
         weights[offset] = rollout.sampling_weights
         policy = rollout.policy_mask.bool()
         assert (rollout.sampling_weights[~policy] <= 1).all()
@@ -204,11 +203,7 @@ def test_rollout_func_logprobs_correct_for_another_sampler_on_the_policys_tokens
     policy = rollout.policy_mask.bool()
     assert_close(weights[-4.0][policy] / weights[-3.0][policy], torch.full((int(policy.sum()),), 2.718281828))
     off = make_trainer(tmp_path, rollout_func=fixed_rollout(-3.0), output_dir=tmp_path / "off")
-    batch = off.prompt_batches[0]
-    assert (
-        off.rollouts.custom(batch["input_ids"], batch["attention_mask"], {"prompt": batch["prompt"]}).sampling_weights
-        is None
-    )
+    assert off.rollouts.training(1).sampling_weights is None
 
 
 # -- rollout_func's faults found in round four: refused naming the key, row and fix; the everyday output passes --------
@@ -216,7 +211,7 @@ GOOD = {"prompt_ids": [[1, 2]] * 2, "completion_ids": [[3, 4], [5]], "logprobs":
 
 
 def checked(output, **checks):
-    return custom_rollout(lambda p, t: output, ["a b", "c d"], None, 1, 0, "cpu", **checks)
+    return call_rollout_func(lambda p, t: output, ["a b", "c d"], None, 1, 0, "cpu", **checks)
 
 
 @pytest.mark.parametrize("key", ["completions", "prompts", "prompt", "sequence_texts", "environments"])
@@ -270,11 +265,11 @@ def test_importance_sampling_refuses_impossible_logprobs(bad):
 
 
 def test_an_env_mask_of_zeros_only_is_warned_about(caplog):
-    with caplog.at_level("WARNING", logger="trl_ppomax.generation.custom"):
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.rollout_func"):
         checked({**GOOD, "env_mask": [[0, 0], [0]]})
     assert "env_mask is 0 on every completion token" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trl_ppomax.generation.custom"):
+    with caplog.at_level("WARNING", logger="trl_ppomax.generation.rollout_func"):
         checked({**GOOD, "env_mask": [[1, 0], [1]]})
     assert caplog.text == ""
 

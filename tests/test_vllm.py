@@ -191,13 +191,13 @@ def sampling_logprobs(trainer, batch, weights: dict) -> torch.Tensor:
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     saved = {name: p.detach().clone() for name, p in policy.state_dict().items()}
     policy.load_state_dict(weights)
-    n, args = trainer.args.num_samples_per_prompt, trainer.args
-    queries = forward_queries(batch.query_ids.repeat_interleave(n, 0), batch.query_mask.repeat_interleave(n, 0), args)
-    inputs = models.sequence_inputs(*queries, batch.response_ids, batch.response_mask)
+    args, out = trainer.args, batch.generated  # the prompts repeated num_samples_per_prompt times
+    queries = forward_queries(out.query_ids, out.query_mask, args)
+    inputs = models.sequence_inputs(*queries, out.response_ids, out.response_mask)
     with torch.no_grad():
-        logits = models.response_logits(policy, inputs, batch.response_ids.shape[1])
+        logits = models.response_logits(policy, inputs, out.response_ids.shape[1])
     policy.load_state_dict(saved)
-    return core.nucleus_logprobs(logits, batch.response_ids, args.temperature, args.top_p) * batch.response_mask
+    return core.nucleus_logprobs(logits, out.response_ids, args.temperature, args.top_p) * out.response_mask
 
 
 def test_a_lagged_colocated_run_samples_each_batch_with_the_scheduled_version(tmp_path):
@@ -212,9 +212,9 @@ def test_a_lagged_colocated_run_samples_each_batch_with_the_scheduled_version(tm
     assert trainer.vllm is trainer.lagged.engine and trainer.generation is not trainer.vllm
     assert [(b.index, b.version) for b in taken] == [(i, max(0, i - 2)) for i in range(1, 5)]
     for batch in taken:
-        real = batch.response_mask.bool()
-        right = (sampling_logprobs(trainer, batch, versions.versions[batch.version]) - batch.behaviour_logprobs)[real]
-        wrong = sampling_logprobs(trainer, batch, versions.versions[batch.version + 1]) - batch.behaviour_logprobs
+        real, behaviour = batch.generated.response_mask.bool(), batch.generated.sampler_logprobs
+        right = (sampling_logprobs(trainer, batch, versions.versions[batch.version]) - behaviour)[real]
+        wrong = sampling_logprobs(trainer, batch, versions.versions[batch.version + 1]) - behaviour
         assert right.abs().max() < 1e-4, batch.index
         if batch.index > 1:  # the version after it has been trained on (from iteration 2 on)
             assert wrong[real].abs().max() > 10 * right.abs().max(), batch.index
@@ -261,8 +261,9 @@ def test_lagged_colocated_kill_and_resume_samples_the_same_batches(tmp_path):
     assert [b.index for b in resumed_batches] == [3, 4]
     for batch in resumed_batches:
         same = whole_batches[batch.index - 1]
-        assert torch.equal(batch.response_ids, same.response_ids) and batch.version == same.version
-        assert_close(batch.behaviour_logprobs, same.behaviour_logprobs, atol=1e-5, rtol=0)
+        out, whole_out = batch.generated, same.generated
+        assert torch.equal(out.response_ids, whole_out.response_ids) and batch.version == same.version
+        assert_close(out.sampler_logprobs, whole_out.sampler_logprobs, atol=1e-5, rtol=0)
     for name, weight in whole.model.policy.state_dict().items():
         assert_close(resumed.model.policy.state_dict()[name], weight, atol=1e-5, rtol=0)
 

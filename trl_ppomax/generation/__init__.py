@@ -1,18 +1,25 @@
-"""Generation engines behind one interface, the first half of the rollout (**generate → score**; scoring is the
-trainer's and the same for every engine).
+"""Generation, the first half of a rollout (**generate → score**; scoring is the trainer's and the same for every
+engine and source), behind two contracts, each a ``typing.Protocol``:
 
-An engine has ``generate(query_ids, query_mask, sampling=True, n=1, max_new_tokens=None) -> (response_ids,
-response_mask, sampler_logprobs)``: ``n`` responses (B·n, T) to each left-padded prompt (B, L), in a row per prompt,
-right-padded, the mask 1 up to and including the stop token, and the sampler's log-probs of the sampled tokens (None
-when the sampler is the policy itself); at most ``max_new_tokens`` (None: ``response_length``) tokens each.
-``on_policy_updated()`` is called after every update that changed the policy; ``pop_metrics()`` returns what the
-engine measured since the last call. :class:`HFGeneration` samples with the policy's ``generate``;
-:class:`~trl_ppomax.generation.vllm.VLLMEngine` with vLLM (``use_vllm=True``).
+- a :class:`GenerationEngine` samples responses to prompts (:class:`HFGeneration`, the policy's ``generate``;
+  :class:`~trl_ppomax.generation.vllm.VLLMEngine`); the bounded-staleness producer also needs the optional
+  :class:`SnapshotEngine` part (a copy of the policy it can load an older snapshot into);
+- a :class:`RolloutSource` turns a batch of prompts into a :class:`~trl_ppomax.base.rollout.Generated` of ``B·n``
+  rows (row ``i·n + j``: prompt ``i``'s ``j``-th sample, the prompts and the dataset's columns repeated), the one
+  container that flows to scoring: the engine itself (:class:`EngineSource`), its agent loop (:class:`AgentSource`),
+  the user's ``rollout_func`` (:class:`FunctionSource`), or the producer of rollouts generated ahead
+  (:class:`~trl_ppomax.generation.lagged.LaggedRollouts`).
+
+The run's engine and its sources are chosen here and nowhere else: :data:`ENGINES` (the first whose setting is on)
+and :func:`rollout_sources`. The §6.1 sampling processors (:func:`generation_kwargs`) are here too.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,18 +31,84 @@ from transformers import (
     TopKLogitsWarper,
 )
 
+from trl_ppomax import data
 from trl_ppomax.base.core import nucleus_threshold, response_mask_from_stop
 from trl_ppomax.base.rollout import Generated, pad_right
 from trl_ppomax.generation import correction
+from trl_ppomax.generation.rollout_func import call_rollout_func
 
 __all__ = [
+    "ENGINES",
+    "AgentSource",
+    "EngineSource",
+    "FunctionSource",
     "Generated",
+    "GenerationEngine",
     "HFGeneration",
+    "PromptBatch",
+    "RolloutSource",
+    "SnapshotEngine",
     "generate_in_chunks",
     "generate_responses",
     "generation_engine",
     "generation_kwargs",
+    "rollout_sources",
 ]
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """A batch of prompts: ``query_ids``/``query_mask`` (B, L) left-padded, ``columns`` the dataset's other columns
+    (B values each; ``prompt`` the prompts as the dataset gave them, when it did)."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    columns: dict[str, list]
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Samples responses: ``generate(query_ids (B, L), query_mask, sampling, n, max_new_tokens) -> (response_ids,
+    response_mask, sampler_logprobs | None)``, each (B·n, T) right-padded, the mask 1 up to and including the stop
+    token, the sampler's log-probs None when the sampler is the policy itself. ``on_policy_updated()`` follows every
+    update that changed the policy; ``pop_metrics()`` returns what it measured since the last call."""
+
+    def generate(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sampling: bool = True, n: int = 1, max_new_tokens=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+    def on_policy_updated(self) -> None: ...
+
+    def pop_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class SnapshotEngine(GenerationEngine, Protocol):
+    """The optional part the bounded-staleness producer needs: its own copy of the policy, sampled with the batch's
+    ``generator``; ``snapshot()`` (the live policy's trainable weights, on the trainer's thread) and
+    ``load_snapshot(weights)``; ``behaviour_logprobs`` (log μ of what it sampled) and ``target_logprobs`` (what log μ
+    estimates under the scoring policy)."""
+
+    generator: torch.Generator | None
+    pad_token_id: int
+
+    def snapshot(self) -> list[torch.Tensor]: ...
+
+    def load_snapshot(self, weights: list[torch.Tensor]) -> None: ...
+
+    def behaviour_logprobs(self, query_ids, query_mask, responses, mask, sampler_logprobs) -> torch.Tensor: ...
+
+    def target_logprobs(self, policy_logits, logprobs, responses) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """Writes a rollout's generated half: ``generate(prompts, iteration=, sampling=, n=) -> Generated`` of B·n rows,
+    the prompts and ``prompts.columns`` repeated ``n`` times in its ``query_*`` and ``columns``; ``iteration``: the
+    training batch (None outside training), which a producer of rollouts generated ahead reads instead of
+    ``prompts``."""
+
+    def generate(self, prompts: PromptBatch | None, *, iteration: int | None, sampling: bool, n: int) -> Generated: ...
 
 
 class HFGeneration:
@@ -75,16 +148,6 @@ class HFGeneration:
         """The sampling gap of such rollouts since the last call (nothing for the engine's own)."""
         stats, self.stats = self.stats, defaultdict(list)
         return correction.reduced(stats)
-
-
-def generation_engine(args, accelerator, policy: nn.Module, tokenizer, stop_token_id: int | None):
-    """The run's engine: :class:`~trl_ppomax.generation.vllm.VLLMEngine` with ``use_vllm``, else
-    :class:`HFGeneration` on the (unwrapped) ``policy``."""
-    if args.use_vllm:
-        from trl_ppomax.generation.vllm import VLLMEngine
-
-        return VLLMEngine(args, accelerator, policy, tokenizer, stop_token_id)
-    return HFGeneration(policy, args, stop_token_id, tokenizer.pad_token_id)
 
 
 def generate_in_chunks(engine, query_ids, query_mask, sampling: bool, n: int, args, pad_token_id: int):
@@ -181,3 +244,114 @@ def generation_kwargs(
     if getattr(args, "cache_implementation", None) is not None:
         kwargs["cache_implementation"] = args.cache_implementation
     return {**kwargs, **(getattr(args, "generation_kwargs", None) or {})}
+
+
+# -- Rollout sources and the registry -----------------------------------------------------------------------------------
+class EngineSource:
+    """``n`` responses to each prompt by ``engine``, in chunks of ``local_rollout_forward_batch_size`` responses."""
+
+    def __init__(self, *, engine: GenerationEngine, args, pad_token_id: int) -> None:
+        self.engine, self.args, self.pad_token_id = engine, args, pad_token_id
+
+    def generate(self, prompts: PromptBatch, *, iteration: int | None, sampling: bool, n: int) -> Generated:
+        ids, mask = prompts.query_ids, prompts.query_mask
+        written = generate_in_chunks(self.engine, ids, mask, sampling, n, self.args, self.pad_token_id)
+        queries = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        return Generated(*queries, *written, columns=data.repeat_rows(prompts.columns, n))
+
+
+class AgentSource:
+    """``n`` trajectories per prompt of the agent loop (``tools``, ``environment_factory``:
+    :class:`~trl_ppomax.generation.agent.AgentRollouts`) on ``engine``; ``prompts_of(batch)`` gives its prompts (the
+    dataset's ``prompt`` column, else the decoded ids)."""
+
+    def __init__(self, *, agent, engine: GenerationEngine, pad_token_id: int, prompts_of: Callable) -> None:
+        self.agent, self.engine, self.pad_token_id, self.prompts_of = agent, engine, pad_token_id, prompts_of
+
+    def generate(self, prompts: PromptBatch, *, iteration: int | None, sampling: bool, n: int) -> Generated:
+        others = {key: values for key, values in prompts.columns.items() if key != "prompt"}
+        texts, device = self.prompts_of(prompts), prompts.query_ids.device
+        out = self.agent.generate(self.engine, texts, others, sampling, n, self.pad_token_id, device)
+        out.columns = {**data.repeat_rows(prompts.columns, n), **out.columns}
+        return out
+
+
+class FunctionSource:
+    """The user's ``rollout_func(prompts, trainer)`` (TRL GRPO's, :mod:`~trl_ppomax.generation.rollout_func`), its
+    output checked against the policy (``checks``: ``vocab_size``, ``context_length``); its log-probs correct for
+    another sampler only with ``rollout_func_importance_sampling`` (else they are checked and dropped)."""
+
+    def __init__(self, *, rollout_func: Callable, trainer, args, pad_token_id: int, prompts_of, checks: dict) -> None:
+        self.rollout_func, self.trainer, self.args, self.pad_token_id = rollout_func, trainer, args, pad_token_id
+        self.prompts_of, self.checks = prompts_of, checks
+
+    def generate(self, prompts: PromptBatch, *, iteration: int | None, sampling: bool, n: int) -> Generated:
+        importance_sampling = self.args.rollout_func_importance_sampling
+        out = call_rollout_func(
+            self.rollout_func,
+            self.prompts_of(prompts),
+            self.trainer,
+            n,
+            self.pad_token_id,
+            prompts.query_ids.device,
+            columns=set(prompts.columns),
+            importance_sampling=importance_sampling,
+            **self.checks,
+        )
+        if not importance_sampling:
+            out.sampler_logprobs = None  # checked only: taken to be the policy's own samples
+        out.columns = {**data.repeat_rows(prompts.columns, n), **out.columns}
+        return out
+
+
+def _vllm_engine(args, accelerator, policy, tokenizer, stop_token_id):
+    from trl_ppomax.generation.vllm import VLLMEngine
+
+    return VLLMEngine(args, accelerator, policy, tokenizer, stop_token_id)
+
+
+def _generate_engine(args, accelerator, policy, tokenizer, stop_token_id):
+    return HFGeneration(policy, args, stop_token_id, tokenizer.pad_token_id)
+
+
+#: The generation engines by name: ``(is_on(args), build(args, accelerator, policy, tokenizer, stop_token_id))``;
+#: the first that is on is the run's (``generate``, the policy's own ``generate``, always is).
+ENGINES: dict[str, tuple[Callable, Callable]] = {
+    "vllm": (lambda args: args.use_vllm, _vllm_engine),
+    "generate": (lambda args: True, _generate_engine),
+}
+
+
+def generation_engine(args, accelerator, policy, tokenizer, stop_token_id: int | None) -> GenerationEngine:
+    """The run's engine (:data:`ENGINES`) on the unwrapped ``policy``."""
+    build = next(build for is_on, build in ENGINES.values() if is_on(args))
+    return build(args, accelerator, policy, tokenizer, stop_token_id)
+
+
+def rollout_sources(
+    *,
+    engine: GenerationEngine,
+    args,
+    pad_token_id: int,
+    prompts_of,
+    producer: RolloutSource | None = None,
+    agent=None,
+    rollout_func=None,
+    **function_kwargs,
+) -> tuple[RolloutSource, RolloutSource]:
+    """``(training, sampling)``: what writes the training batches — the producer of rollouts generated ahead
+    (``max_staleness`` ≥ 1), else the user's ``rollout_func`` (:class:`FunctionSource`, ``function_kwargs``: its
+    ``trainer`` and ``checks``), else the sampling source — and what writes evaluation and sample rollouts: the agent
+    loop (:class:`AgentSource`), else the engine itself (:class:`EngineSource`)."""
+    if agent is not None:
+        sampling = AgentSource(agent=agent, engine=engine, pad_token_id=pad_token_id, prompts_of=prompts_of)
+    else:
+        sampling = EngineSource(engine=engine, args=args, pad_token_id=pad_token_id)
+    if producer is not None:
+        return producer, sampling
+    if rollout_func is not None:
+        function = FunctionSource(
+            rollout_func=rollout_func, args=args, pad_token_id=pad_token_id, prompts_of=prompts_of, **function_kwargs
+        )
+        return function, sampling
+    return sampling, sampling

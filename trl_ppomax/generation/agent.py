@@ -31,7 +31,7 @@ from trl import is_conversational
 from trl_ppomax import data
 from trl_ppomax.base import metrics as M
 from trl_ppomax.generation import Generated
-from trl_ppomax.generation.custom import padded
+from trl_ppomax.generation.rollout_func import padded
 from trl_ppomax.generation.tools import ToolRunner, ToolTurnTokens, tool_call_parser, tool_schema
 from trl_ppomax.rewards import RewardSource
 

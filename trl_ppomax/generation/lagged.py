@@ -26,20 +26,21 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from statistics import fmean as mean
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from trl_ppomax import data
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
+from trl_ppomax.base.rollout import Generated
 from trl_ppomax.generation import HFGeneration, generate_in_chunks
 
 __all__ = [
     "GumbelSampler",
-    "LaggedBatch",
     "LaggedRollouts",
     "PolicyCopy",
     "ProducerStopped",
@@ -153,18 +154,14 @@ class PolicyCopy(SeededGeneration):
 
 
 @dataclass
-class LaggedBatch:
-    """One generated rollout batch: prompts (B, L), ``n`` responses each (B·n, T) and their behaviour log-probs."""
+class Produced:
+    """Rollout batch ``index`` as the producer finished it: what it wrote (the prompts repeated, the behaviour
+    log-probs as the sampler's), the policy version that sampled it, and its generation time."""
 
-    index: int  # the rollout batch (= the iteration that trains on it), 1-based
-    version: int  # the policy version that sampled it
-    query_ids: torch.Tensor
-    query_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    columns: dict
-    seconds: float  # the producer's generation time
+    index: int
+    generated: Generated
+    version: int
+    seconds: float
 
 
 class LaggedRollouts:
@@ -190,7 +187,7 @@ class LaggedRollouts:
         self.prompts, self.autocast = prompts, autocast
         self.version, self.asked, self.taken = 0, 0, 0  # the engine's version; batches asked for and trained on
         self.queued_version: int | None = None  # the version of the last snapshot queued (None: none yet)
-        self.finished: dict[int, LaggedBatch] = {}
+        self.finished: dict[int, Produced] = {}
         self.stats: dict[str, list[float]] = defaultdict(list)
         self.requests: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -207,7 +204,12 @@ class LaggedRollouts:
         return max(0, batch - 1 - self.lag)
 
     # -- the trainer's side -------------------------------------------------------------------------------------------
-    def take(self, iteration: int, last: int) -> LaggedBatch:
+    def generate(self, prompts=None, *, iteration: int, sampling: bool = True, n: int = 1) -> Generated:
+        """Rollout batch ``iteration`` (a :class:`~trl_ppomax.generation.RolloutSource`): the producer reads
+        its own prompts, so ``prompts`` is ignored; it always samples ``num_samples_per_prompt`` each."""
+        return self.take(iteration, self.args.num_total_batches).generated
+
+    def take(self, iteration: int, last: int) -> Produced:
         """Rollout batch ``iteration``, once generated; first asks for every batch up to ``iteration + k`` (at most
         ``last``), a snapshot of the live policy (version ``iteration − 1``) queued before the first that needs it:
         the producer loads it once it has finished the older batches, and the trainer never waits for that."""
@@ -221,13 +223,13 @@ class LaggedRollouts:
         self._wait(lambda: iteration in self.finished)
         self.stats[M.ROLLOUT_WAIT_SECONDS].append(time.perf_counter() - start)
         with self.ready:
-            generated = self.finished.pop(iteration)
+            produced = self.finished.pop(iteration)
             self.taken += 1
-        age = iteration - 1 - generated.version
+        age = iteration - 1 - produced.version
         self.stats[M.STALENESS_MEAN].append(age)
         self.stats[M.STALENESS_MAX].append(age)
-        self.stats[M.GENERATION_SECONDS].append(generated.seconds)
-        return generated
+        self.stats[M.GENERATION_SECONDS].append(produced.seconds)
+        return produced
 
     def load_weights(self, version: int, snapshot) -> None:
         """The engine at ``version``: ``snapshot`` (the engine's ``snapshot()`` of the live policy) loaded into it."""
@@ -261,14 +263,20 @@ class LaggedRollouts:
     def save(self, folder: str, process_index: int) -> None:
         """The finished batches not yet trained on, after the producer has finished all it was asked for."""
         self._wait(self._idle)
-        batches = [{f.name: getattr(b, f.name) for f in fields(LaggedBatch)} for b in self.finished.values()]
-        torch.save({"version": self.version, "asked": self.asked, "batches": batches},
-                   os.path.join(folder, QUEUE_FILE.format(process_index)))  # fmt: skip
+        batches = {
+            i: {"version": p.version, "seconds": p.seconds, **vars(p.generated)} for i, p in self.finished.items()
+        }
+        saved = {"version": self.version, "asked": self.asked, "produced": batches}
+        torch.save(saved, os.path.join(folder, QUEUE_FILE.format(process_index)))
 
     def load(self, folder: str, process_index: int, iteration: int) -> None:
         """The state :meth:`save` wrote at the end of iteration ``iteration``; the copy gets the resumed weights."""
         saved = torch.load(os.path.join(folder, QUEUE_FILE.format(process_index)), weights_only=False)
-        self.finished = {b["index"]: LaggedBatch(**b) for b in saved["batches"]}
+        if "produced" in saved:
+            self.finished = {index: produced_from(index, fields) for index, fields in saved["produced"].items()}
+        else:  # written by an earlier release: one entry per batch, the prompts not yet repeated
+            n = self.args.num_samples_per_prompt
+            self.finished = {b["index"]: produced_from_batch(b, n) for b in saved["batches"]}
         self.asked, self.taken = saved["asked"], saved["asked"] - len(self.finished)
         self.queued_version = iteration
         self.load_weights(iteration, self.engine.snapshot())
@@ -322,7 +330,7 @@ class LaggedRollouts:
                 self.error = error
                 self.ready.notify_all()
 
-    def _generate(self, batch: int) -> LaggedBatch:
+    def _generate(self, batch: int) -> Produced:
         args, n = self.args, self.args.num_samples_per_prompt
         query_ids, query_mask, columns = self.prompts(batch)
         seed = hash((args.seed, batch, self.process_index)) % 2**63
@@ -334,4 +342,21 @@ class LaggedRollouts:
             queries = (query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0))
             behaviour = self.engine.behaviour_logprobs(*queries, responses, mask, sampler)
         seconds = time.perf_counter() - start
-        return LaggedBatch(batch, self.version, query_ids, query_mask, responses, mask, behaviour, columns, seconds)
+        generated = Generated(*queries, responses, mask, behaviour, columns=data.repeat_rows(columns, n))
+        return Produced(batch, generated, self.version, seconds)
+
+
+def produced_from(index: int, saved: dict) -> Produced:
+    """Batch ``index`` from what :meth:`LaggedRollouts.save` wrote of it."""
+    saved = dict(saved)
+    version, seconds = saved.pop("version"), saved.pop("seconds")
+    return Produced(index, Generated(**saved), version, seconds)
+
+
+def produced_from_batch(batch: dict, n: int) -> Produced:
+    """A :class:`Produced` from a queue file of an earlier release (one dict per batch: the prompts (B, L) not yet
+    repeated, ``behaviour_logprobs``, ``columns`` per prompt), so that its checkpoints still resume."""
+    queries = batch["query_ids"].repeat_interleave(n, 0), batch["query_mask"].repeat_interleave(n, 0)
+    responses = batch["response_ids"], batch["response_mask"], batch["behaviour_logprobs"]
+    generated = Generated(*queries, *responses, columns=data.repeat_rows(batch["columns"], n))
+    return Produced(batch["index"], generated, batch["version"], batch["seconds"])

@@ -5,15 +5,13 @@ written by the user's ``rollout_func``, then scored with the trainer's forwards 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
 
 from trl_ppomax import data, models, rewards
-from trl_ppomax.base.rollout import Rollout
-from trl_ppomax.generation import Generated, generate_in_chunks
-from trl_ppomax.generation.custom import custom_rollout
+from trl_ppomax.base.rollout import Generated, Rollout
+from trl_ppomax.generation import GenerationEngine, PromptBatch, RolloutSource, rollout_sources
 from trl_ppomax.generation.vllm import VLLMEngine
 from trl_ppomax.ppo.setup import embedding_size
 
@@ -28,14 +26,20 @@ class Rollouts:
         accelerator: the run's ``Accelerator``.
         tokenizer: the policy's tokenizer (its pad token pads the responses).
         model: the prepared policy and critic (:class:`~trl_ppomax.models.PolicyAndCritic`, as prepared).
-        engine: the generation engine (:mod:`~trl_ppomax.generation`); ``producer``: with ``max_staleness`` ≥ 1 the
-            :class:`~trl_ppomax.generation.lagged.LaggedRollouts` of the training batches, else None.
+        engine: the generation engine (a :class:`~trl_ppomax.generation.GenerationEngine`; settable);
+            ``producer``: with ``max_staleness`` ≥ 1 the :class:`~trl_ppomax.generation.lagged.LaggedRollouts` of the
+            training batches, else None.
         scorer: the rollout's forwards (:class:`~trl_ppomax.ppo.scoring.Scorer`).
         agent: the agent loop with ``tools`` or ``environment_factory`` (else None); ``rollout_func``: TRL GRPO's
             (else None), called as ``rollout_func(prompts, trainer)`` with ``trainer``.
         prompt_batches: the training prompts' stream of batches (iteration ``i`` reads batch ``i − 1``).
         frozen_modules: the reward models, unsharded with the policy under FSDP while a rollout runs.
         collator: builds a batch of prepared prompt rows (:meth:`rollout_rows`).
+
+    What writes a batch is a :class:`~trl_ppomax.generation.RolloutSource`, chosen by
+    :func:`~trl_ppomax.generation.rollout_sources`: ``training_source`` (the producer, the ``rollout_func``,
+    the agent loop or the engine) and ``sampling_source`` (evaluation and sample tables: the agent loop or the
+    engine); every rollout is then scored the same way (:meth:`score`).
     """
 
     def __init__(
@@ -45,8 +49,8 @@ class Rollouts:
         accelerator,
         tokenizer,
         model,
-        engine,
-        producer,
+        engine: GenerationEngine,
+        producer: RolloutSource | None,
         scorer,
         agent,
         rollout_func,
@@ -56,9 +60,32 @@ class Rollouts:
         collator,
     ) -> None:
         self.args, self.accelerator, self.tokenizer, self.model = args, accelerator, tokenizer, model
-        self.engine, self.producer, self.scorer, self.agent = engine, producer, scorer, agent
-        self.rollout_func, self.trainer, self.prompt_batches = rollout_func, trainer, prompt_batches
+        self.producer, self.scorer, self.agent, self.rollout_func = producer, scorer, agent, rollout_func
+        self.trainer, self.prompt_batches = trainer, prompt_batches
         self.frozen_modules, self.collator = frozen_modules, collator
+        policy = accelerator.unwrap_model(model).policy
+        self.checks = dict(vocab_size=embedding_size(policy), context_length=data.model_context(policy))
+        self.engine = engine
+
+    @property
+    def engine(self) -> GenerationEngine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: GenerationEngine) -> None:
+        """A new engine, and the sources that sample with it."""
+        self._engine = engine
+        self.training_source, self.sampling_source = rollout_sources(
+            engine=engine,
+            args=self.args,
+            pad_token_id=self.tokenizer.pad_token_id,
+            prompts_of=self.prompts_of,
+            producer=self.producer,
+            agent=self.agent,
+            rollout_func=self.rollout_func,
+            trainer=self.trainer,
+            checks=self.checks,
+        )
 
     @property
     def vllm(self) -> VLLMEngine | None:
@@ -71,46 +98,18 @@ class Rollouts:
         """Rollout batch ``iteration``: generated now by the policy (or its agent loop, or the user's
         ``rollout_func``), or (``max_staleness`` ≥ 1) taken from the producer, which sampled it with an older copy (its
         log-probs the behaviour policy's), and scored now."""
-        n = self.args.num_samples_per_prompt
-        if self.producer is None:
-            batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
-            if self.rollout_func is not None:
-                return self.custom(batch["input_ids"], batch["attention_mask"], columns)
-            return self.rollout(batch["input_ids"], batch["attention_mask"], columns=columns, samples_per_prompt=n)
-        lagged = self.producer.take(iteration, self.args.num_total_batches)
-        generated = Generated(
-            lagged.query_ids, lagged.query_mask, lagged.response_ids, lagged.response_mask, lagged.behaviour_logprobs
-        )
-        return self.score(lambda: generated, lagged.columns, n)
+        prompts = None if self.producer is not None else self.prompt_batch(iteration)
+        return self.written_by(self.training_source, prompts, iteration=iteration, n=self.args.num_samples_per_prompt)
 
-    def custom(self, query_ids, query_mask, columns: dict) -> Rollout:
-        """The rollout of the user's ``rollout_func`` on the batch's prompts (the ``prompt`` column, else the decoded
-        prompts), called where the policy is ready to generate and scored with the trainer's forwards; its extra keys
-        go to the reward functions."""
-        n, pad_id = self.args.num_samples_per_prompt, self.tokenizer.pad_token_id
-        prompts = self.prompts_of(query_ids, query_mask, columns)
+    def prompt_batch(self, iteration: int) -> PromptBatch:
+        """The prompts of training batch ``iteration``, on this process's device."""
+        batch, columns = data.split_batch(self.prompt_batches[iteration - 1], self.accelerator.device)
+        return PromptBatch(batch["input_ids"], batch["attention_mask"], columns)
 
-        policy = self.accelerator.unwrap_model(self.model).policy
-        checks = dict(
-            columns=set(columns),
-            vocab_size=embedding_size(policy),
-            context_length=data.model_context(policy),
-            importance_sampling=self.args.rollout_func_importance_sampling,
-        )
-
-        def generate():
-            out = custom_rollout(
-                self.rollout_func, prompts, self.trainer, n, pad_id, self.accelerator.device, **checks
-            )
-            if not self.args.rollout_func_importance_sampling:
-                out.sampler_logprobs = None  # checked only: taken to be the policy's own samples
-            return out
-
-        return self.score(generate, data.repeat_rows(columns, n), 1)
-
-    def prompts_of(self, query_ids, query_mask, columns: dict) -> list:
+    def prompts_of(self, prompts: PromptBatch) -> list:
         """A batch's prompts as the dataset gave them (the ``prompt`` column), else decoded."""
-        return columns.get("prompt") or rewards.decode_texts(self.tokenizer, query_ids, query_mask)
+        columns = prompts.columns
+        return columns.get("prompt") or rewards.decode_texts(self.tokenizer, prompts.query_ids, prompts.query_mask)
 
     @torch.no_grad()
     def rollout(
@@ -120,37 +119,28 @@ class Rollouts:
         prompt (trajectories of the agent loop with ``tools`` or ``environment_factory``), then score them
         (:class:`~trl_ppomax.ppo.scoring.Scorer`; ``columns``: the dataset's other columns for the reward functions).
         Row ``i·n + j`` holds prompt ``i``'s ``j``-th sample."""
-        n, columns = samples_per_prompt, columns or {}
-        generate = functools.partial(self.generate, query_ids, query_mask, sampling, n, columns)
-        return self.score(generate, data.repeat_rows(columns, n), 1)
+        prompts = PromptBatch(query_ids, query_mask, columns or {})
+        return self.written_by(self.sampling_source, prompts, sampling=sampling, n=samples_per_prompt)
 
-    def generate(self, query_ids, query_mask, sampling: bool, n: int, columns: dict) -> Generated:
-        """``n`` responses to each prompt by the trainer's engine, or trajectories of its agent loop (``tools``,
-        ``environment_factory``), where the policy is ready to generate: prompts and responses (B·n rows)."""
-        args, pad_id = self.args, self.tokenizer.pad_token_id
-        if self.agent is not None:
-            prompts = self.prompts_of(query_ids, query_mask, columns)
-            others = {key: values for key, values in columns.items() if key != "prompt"}
-            return self.agent.generate(self.engine, prompts, others, sampling, n, pad_id, query_ids.device)
-        written = generate_in_chunks(self.engine, query_ids, query_mask, sampling, n, args, pad_id)
-        return Generated(query_ids.repeat_interleave(n, 0), query_mask.repeat_interleave(n, 0), *written)
+    def written_by(
+        self, source: RolloutSource, prompts: PromptBatch | None, *, iteration=None, sampling=True, n=1
+    ) -> Rollout:
+        """The rollout ``source`` writes for ``prompts`` (``n`` samples each), scored (:meth:`score`)."""
+        return self.score(lambda: source.generate(prompts, iteration=iteration, sampling=sampling, n=n))
 
     @torch.no_grad()
-    def score(self, generate: Callable[[], Generated], columns: dict, samples_per_prompt: int) -> Rollout:
-        """The rollout of ``generate()``'s :class:`~trl_ppomax.base.rollout.Generated`, called where the policy is ready
-        to generate: the policy's and reference's log-probs, the values and the scores. ``columns``: the prompts'
-        columns, repeated ``samples_per_prompt`` times as the generated prompts are."""
-        n, unwrapped = samples_per_prompt, self.accelerator.unwrap_model(self.model)
+    def score(self, generate: Callable[[], Generated]) -> Rollout:
+        """The rollout of ``generate()``'s :class:`~trl_ppomax.base.rollout.Generated` (called where the policy is
+        ready to generate): the policy's and reference's log-probs, the values and the scores."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
         unwrapped.eval()
         with self.context():
             with models.policy_for_generation(self.model, self.accelerator, self.args) as wrapper:
                 out = generate()
-                queries = (out.query_ids.repeat_interleave(n, 0), out.query_mask.repeat_interleave(n, 0))
                 env_mask = None if self.args.train_on_env_tokens else out.env_mask
                 written = (out.response_ids, out.response_mask, out.sampler_logprobs, env_mask)
-                parts, real = self.scorer.log_probs(wrapper, *queries, *written)
-            columns = {**data.repeat_rows(columns, n), **out.columns}
-            rollout = self.scorer.values_and_rewards(unwrapped.critic, parts, real, columns)
+                parts, real = self.scorer.log_probs(wrapper, out.query_ids, out.query_mask, *written)
+            rollout = self.scorer.values_and_rewards(unwrapped.critic, parts, real, out.columns)
         unwrapped.train()
         return rollout
 
@@ -162,10 +152,10 @@ class Rollouts:
         unwrapped.eval()
         with self.context():
             with models.policy_for_generation(self.model, self.accelerator, self.args):
-                out = self.generate(query_ids, query_mask, sampling, 1, columns or {})
-            columns = {**(columns or {}), **out.columns}
+                prompts = PromptBatch(query_ids, query_mask, columns or {})
+                out = self.sampling_source.generate(prompts, iteration=None, sampling=sampling, n=1)
             rollout = self.scorer.sample_scores(
-                out.query_ids, out.query_mask, out.response_ids, out.response_mask, columns
+                out.query_ids, out.query_mask, out.response_ids, out.response_mask, out.columns
             )
         unwrapped.train()
         return rollout

@@ -58,7 +58,7 @@ class PPOMaxTrainer(Trainer):
         ptx_dataset: texts (``text``/``input_ids``) for the PPO-ptx loss, used when ``args.ptx_coef > 0``.
         rollout_func: TRL GRPO's ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs",
             optional "env_mask", ...}`` generating the training rollouts (multi-turn, tools, an environment):
-            :mod:`~trl_ppomax.generation.custom`; tokens with ``env_mask`` 0 are never trained on.
+            :mod:`~trl_ppomax.generation.rollout_func`; tokens with ``env_mask`` 0 are never trained on.
         tools: TRL GRPO's tools, Python functions (sync or async, type hints and a Google-style docstring) the policy
             calls through its chat template over several turns (:mod:`~trl_ppomax.generation.agent`; ``max_tool_turns``,
             ``max_completion_tokens``); the tools' results are attended to, never trained on.

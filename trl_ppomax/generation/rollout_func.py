@@ -16,9 +16,9 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from trl_ppomax.generation import Generated
+from trl_ppomax.base.rollout import Generated
 
-__all__ = ["REQUIRED_KEYS", "REWARD_KEYWORDS", "custom_rollout", "padded"]
+__all__ = ["REQUIRED_KEYS", "REWARD_KEYWORDS", "call_rollout_func", "padded"]
 
 logger = logging.getLogger(__name__)
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -29,7 +29,7 @@ REWARD_KEYWORDS = ("prompt", "prompts", "completions", "sequence_texts", "enviro
 _LOGPROB_ROUNDING = 1e-2
 
 
-def custom_rollout(
+def call_rollout_func(
     rollout_func: Callable,
     prompts: Sequence,
     trainer,
