@@ -356,3 +356,21 @@ def test_sigterm_ends_a_lagged_run(tmp_path):
     import signal
 
     assert returncode == -signal.SIGTERM
+
+
+def test_a_queue_file_of_an_earlier_release_still_resumes():
+    """Before the producer kept Generated batches, a queue entry held the prompts once per prompt (B, L), the
+    behaviour log-probs by that name and the columns per prompt: read back as the prompts repeated n times."""
+    from trl_ppomax.generation.lagged import produced_from_batch
+
+    old = {
+        "index": 3, "version": 1, "seconds": 0.5,
+        "query_ids": torch.tensor([[0, 5], [6, 7]]), "query_mask": torch.tensor([[0, 1], [1, 1]]),
+        "response_ids": torch.arange(8).view(4, 2), "response_mask": torch.ones(4, 2, dtype=torch.long),
+        "behaviour_logprobs": -torch.ones(4, 2), "columns": {"topic": ["a", "b"]},
+    }  # fmt: skip
+    produced = produced_from_batch(old, n=2)
+    assert (produced.index, produced.version, produced.seconds) == (3, 1, 0.5)
+    assert produced.generated.query_ids.tolist() == [[0, 5], [0, 5], [6, 7], [6, 7]]
+    assert produced.generated.columns == {"topic": ["a", "a", "b", "b"]}
+    assert torch.equal(produced.generated.sampler_logprobs, old["behaviour_logprobs"])
