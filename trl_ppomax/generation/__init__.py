@@ -2,7 +2,8 @@
 engine and source), behind two contracts, each a ``typing.Protocol``:
 
 - a :class:`GenerationEngine` samples responses to prompts (:class:`HFGeneration`, the policy's ``generate``;
-  :class:`~trl_ppomax.generation.vllm.VLLMEngine`); the bounded-staleness producer also needs the optional
+  :class:`~trl_ppomax.generation.vllm.VLLMEngine`; transformers' continuous batching,
+  :class:`~trl_ppomax.generation.continuous_batching.ContinuousBatchingEngine`); the bounded-staleness producer also needs the optional
   :class:`SnapshotEngine` part (a copy of the policy it can load an older snapshot into);
 - a :class:`RolloutSource` turns a batch of prompts into a :class:`~trl_ppomax.base.rollout.Generated` of ``B·n``
   rows (row ``i·n + j``: prompt ``i``'s ``j``-th sample, the prompts and the dataset's columns repeated), the one
@@ -310,6 +311,13 @@ def _vllm_engine(args, accelerator, policy, tokenizer, stop_token_id):
     return VLLMEngine(args, accelerator, policy, tokenizer, stop_token_id)
 
 
+def _continuous_batching_engine(args, accelerator, policy, tokenizer, stop_token_id):
+    from trl_ppomax.generation.continuous_batching import ContinuousBatchingEngine
+
+    policy = getattr(policy, "policy", policy)  # generate_batch is the causal LM's, not the policy + critic wrapper's
+    return ContinuousBatchingEngine(policy, args, stop_token_id, tokenizer.pad_token_id)
+
+
 def _generate_engine(args, accelerator, policy, tokenizer, stop_token_id):
     return HFGeneration(policy, args, stop_token_id, tokenizer.pad_token_id)
 
@@ -318,6 +326,7 @@ def _generate_engine(args, accelerator, policy, tokenizer, stop_token_id):
 #: the first that is on is the run's (``generate``, the policy's own ``generate``, always is).
 ENGINES: dict[str, tuple[Callable, Callable]] = {
     "vllm": (lambda args: args.use_vllm, _vllm_engine),
+    "continuous_batching": (lambda args: args.use_transformers_continuous_batching, _continuous_batching_engine),
     "generate": (lambda args: True, _generate_engine),
 }
 

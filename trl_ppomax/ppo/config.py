@@ -600,6 +600,17 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
     vllm_server_port: int = _field(8000, "server: port.")
     vllm_server_timeout: float = _field(240.0, "server: seconds to wait for it to be up.")
     vllm_group_port: int = _field(51216, "server: port of the weight-update group.")
+    use_transformers_continuous_batching: bool = _field(
+        False,
+        "Generate rollouts with transformers' continuous batching (`generate_batch`: a paged KV cache, each response "
+        "leaving the batch at its stop token), as TRL GRPO's; the repetition penalty is then transformers' processor, "
+        "not §6.1's generated-tokens-only one. Not with use_vllm.",
+    )
+    transformers_continuous_batching_config: dict | None = _field(  # noqa: RUF009
+        None,
+        'transformers\' `ContinuousBatchingConfig` arguments, a dict or JSON text (e.g. {"num_blocks": 256}); '
+        "max_memory_percent is 0.5 unless set, as TRL leaves memory for the update.",
+    )
     vllm_importance_sampling_correction: bool | None = _preset_field(
         "vllm_importance_sampling_correction",
         "With use_vllm: multiply each token's policy loss by the truncated importance weight min(π_HF / π_vLLM, "
@@ -707,6 +718,10 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         self._validate_estimator()
         self._validate_policy_loss_and_kl()
         self._validate_lagged_vllm()
+        if self.use_vllm and self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_vllm=True and use_transformers_continuous_batching=True name two generation engines: keep one."
+            )
         for name, allowed in (
             ("stop_token", Literal["eos", None]),
             ("reward_norm", RewardNorm),

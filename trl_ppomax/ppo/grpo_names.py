@@ -222,8 +222,8 @@ GRPO_NAMES: tuple[GRPOName, ...] = (
     GRPOName("log_multimodal", "accepted", "Text-only runs: nothing multimodal to log."),
     _refused("log_unique_prompts", False, "log_completions prints every completion row."),
     _refused("log_completions_hub_repo", None, "Completions are not uploaded; trackers get the logged metrics."),
-    _refused("use_transformers_continuous_batching", False, "Rollouts use generate() or vLLM (use_vllm=True)."),
-    _refused("transformers_continuous_batching_config", None, "Acts only with use_transformers_continuous_batching."),
+    _same("use_transformers_continuous_batching"),
+    _same("transformers_continuous_batching_config"),
     _refused("use_transformers_paged", False, "Deprecated in TRL for use_transformers_continuous_batching, refused."),
     _refused("vllm_importance_sampling_cap", None, "Deprecated in TRL: set vllm_importance_sampling_clip_max."),
 )
@@ -295,8 +295,6 @@ class GRPOArguments:
     num_completions_to_print: int | None = _unset("num_completions_to_print")
     log_unique_prompts: bool | None = _unset("log_unique_prompts")
     log_completions_hub_repo: str | None = _unset("log_completions_hub_repo")
-    use_transformers_continuous_batching: bool | None = _unset("use_transformers_continuous_batching")
-    transformers_continuous_batching_config: dict | str | None = _unset("transformers_continuous_batching_config")  # noqa: RUF009
     use_transformers_paged: bool | None = _unset("use_transformers_paged")
     vllm_importance_sampling_cap: float | None = _unset("vllm_importance_sampling_cap")
 
@@ -454,7 +452,12 @@ def _map_agent_and_sampling(config) -> None:
             config.max_completion_tokens = config.max_completion_length
     if config.max_tool_calling_iterations is not None:
         _set(config, "max_tool_turns", config.max_tool_calling_iterations, "max_tool_calling_iterations")
-    for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+    for name in (
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+        "transformers_continuous_batching_config",
+    ):
         setattr(config, name, _json(name, getattr(config, name)))
         _check_picklable(name, getattr(config, name))
     if config.top_k is not None and config.top_k < 0:
