@@ -10,6 +10,7 @@ trainers in fresh processes, alternating, and reports medians and ratios.
     python benchmarks/speed.py --batching --runs 3 --output benchmarks/results/speed_batching.json
     python benchmarks/speed.py --no-stop-token --flat --runs 3 --output benchmarks/results/speed_no_stop_flat.json
     python benchmarks/speed.py --staleness --runs 3 --output benchmarks/results/speed_staleness.json
+    python benchmarks/speed.py --continuous-batching --runs 3 --output benchmarks/results/speed_continuous_batching.json
 
 ``--vllm`` compares, in the vLLM environment that ``.ci/vllm.sh`` builds (``--vllm-python``), the same PPO run with
 ``model.generate`` and with a colocated vLLM engine (``use_vllm=True``): generation time, weight-sync time per
@@ -17,6 +18,11 @@ iteration and episodes per second.
 
 ``--flat`` builds the assets without SFT (random weights: flat next-token distributions, whose nucleus holds most of
 the vocabulary). ``--staleness`` compares ``max_staleness`` 1 and 2 with the synchronous loop.
+
+``--continuous-batching`` compares transformers' continuous batching (``use_transformers_continuous_batching``)
+with padded ``model.generate`` at skewed response lengths (the SFT policy stops early, a few responses run to
+``--response-length``) and at equal lengths (no stop token), both with trl's sampling settings (no top-p, no
+repetition penalty), so the two engines sample the same distribution.
 
 ``--batching`` measures ``max_tokens_per_microbatch`` (padded tokens computed, forward and update time) against the row
 split on prompts of widely varying lengths, and ``num_samples_per_prompt=4`` against 4× the prompts.
@@ -209,6 +215,34 @@ def staleness_main(args) -> None:
     report(results, m, ratios, keys, args.output)
 
 
+def continuous_batching_main(args) -> None:
+    """Continuous batching against padded ``generate``: generation time and time per episode, at skewed lengths
+    (responses stop early, a few run to the limit) and at equal lengths (no stop token: nothing to gain)."""
+    import copy
+
+    assets = build_assets(HERE / ".cache" / "speed-assets", args.flat)
+    presets = ["ppo_max+vanilla_sampling", "ppo_max+vanilla_sampling+cb"]
+    results, medians, ratios = {}, {}, {}
+    for shape, no_stop in (("skewed", False), ("equal", True)):
+        shaped = copy.copy(args)
+        shaped.no_stop_token = no_stop
+        runs = run_alternating([("ppomax", preset, sys.executable) for preset in presets], assets, shaped)
+        m = median_fields(runs, KEYS)
+        padded, paged = m["ppomax/ppo_max+vanilla_sampling"], m["ppomax/ppo_max+vanilla_sampling+cb"]
+        results.update({f"{shape}/{name}": value for name, value in runs.items()})
+        medians.update({f"{shape}/{name}": value for name, value in m.items()})
+        ratios[f"generation seconds (generate / continuous batching), {shape} lengths"] = (
+            padded["generation_seconds"] / paged["generation_seconds"]
+        )
+        ratios[f"time per episode (continuous batching / generate), {shape} lengths"] = (
+            padded["episodes_per_second"] / paged["episodes_per_second"]
+        )
+        ratios[f"mean response length (continuous batching / generate), {shape} lengths"] = (
+            paged["mean_response_length"] / padded["mean_response_length"]
+        )
+    report(results, medians, ratios, KEYS, args.output)
+
+
 def run_alternating(configs: list[tuple[str, str, str]], assets: Path, args) -> dict[str, list[dict]]:
     """``args.runs`` rounds of every ``(impl, preset, python)`` config, the order reversed every other round."""
     results: dict[str, list[dict]] = {f"{impl}/{preset}": [] for impl, preset, _ in configs}
@@ -260,6 +294,7 @@ VARIANTS = {
     "tokens": ["--max-tokens"],  # tokens=K: micro-batches under a K-token budget
     "estimator": ["--estimator"],  # estimator=NAME: advantage_estimator (a critic-free one builds no critic)
     "staleness": ["--max-staleness"],  # staleness=K: max_staleness (rollouts from a producer thread)
+    "cb": ["--continuous-batching"],  # transformers' continuous batching as the engine
 }
 
 
@@ -316,12 +351,17 @@ def main() -> None:
     )
     parser.add_argument("--critic-free", action="store_true", help="RLOO (no critic) vs GAE, n=4 samples per prompt")
     parser.add_argument("--staleness", action="store_true", help="max_staleness 1 and 2 vs the synchronous loop")
+    parser.add_argument(
+        "--continuous-batching", action="store_true", help="transformers' continuous batching vs padded generate"
+    )
     parser.add_argument("--vllm-python", default=str(HERE.parent / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
     if args.critic_free:
         return critic_free_main(args)
     if args.staleness:
         return staleness_main(args)
+    if args.continuous_batching:
+        return continuous_batching_main(args)
     if args.vllm:
         return vllm_main(args)
     if args.batching:

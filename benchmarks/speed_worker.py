@@ -56,6 +56,9 @@ def instrument(impl: str) -> None:
         import trl_ppomax.rewards as rewards
 
         wrap(generation, "generate_responses", "generation")
+        from trl_ppomax.generation import continuous_batching
+
+        wrap(continuous_batching.ContinuousBatchingEngine, "generate", "generation")
         if impl == "ppomax+vllm":
             import trl_ppomax.generation.vllm as engine
 
@@ -122,6 +125,9 @@ def main() -> None:
     parser.add_argument("--varied-lengths", action="store_true", help="prompts of widely varying lengths")
     parser.add_argument("--estimator", default="gae", help="ppomax: advantage_estimator (critic-free: no value model)")
     parser.add_argument("--max-staleness", type=int, default=0, help="ppomax: max_staleness (a producer thread)")
+    parser.add_argument(
+        "--continuous-batching", action="store_true", help="ppomax: use_transformers_continuous_batching"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.impl == "trl112":
@@ -142,6 +148,9 @@ def main() -> None:
             extra.update(top_p=1.0, repetition_penalty=1.0)
         if args.impl == "ppomax+vllm":
             extra.update(use_vllm=True, vllm_gpu_memory_utilization=0.3)
+        if args.continuous_batching:  # a cache sized for this run: sized from free memory, it takes seconds on a CPU
+            cache = {"num_blocks": 128, "max_batch_tokens": 1024}
+            extra.update(use_transformers_continuous_batching=True, transformers_continuous_batching_config=cache)
     instrument(args.impl)
     if args.impl.startswith("ppomax"):
         count_tokens()

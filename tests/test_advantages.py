@@ -164,16 +164,12 @@ class PeerArgs:
 
 def our_advantages(name: str, kl_in_reward: bool) -> torch.Tensor:
     """The experience phase's estimate on the peers' inputs (scores already shaped)."""
-    from trl_ppomax.ppo.experience import ExperienceMaker
+    from trl_ppomax.ppo import advantages
 
     inputs = {k: torch.tensor(v) for k, v in PEERS["inputs"].items() if k in ("scores", "kl", "mask")}
-    rollout = type("R", (), {"policy_mask": inputs["mask"], "values": torch.zeros_like(inputs["kl"])})
-    maker = ExperienceMaker.__new__(ExperienceMaker)
-    maker.args = type(
-        "A", (PeerArgs,), {"advantage_estimator": name, "kl_placement": "reward" if kl_in_reward else "loss"}
-    )
-    maker.reduce = lambda t: t
-    return maker._estimate(rollout, inputs["scores"], inputs["kl"]).advantages
+    args = type("A", (PeerArgs,), {"advantage_estimator": name, "kl_placement": "reward" if kl_in_reward else "loss"})
+    values = torch.zeros_like(inputs["kl"])
+    return advantages.estimate(args, inputs["scores"], inputs["kl"], inputs["mask"], values, lambda t: t).advantages
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])

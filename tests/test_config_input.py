@@ -20,7 +20,7 @@ from trl_ppomax.cli import TRAINING_COMMANDS, build_parser, main
 from trl_ppomax.cli.arguments import parse_script_args, read_config, shipped_configs
 from trl_ppomax.cli.ppo import PPOMaxScriptArguments
 from trl_ppomax.cli.reward import RewardScriptArguments
-from trl_ppomax.ppo.config import _int_fields
+from trl_ppomax.ppo.config import int_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = {"output_dir": "out", "bf16": False, "use_cpu": True}
@@ -119,7 +119,7 @@ def test_a_float_sample_count_is_refused_when_the_config_is_built():
 
 @pytest.mark.parametrize("config", [PPOMaxConfig, PPOMaxRewardConfig])
 def test_every_int_field_refuses_a_float_and_a_bool(config):
-    names = [name for name, _ in _int_fields(config)]
+    names = [name for name, _ in int_fields(config)]
     assert {"per_device_train_batch_size", "seed", "gradient_accumulation_steps"} <= set(names)
     if config is PPOMaxConfig:
         assert {"num_samples_per_prompt", "response_length", "num_ppo_epochs", "critic_warmup_steps"} <= set(names)

@@ -1047,6 +1047,7 @@ def test_public_api_is_covered():
         "RunningMoments",
         "bounded",  # tests/test_estimator_edges.py
         "row_split_loss_weights",
+        "masked_loss_mean",  # tests/test_nonfinite_rewards.py
         "kl_loss",
         "explained_variance",
         "truncated_importance_weights",

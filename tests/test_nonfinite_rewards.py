@@ -281,8 +281,8 @@ def test_valid_stored_reward_statistics_still_seed_the_moments(tmp_path):
 def test_losses_on_an_empty_mask_are_zero_with_a_zero_gradient():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
     empty, half = torch.zeros(2, 2), torch.tensor([[1, 1], [0, 0]])
-    assert core._masked_loss_mean(x, half).item() == pytest.approx(1.5)  # = masked_mean where the mask is not empty
-    loss = core._masked_loss_mean(x, empty)
+    assert core.masked_loss_mean(x, half).item() == pytest.approx(1.5)  # = masked_mean where the mask is not empty
+    loss = core.masked_loss_mean(x, empty)
     loss.backward()
     assert loss.item() == 0.0 and torch.all(x.grad == 0)
     pg_loss, _ = core.clipped_policy_loss(x, x.detach(), torch.ones(2, 2), empty, 0.2)

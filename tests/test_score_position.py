@@ -120,7 +120,7 @@ def test_pad_is_eos_reward_training_with_imitation_loss(tmp_path):
     tokenizer = tokenizer_for("eos")
     trainer = reward_trainer(tmp_path, tokenizer, preference_rows(32))
     trainer.train()
-    assert trainer._heads_checked  # the score and LM heads were checked to read the same last hidden state
+    assert trainer.heads_checked  # the score and LM heads were checked to read the same last hidden state
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == 16 and sum(losses[-4:]) / 4 < 0.9 * sum(losses[:4]) / 4
     # The trained model is read at the token before the trailing eos, as PPO's scorer reads it.
@@ -137,9 +137,9 @@ def test_score_head_check_names_the_cause(tmp_path):
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
         outputs = model(**inputs, output_hidden_states=True)
-    trainer._check_last_hidden_state_feeds_score(model, outputs.hidden_states[-1], inputs, outputs)
+    trainer.check_last_hidden_state_feeds_score(model, outputs.hidden_states[-1], inputs, outputs)
     with pytest.raises(RuntimeError, match=r"score head does not read the body's last hidden state.*lm_loss_coef=0"):
-        trainer._check_last_hidden_state_feeds_score(model, outputs.hidden_states[-1] + 1, inputs, outputs)
+        trainer.check_last_hidden_state_feeds_score(model, outputs.hidden_states[-1] + 1, inputs, outputs)
 
 
 SHARED = [

@@ -39,7 +39,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = Non
     return (total / count).to(x.dtype)
 
 
-def _masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
+def masked_loss_mean(x: torch.Tensor, mask: torch.Tensor, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ x·m / max(Σ m, 1)`` (0-d, dtype of ``x``): an empty mask (all samples dropped) gives 0 with a zero gradient,
     not NaN. With ``loss_weights`` (B, T): ``Σ x·w·m`` (:func:`row_split_loss_weights`)."""
     if loss_weights is not None:
@@ -464,7 +464,7 @@ def clipped_policy_loss(
         bound = -advantages * dual_clip
         dual_clipped = ((advantages < 0) & (pg_max > bound)).to(pg_losses.dtype)
         pg_max = torch.where(advantages < 0, torch.min(pg_max, bound), pg_max)
-    loss = _masked_loss_mean(pg_max if weights is None else pg_max * weights, mask, loss_weights)
+    loss = masked_loss_mean(pg_max if weights is None else pg_max * weights, mask, loss_weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -493,7 +493,7 @@ def kl_loss(
     kl = kl_penalty(logprobs, ref_logprobs, estimator, clamp)
     if old_logprobs is not None:
         kl = kl * torch.exp(logprobs - old_logprobs)
-    return _masked_loss_mean(kl, mask, loss_weights)
+    return masked_loss_mean(kl, mask, loss_weights)
 
 
 def clipped_value_loss(
@@ -515,7 +515,7 @@ def clipped_value_loss(
         clipped_losses = (values_clipped - returns) ** 2
         worst = torch.max(unclipped, clipped_losses)
         clipped = (clipped_losses > unclipped).to(values.dtype)
-    loss = 0.5 * _masked_loss_mean(worst, mask, loss_weights)
+    loss = 0.5 * masked_loss_mean(worst, mask, loss_weights)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped, mask),
@@ -542,7 +542,7 @@ def entropy_loss(
     ``|mean(H) − H*|``, pulling entropy towards ``H*`` instead of growing it without bound (no ``loss_weights``)."""
     if target is not None and loss_weights is not None:
         raise ValueError("entropy_loss: an entropy target |mean(H) − H*| cannot be split into per-token weights.")
-    mean_entropy = _masked_loss_mean(entropy, mask, loss_weights)
+    mean_entropy = masked_loss_mean(entropy, mask, loss_weights)
     loss = -mean_entropy if target is None else (mean_entropy - target).abs()
     return loss, {"entropy": masked_mean(entropy.detach(), mask)}
 

@@ -13,6 +13,7 @@ on every token, as verl's ``core_algos`` computes them; both are cross-checked i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,3 +140,23 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
         AdvantageEstimator("dr_grpo", False, discounted_returns, group_mean_baseline),
     )
 }
+
+
+def estimate(args, scores, kl, mask, values, reduce: Callable[[torch.Tensor], torch.Tensor]) -> AdvantageEstimate:
+    """The ``advantage_estimator``'s estimate (:data:`ESTIMATORS`) from the shaped ``scores`` (B,) and the token KL
+    (B, T): the score (group-baselined first by a critic-free estimator) on the last token of ``mask`` (B, T), −β·KL
+    on every token with ``kl_placement="reward"``; the token rewards whitened with ``whiten_rewards``, the advantages
+    with the estimator's ``whitens``. ``values`` (B, T): the critic's (zeros without one); ``reduce``: a sum over
+    every process."""
+    estimator = ESTIMATORS[args.advantage_estimator]
+    if estimator.baseline is not None:
+        scale = dict(eps=args.group_std_eps, scope=args.group_scale, reduce=reduce) if estimator.scales else {}
+        scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt, **scale)
+    kl_coef = args.kl_coef if args.kl_placement == "reward" else 0.0
+    token_rewards = core.token_rewards(scores, kl, mask, kl_coef)[0]
+    if args.whiten_rewards:
+        token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=reduce)
+    result = estimator.estimate(token_rewards, values, mask, args)
+    if estimator.whitens:
+        result = dataclasses.replace(result, advantages=core.masked_whiten(result.advantages, mask, reduce=reduce))
+    return result

@@ -216,7 +216,7 @@ def _is_int_type(hint: Any) -> bool:
 
 
 @functools.cache
-def _int_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+def int_fields(cls: type) -> tuple[tuple[str, bool], ...]:
     """``(name, None allowed)`` of the ``int`` and ``int | None`` fields a dataclass ``cls`` takes."""
     hints = typing.get_type_hints(cls)
     return tuple((f.name, hints[f.name] is not int) for f in fields(cls) if f.init and _is_int_type(hints.get(f.name)))
@@ -239,7 +239,7 @@ def check_int_fields(config: Any) -> None:
     """A ``ValueError`` for the first ``int`` field of the dataclass ``config`` holding no whole number (``2.0`` from
     YAML, a bool, a string), naming the value and what to write: a float used to fail deep in training
     (``torch.manual_seed`` "expected a long"). Call it in ``__post_init__``, before the base classes set fields."""
-    for name, none_allowed in _int_fields(type(config)):
+    for name, none_allowed in int_fields(type(config)):
         value = getattr(config, name)
         if (value is None and none_allowed) or (isinstance(value, numbers.Integral) and not isinstance(value, bool)):
             continue

@@ -98,7 +98,7 @@ class ExperienceMaker:
         if not self._moments_frozen(step):
             moments.update(self.winsorized(rollout.scores, keep)[keep], reduce=self.reduce)
         scores, kl = self.shape_scores(rollout)
-        estimate = self._estimate(rollout, scores, kl)
+        estimate = advantages.estimate(self.args, scores, kl, rollout.policy_mask, rollout.values, self.reduce)
         normalised = estimate.advantages
         if self.args.advantage_whitening_scope == "batch":  # else per minibatch, in the update
             normalised = self.whitened(estimate.advantages, rollout.policy_mask)
@@ -166,27 +166,6 @@ class ExperienceMaker:
     def _moments_frozen(self, step: int) -> bool:
         """With ``reward_norm_freeze`` only the first ``max(critic_warmup_steps, 1)`` iterations update the moments."""
         return bool(self.args.reward_norm_freeze) and step >= max(self.args.critic_warmup_steps, 1)
-
-    def _estimate(self, rollout: Rollout, scores: torch.Tensor, kl: torch.Tensor):
-        """The ``advantage_estimator``'s estimate from the token rewards: the score (group-baselined first by a
-        critic-free estimator) on the last token, −β·KL on every token with ``kl_placement="reward"``; whitened
-        with ``whiten_rewards``."""
-        args, mask = self.args, rollout.policy_mask
-        estimator = advantages.ESTIMATORS[args.advantage_estimator]
-        if estimator.baseline is not None:
-            scale = (
-                dict(eps=args.group_std_eps, scope=args.group_scale, reduce=self.reduce) if estimator.scales else {}
-            )
-            scores = estimator.baseline(scores, mask.sum(1) > 0, args.num_samples_per_prompt, **scale)
-        kl_coef = args.kl_coef if args.kl_placement == "reward" else 0.0
-        token_rewards = core.token_rewards(scores, kl, mask, kl_coef)[0]
-        if args.whiten_rewards:
-            token_rewards = core.masked_whiten(token_rewards, mask, shift_mean=False, reduce=self.reduce)
-        estimate = estimator.estimate(token_rewards, rollout.values, mask, args)
-        if estimator.whitens:
-            whitened = core.masked_whiten(estimate.advantages, mask, reduce=self.reduce)
-            estimate = dataclasses.replace(estimate, advantages=whitened)
-        return estimate
 
     def _logged(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
         """The kept samples' per-response metrics averaged over every process, and the batch's."""

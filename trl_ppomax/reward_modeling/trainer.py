@@ -87,7 +87,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
         self.data_collator = ChosenResponseCollator(self.data_collator)
         self.reward_stats: dict[str, float] | None = None
         self._eval_rewards: list[torch.Tensor] = []
-        self._heads_checked = False
+        self.heads_checked = False
 
     # -- data ----------------------------------------------------------------------------------------------------
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
@@ -136,11 +136,11 @@ class PPOMaxRewardTrainer(RewardTrainer):
         """Next-token CE of the LM head on the chosen half of the batch, over response tokens only."""
         hidden, half = outputs.hidden_states[-1], response_mask.shape[0]
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if not self._heads_checked:
-            self._check_last_hidden_state_feeds_score(unwrapped, hidden, inputs, outputs)
+        if not self.heads_checked:
+            self.check_last_hidden_state_feeds_score(unwrapped, hidden, inputs, outputs)
         return core.lm_loss(unwrapped.lm_head(hidden[:half]), inputs["input_ids"][:half], response_mask)
 
-    def _check_last_hidden_state_feeds_score(self, model, hidden, inputs, outputs) -> None:
+    def check_last_hidden_state_feeds_score(self, model, hidden, inputs, outputs) -> None:
         """Once, on the first batch: the score head on the last hidden state (which the LM head reads) at the
         position the model reads (:func:`~trl_ppomax.models.score_position`, as PPO) must give the model's scores."""
         with torch.no_grad():
@@ -153,7 +153,7 @@ class PPOMaxRewardTrainer(RewardTrainer):
                     "transformers *ForSequenceClassification causal LM (a linear `score` on the last hidden state), "
                     "or set lm_loss_coef=0 to train with the pairwise loss alone."
                 )
-        self._heads_checked = True
+        self.heads_checked = True
 
     # -- evaluation and statistics -------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
