@@ -50,7 +50,7 @@ def no_rollout(trainer, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rollout started before the fault was reported")
 
-    monkeypatch.setattr(trainer.rollouts, "rollout", refuse)
+    monkeypatch.setattr(trainer.rollouts, "written_by", refuse)  # every scored rollout, training or sampling
     return trainer
 
 

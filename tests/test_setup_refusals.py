@@ -43,7 +43,7 @@ def rollout_forbidden(monkeypatch):
     def forbidden(self, *args, **kwargs):
         raise AssertionError("the first rollout started: the fault was not caught at construction")
 
-    monkeypatch.setattr(Rollouts, "rollout", forbidden)
+    monkeypatch.setattr(Rollouts, "written_by", forbidden)  # every scored rollout, training or sampling
 
 
 # ------------------------------------------------------------------------------------------------------------------
