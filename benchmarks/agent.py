@@ -1,4 +1,4 @@
-"""The toy world's agent task (:mod:`trl_ppomax.toyworld.agent`): PPO-max with the ``lookup`` tool, without it, and
+"""The toy world's agent task (:mod:`trl_ppomax.toyworld.agent_task`): PPO-max with the ``lookup`` tool, without it, and
 with the tool's tokens trained on (the masking ablated), from the same SFT agent, over seeds.
 
     python benchmarks/agent.py                                  # 3 conditions × seeds 0 1 2, 80 iterations (~30 min)
@@ -29,7 +29,7 @@ from trl_ppomax.data.files import write_json
 from trl_ppomax.generation import HFGeneration
 from trl_ppomax.generation.agent import AgentRollouts
 from trl_ppomax.ppo.scoring import policy_logprobs
-from trl_ppomax.toyworld.agent import (
+from trl_ppomax.toyworld.agent_task import (
     AGENT_METRICS,
     CONDITIONS,
     AgentSettings,

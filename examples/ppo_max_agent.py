@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's trl
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
-from trl_ppomax.toyworld.agent import (
+from trl_ppomax.toyworld.agent_task import (
     AgentSettings,
     LookupEnvironment,
     agent_gold_reward,

@@ -23,7 +23,7 @@ from trl_ppomax.base import metrics as M
 from trl_ppomax.generation.agent import AgentRollouts, EnvironmentReward
 from trl_ppomax.generation.rollout_func import padded
 from trl_ppomax.generation.tools import ToolRunner, ToolTurnTokens, parse_tool_calls, tool_call_parser, tool_schema
-from trl_ppomax.toyworld.agent import (
+from trl_ppomax.toyworld.agent_task import (
     TOOL_CALL,
     AgentSettings,
     LookupEnvironment,

@@ -224,9 +224,9 @@ def evaluate_base(tmp_path, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("prompts or models loaded before the settings were checked")
 
-    from trl_ppomax.judging import generation, run
+    from trl_ppomax.judging import answers, run
 
-    monkeypatch.setattr(generation, "load_prompts", forbidden)
+    monkeypatch.setattr(answers, "load_prompts", forbidden)
     monkeypatch.setattr(run, "evaluate_policy", forbidden)
     for name in ("policy", "sft"):
         (tmp_path / name).mkdir()

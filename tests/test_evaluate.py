@@ -15,9 +15,9 @@ from helpers import make_trainer, snapshot
 from trl_ppomax.base import metrics as M
 from trl_ppomax.cli import main
 from trl_ppomax.data import tokenize_prompt
+from trl_ppomax.judging.answers import GenerationSettings, load_prompts
 from trl_ppomax.judging.base import JsonlCache, Pair, combine_swapped, margin_verdict
 from trl_ppomax.judging.callback import WinRateCallback
-from trl_ppomax.judging.generation import GenerationSettings, load_prompts
 from trl_ppomax.judging.report import count, tally, wilson_interval
 from trl_ppomax.judging.run import evaluate_policy
 from trl_ppomax.judging.scored import FunctionJudge, RewardModelJudge
@@ -125,7 +125,7 @@ def test_evaluate_policy_end_to_end_and_resume(world, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("nothing should be generated or scored again")
 
-    monkeypatch.setattr("trl_ppomax.judging.generation.load_causal_lm", refuse)
+    monkeypatch.setattr("trl_ppomax.judging.answers.load_causal_lm", refuse)
     monkeypatch.setattr(FunctionJudge, "score", refuse)
     again = evaluate_policy(world.sft, world.sft, prompts, tmp_path / "ev", [FunctionJudge(gold_rewards)], TOY)
     assert again["judges"]["gold"] == report["judges"]["gold"]

@@ -273,7 +273,7 @@ def test_an_agent_runs_its_tool_loop_on_the_colocated_engine(tmp_path):
     policy's on the policy's tokens only (the tool's tokens have no sampler log-prob), so the gap stays tiny."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from trl_ppomax.toyworld.agent import (
+    from trl_ppomax.toyworld.agent_task import (
         AgentSettings,
         LookupEnvironment,
         agent_gold_reward,

@@ -120,7 +120,7 @@ def check_paths(args: argparse.Namespace) -> None:
 def _run_pairwise(args: argparse.Namespace) -> int:
     from datasets import concatenate_datasets
 
-    from trl_ppomax.judging.generation import GenerationSettings, load_prompts
+    from trl_ppomax.judging.answers import GenerationSettings, load_prompts
     from trl_ppomax.judging.run import evaluate_policy
 
     if not args.baseline or not args.prompts or not args.judges:

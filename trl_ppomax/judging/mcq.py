@@ -50,8 +50,8 @@ from tqdm.auto import tqdm
 
 from trl_ppomax.data import PromptCollator
 from trl_ppomax.data.files import write_json, write_text_atomically
+from trl_ppomax.judging.answers import load_causal_lm
 from trl_ppomax.judging.base import ALL
-from trl_ppomax.judging.generation import load_causal_lm
 
 logger = logging.getLogger(__name__)
 

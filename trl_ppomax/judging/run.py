@@ -14,8 +14,8 @@ from pathlib import Path
 from datasets import Dataset
 
 from trl_ppomax.data.files import read_json, write_json, write_text_atomically
+from trl_ppomax.judging.answers import GenerationSettings, make_pairs
 from trl_ppomax.judging.base import JsonlCache, Judge
-from trl_ppomax.judging.generation import GenerationSettings, make_pairs
 from trl_ppomax.judging.report import format_table, plot_win_tie_lose, tally
 
 
@@ -29,7 +29,7 @@ def evaluate_policy(
     names: dict[str, str] | None = None,
 ) -> dict:
     """Compare ``policy`` with ``baseline`` (paths, Hub ids or ``(model, tokenizer)``) on ``prompts`` (a ``prompt``
-    and a ``category`` column: :func:`~trl_ppomax.judging.generation.load_prompts`) with each judge; returns and
+    and a ``category`` column: :func:`~trl_ppomax.judging.answers.load_prompts`) with each judge; returns and
     writes ``report.json``::
 
         {"policy", "baseline", "num_prompts", "generation": {...},

@@ -180,7 +180,7 @@ def win_tie_lose_vs_sft(
     """The trained policy against the SFT policy on held-out prompts, judged by the gold reward
     (:func:`trl_ppomax.judging.run.evaluate_policy`, sampled as in training): ``{"win", "tie", "lose", …,
     "win_rate", "win_rate_ci95"}`` over all prompts. ``output_dir`` is emptied first (it caches by name only)."""
-    from trl_ppomax.judging.generation import GenerationSettings, load_prompts
+    from trl_ppomax.judging.answers import GenerationSettings, load_prompts
     from trl_ppomax.judging.run import evaluate_policy
     from trl_ppomax.judging.scored import FunctionJudge
 
