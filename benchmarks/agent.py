@@ -58,7 +58,7 @@ def tool_token_logprob(trainer, rows: int = 64) -> float:
     """The policy's mean log-prob of the tokens the tool inserted, in sampled trajectories on held-out prompts (with
     the environment's ``lookup``, whatever the condition): how far the policy has learned to write the tool's part."""
     dataset = agent_prompts(rows, seed=99)
-    agent = AgentRollouts(trainer.args, trainer.processing_class, [], LookupEnvironment, trainer.stop_id)
+    agent = AgentRollouts(trainer.args, trainer.processing_class, [], LookupEnvironment, trainer.end_token_id)
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     engine = HFGeneration(policy, trainer.args, trainer.stop_token_id, trainer.processing_class.pad_token_id)
     with torch.random.fork_rng():

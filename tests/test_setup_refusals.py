@@ -748,16 +748,16 @@ def test_reward_functions_callable_either_way_are_accepted_and_their_own_type_er
 
 def test_extra_critic_epochs_are_refused_under_deepspeed_and_the_everyday_setups_pass(tmp_path):
     from trl_ppomax import PPOMaxConfig
-    from trl_ppomax.ppo import setup
+    from trl_ppomax.ppo import checks
 
     def config(**settings):
         return PPOMaxConfig(output_dir=str(tmp_path), report_to="none", **settings)
 
     with pytest.raises(ValueError, match="set num_critic_epochs=None, or train without DeepSpeed"):
-        setup.check_deepspeed_epochs(config(num_ppo_epochs=2, num_critic_epochs=4))
+        checks.check_deepspeed_epochs(config(num_ppo_epochs=2, num_critic_epochs=4))
     for everyday in (
         config(),
         config(num_ppo_epochs=2, num_critic_epochs=2),
         config(advantage_estimator="reinforce_pp"),
     ):
-        setup.check_deepspeed_epochs(everyday)
+        checks.check_deepspeed_epochs(everyday)

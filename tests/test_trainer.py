@@ -12,7 +12,7 @@ from helpers import TINY, changed, make_trainer, snapshot
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.base import core
 from trl_ppomax.cli.plan import plan as run_plan
-from trl_ppomax.ppo import setup
+from trl_ppomax.ppo import checks
 from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 
@@ -489,11 +489,11 @@ def test_model_arguments_that_do_not_fit_together_are_refused():
     _, policy, reward = build_models()
     lora = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
     models = dict(model=policy, ref_model=None, reward_model=reward, value_model=None)
-    setup.check_model_arguments(models, lora)  # a plain policy with a LoRA config: fine
+    checks.check_model_arguments(models, lora)  # a plain policy with a LoRA config: fine
     with pytest.raises(ValueError, match="reference is the model with its adapter disabled"):
-        setup.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
+        checks.check_model_arguments({**models, "ref_model": build_models()[1]}, lora)
     with pytest.raises(ValueError, match="already a PEFT model"):
-        setup.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)
+        checks.check_model_arguments({**models, "model": get_peft_model(build_models()[1], lora)}, lora)
 
 
 @pytest.mark.parametrize(

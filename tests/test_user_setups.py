@@ -18,7 +18,7 @@ from user_setups import build_llama_style_tokenizer, pythia_style_tokenizer, wri
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.cli import ppo, reward
-from trl_ppomax.ppo.setup import tokenizer_mismatch
+from trl_ppomax.ppo.checks import tokenizer_mismatch
 from trl_ppomax.toyworld.tiny import ARCHITECTURES
 
 ARCHS = ARCHITECTURES

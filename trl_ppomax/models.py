@@ -250,7 +250,7 @@ def check_single_label(model) -> None:
 
 def build_models(args, model, ref_model, reward_model, value_model, peft_config) -> tuple[nn.Module, ...]:
     """``(policy, reference, critic)`` from the trainer's arguments (checked by
-    :func:`~trl_ppomax.ppo.setup.check_model_arguments`), dropout off everywhere (PPO's ratio must start at 1). The
+    :func:`~trl_ppomax.ppo.checks.check_model_arguments`), dropout off everywhere (PPO's ratio must start at 1). The
     critic: ``value_model``, else a copy of ``reward_model`` (the reward model it is initialised from), else, with
     reward functions or an environment only, the policy with a fresh scalar head; none for a critic-free
     advantage estimator."""
@@ -413,3 +413,21 @@ def sequence_inputs(
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0),
     }
+
+
+def embedding_size(model) -> int | None:
+    """Rows of ``model``'s input embedding (the ids it can read), or its config's ``vocab_size``; None if unknown."""
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    size = getattr(embeddings, "num_embeddings", None)  # kept under ZeRO-3, where the weight is a placeholder
+    if size is None and getattr(embeddings, "weight", None) is not None and embeddings.weight.ndim == 2:
+        size = embeddings.weight.shape[0]
+    if size is None:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(config, "vocab_size", None)
+    return int(size) if size is not None else None

@@ -3,8 +3,8 @@ engine and source), behind two contracts, each a ``typing.Protocol``:
 
 - a :class:`GenerationEngine` samples responses to prompts (:class:`HFGeneration`, the policy's ``generate``;
   :class:`~trl_ppomax.generation.vllm.VLLMEngine`; transformers' continuous batching,
-  :class:`~trl_ppomax.generation.continuous_batching.ContinuousBatchingEngine`); the bounded-staleness producer also needs the optional
-  :class:`SnapshotEngine` part (a copy of the policy it can load an older snapshot into);
+  :class:`~trl_ppomax.generation.continuous_batching.ContinuousBatchingEngine`); the bounded-staleness producer
+  also needs the optional :class:`SnapshotEngine` part (a copy of the policy it can load an older snapshot into);
 - a :class:`RolloutSource` turns a batch of prompts into a :class:`~trl_ppomax.base.rollout.Generated` of ``B·n``
   rows (row ``i·n + j``: prompt ``i``'s ``j``-th sample, the prompts and the dataset's columns repeated), the one
   container that flows to scoring: the engine itself (:class:`EngineSource`), its agent loop (:class:`AgentSource`),
@@ -315,7 +315,13 @@ def _continuous_batching_engine(args, accelerator, policy, tokenizer, stop_token
     from trl_ppomax.generation.continuous_batching import ContinuousBatchingEngine
 
     policy = getattr(policy, "policy", policy)  # generate_batch is the causal LM's, not the policy + critic wrapper's
-    return ContinuousBatchingEngine(policy, args, stop_token_id, tokenizer.pad_token_id)
+    return ContinuousBatchingEngine(
+        policy=policy,
+        args=args,
+        stop_token_id=stop_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        corrections=HFGeneration(policy, args, stop_token_id, tokenizer.pad_token_id),
+    )
 
 
 def _generate_engine(args, accelerator, policy, tokenizer, stop_token_id):

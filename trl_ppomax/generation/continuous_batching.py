@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from trl_ppomax.base.rollout import pad_right
-from trl_ppomax.generation import HFGeneration
 
 __all__ = ["ContinuousBatchingEngine"]
 
@@ -26,17 +25,26 @@ logger = logging.getLogger(__name__)
 REQUEST_INDEX = re.compile(r"^req_(\d+)$")
 
 
-class ContinuousBatchingEngine(HFGeneration):
+class ContinuousBatchingEngine:
     """A :class:`~trl_ppomax.generation.GenerationEngine` on ``policy.generate_batch`` (the unwrapped policy the
-    trainer trains, so every rollout samples the current weights); a ``rollout_func``'s log-probs are corrected as
-    :class:`~trl_ppomax.generation.HFGeneration` corrects them. ``args``: the run's config (sampling settings,
-    ``response_length``, ``transformers_continuous_batching_config``: transformers' ``ContinuousBatchingConfig``
-    arguments, ``max_memory_percent`` 0.5 unless set, as TRL leaves memory for the update)."""
+    trainer trains, so every rollout samples the current weights).
 
-    def __init__(self, policy: nn.Module, args, stop_token_id: int | None, pad_token_id: int) -> None:
+    Args (keyword-only):
+        policy: the causal LM (its ``generate_batch``).
+        args: the run's config (sampling settings, ``response_length``, ``transformers_continuous_batching_config``:
+            transformers' ``ContinuousBatchingConfig`` arguments, ``max_memory_percent`` 0.5 unless set, as TRL
+            leaves memory for the update).
+        stop_token_id: the token a response ends at (None: ``response_length`` tokens); ``pad_token_id`` pads rows.
+        corrections: the policy's own-``generate`` engine (:class:`~trl_ppomax.generation.HFGeneration`), which
+            corrects a ``rollout_func``'s log-probs (``importance_weights``) and measures that sampling gap
+            (``pop_metrics``) for every engine that samples from the policy itself.
+    """
+
+    def __init__(self, *, policy: nn.Module, args, stop_token_id: int | None, pad_token_id: int, corrections) -> None:
         from transformers.generation import ContinuousBatchingConfig
 
-        super().__init__(policy, args, stop_token_id, pad_token_id)
+        self.policy, self.args, self.corrections = policy, args, corrections
+        self.stop_token_id, self.pad_token_id = stop_token_id, pad_token_id
         settings = {"max_memory_percent": 0.5, **(args.transformers_continuous_batching_config or {})}
         self.batching_config = ContinuousBatchingConfig(**settings)
         if args.repetition_penalty != 1.0:
@@ -45,6 +53,15 @@ class ContinuousBatchingEngine(HFGeneration):
                 "not the paper's generated-tokens-only penalty (the default engine's).",
                 args.repetition_penalty,
             )
+
+    def on_policy_updated(self) -> None:
+        """Nothing to do: ``generate_batch`` reads the trained weights themselves."""
+
+    def importance_weights(self, policy_logits, logprobs, responses, mask, sampler_logprobs) -> torch.Tensor:
+        return self.corrections.importance_weights(policy_logits, logprobs, responses, mask, sampler_logprobs)
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.corrections.pop_metrics()
 
     def generation_config(self, sampling: bool, max_new_tokens: int | None):
         """The rollout's ``GenerationConfig``: greedy, or sampled with the run's settings; at most ``max_new_tokens``

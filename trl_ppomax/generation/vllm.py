@@ -49,8 +49,8 @@ class VLLMEngine:
     pushed before the first rollout and after every iteration whose update changed the policy
     (``on_policy_updated``), never during critic warm-up. The interface is :mod:`~trl_ppomax.generation`'s."""
 
-    def __init__(self, args, accelerator, policy, tokenizer, stop_id: int | None) -> None:
-        """``policy``: the unwrapped policy the engine serves; ``stop_id``: the token ending a response (or None)."""
+    def __init__(self, args, accelerator, policy, tokenizer, stop_token_id: int | None) -> None:
+        """``policy``: the unwrapped policy the engine serves; ``stop_token_id``: the token ending a response (or None)."""
         device = accelerator.device.type
         if args.vllm_mode == "server" and device != "cuda":
             raise ValueError(
@@ -61,10 +61,10 @@ class VLLMEngine:
         from trl.generation.vllm_generation import VLLMGeneration
 
         self.args, self.on_cpu = args, device == "cpu"
-        self.stop_id, self.pad_token_id = stop_id, tokenizer.pad_token_id
+        self.stop_token_id, self.pad_token_id = stop_token_id, tokenizer.pad_token_id
         extra = {"detokenize": False, "ignore_eos": True}  # stop at the configured stop token only, as generate() does
-        if self.stop_id is not None:
-            extra["stop_token_ids"] = [self.stop_id]
+        if self.stop_token_id is not None:
+            extra["stop_token_ids"] = [self.stop_token_id]
         with loadable(policy, tokenizer, args.output_dir), same_dtype(policy):
             self.generation = VLLMGeneration(
                 model=policy,

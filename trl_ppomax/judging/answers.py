@@ -102,8 +102,8 @@ def generate_answers(
     """``{"text", "finished"}`` per prompt (``finished``: it ended with the stop token), from ``cache`` or generated
     in fixed batches of ``settings.batch_size`` (a batch is generated whole if any of its prompts is missing, with
     the seed ``settings.seed + first row``, so a resumed run samples what an uninterrupted one would)."""
-    stop_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_id
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     if pad_id is None:
         raise ValueError("The tokenizer has neither a pad nor an eos token; set tokenizer.pad_token.")
     limit = prompt_budget(model, settings.max_new_tokens)
@@ -125,12 +125,12 @@ def generate_answers(
     for start in tqdm(starts, desc=f"Generating ({side})", unit="batch"):
         batch = collate([{"input_ids": row} for row in ids[start : start + width]])
         query = batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device)
-        kwargs = generation_kwargs(sampling, stop_id, pad_id, settings.do_sample, prompt_width=query[0].shape[1])
+        kwargs = generation_kwargs(sampling, eos_id, pad_id, settings.do_sample, prompt_width=query[0].shape[1])
         torch.manual_seed(settings.seed + start)
         responses, mask = generate_responses(model, *query, kwargs)
         for offset, (row, row_mask) in enumerate(zip(responses, mask, strict=True)):
             tokens = row[row_mask.bool()].tolist()
-            finished = bool(tokens) and tokens[-1] == stop_id
+            finished = bool(tokens) and tokens[-1] == eos_id
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             cache.put(f"{side}|{keys[start + offset]}", {"text": text, "finished": finished})
     return [cache.get(f"{side}|{key}") for key in keys]

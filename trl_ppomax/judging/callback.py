@@ -106,5 +106,7 @@ class WinRateCallback(TrainerCallback):
         else:
             prompts = decode_texts(tokenizer, rollout.query_ids, rollout.query_mask)
         answers = decode_texts(tokenizer, rollout.response_ids, rollout.response_mask)
-        finished = ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer.stop_id).bool().tolist()
+        finished = (
+            ends_with_stop(rollout.response_ids, rollout.response_mask, self.trainer.end_token_id).bool().tolist()
+        )
         return self.judge.score(prompts, answers, finished)

@@ -78,12 +78,23 @@ def process_sum(accelerator) -> Reduce:
 class ExperienceMaker:
     """Phase 2, rewards and advantages (§5.3): scores normalised and clipped with the running moments, the token KL
     penalty, the ``advantage_estimator``'s advantages and returns (:mod:`~trl_ppomax.ppo.advantages`), whitened, and
-    the rollout's metrics (``rollout_metrics``: the user's; ``stop_id``: the token the length metrics look for)."""
+    the rollout's metrics.
 
-    def __init__(self, args, ppo_state, accelerator, tokenizer, reward_sources, rollout_metrics, stop_id) -> None:
+    Args (keyword-only):
+        args: the run's config (reward shaping, the estimator, whitening).
+        ppo_state: the :class:`~trl_ppomax.ppo.state.PPOState` whose running moments and counters it updates.
+        accelerator: the run's ``Accelerator`` (gathers and sums over processes); ``tokenizer``: the policy's.
+        reward_sources: the run's reward sources (their names and statistics in the metrics).
+        rollout_metrics: the user's extra per-response measurements, ``{name: f(prompts, completions)}``.
+        end_token_id: the token that ends a finished response, which the length metrics look for.
+    """
+
+    def __init__(
+        self, *, args, ppo_state, accelerator, tokenizer, reward_sources, rollout_metrics, end_token_id
+    ) -> None:
         self.args, self.ppo_state, self.gather = args, ppo_state, accelerator.gather
         self.reduce, self.reward_sources, self.tokenizer = process_sum(accelerator), reward_sources, tokenizer
-        self.rollout_metrics, self.stop_id = rollout_metrics, stop_id
+        self.rollout_metrics, self.end_token_id = rollout_metrics, end_token_id
 
     def make(self, rollout: Rollout, step: int) -> tuple[Experience | None, dict[str, float], str | None]:
         """The experience of ``rollout`` at iteration ``step + 1``: samples with a non-finite score are masked out
@@ -116,7 +127,7 @@ class ExperienceMaker:
         the statistics, as in TRL."""
         mask = rollout.response_mask
         last = rollout.response_ids.gather(1, core.last_token_index(mask).unsqueeze(1)).squeeze(1)
-        finished = ((last == self.stop_id) & (mask.sum(1) > 0)).to(mask.dtype)
+        finished = ((last == self.end_token_id) & (mask.sum(1) > 0)).to(mask.dtype)
         return dataclasses.replace(rollout, env_mask=rollout.policy_mask * finished.unsqueeze(1))
 
     def shape_scores(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +161,7 @@ class ExperienceMaker:
         return {
             **rewards.text_metrics(self.rollout_metrics, self.tokenizer, rollout),
             **self.reward_sources.metrics(rollout.source_scores),
-            **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self.stop_id),
+            **M.response_metrics(rollout, scores, kl, self.args.kl_coef, self.end_token_id),
         }
 
     def source_spreads(self, rollout: Rollout, keep: torch.Tensor) -> dict[str, float]:

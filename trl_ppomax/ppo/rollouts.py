@@ -13,7 +13,6 @@ from trl_ppomax import data, models, rewards
 from trl_ppomax.base.rollout import Generated, Rollout
 from trl_ppomax.generation import GenerationEngine, PromptBatch, RolloutSource, rollout_sources
 from trl_ppomax.generation.vllm import VLLMEngine
-from trl_ppomax.ppo.setup import embedding_size
 
 
 class Rollouts:
@@ -64,7 +63,7 @@ class Rollouts:
         self.trainer, self.prompt_batches = trainer, prompt_batches
         self.frozen_modules, self.collator = frozen_modules, collator
         policy = accelerator.unwrap_model(model).policy
-        self.checks = dict(vocab_size=embedding_size(policy), context_length=data.model_context(policy))
+        self.checks = dict(vocab_size=models.embedding_size(policy), context_length=data.model_context(policy))
         self.engine = engine
 
     @property

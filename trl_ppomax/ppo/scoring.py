@@ -16,15 +16,24 @@ from trl_ppomax.ppo.batching import forward_groups, forward_queries
 
 
 class Scorer:
-    """Scores rollouts for one trainer: the prepared ``ref_model`` (None: the PEFT policy with its adapter off), the
-    ``generation`` engine or lagged producer (its ``importance_weights`` when rollouts come with their sampler's
-    log-probs) and ``stop_id``, the token the
-    missing-stop-token penalty looks for."""
+    """Scores rollouts for one trainer.
 
-    def __init__(self, args, accelerator, tokenizer, reward_sources, ref_model, generation, stop_id: int) -> None:
+    Args (keyword-only):
+        args: the run's config (forward micro-batch sizes, ``missing_eos_penalty``, the KL estimator's needs).
+        accelerator: the run's ``Accelerator``; ``tokenizer``: the policy's.
+        reward_sources: the :class:`~trl_ppomax.rewards.RewardSources` that score a response.
+        ref_model: the prepared reference policy (None: the PEFT policy with its adapter off).
+        generation: the generation engine or the producer of rollouts generated ahead (its ``importance_weights``
+            when rollouts come with their sampler's log-probs).
+        end_token_id: the token that ends a finished response, which the missing-stop-token penalty looks for.
+    """
+
+    def __init__(
+        self, *, args, accelerator, tokenizer, reward_sources, ref_model, generation, end_token_id: int
+    ) -> None:
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.reward_sources, self.ref_model = reward_sources, ref_model
-        self.generation, self.stop_id = generation, stop_id
+        self.generation, self.end_token_id = generation, end_token_id
 
     def log_probs(
         self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask=None
@@ -85,7 +94,7 @@ class Scorer:
         """The reward sources' scores (B,) after the missing-stop-token penalty, and each source's (B, S)."""
         scores, source_scores = self.reward_sources.score(self.tokenizer, inputs, query_mask, mask, columns)
         penalty = self.args.missing_eos_penalty
-        return rewards.apply_missing_eos_penalty(scores, responses, mask, self.stop_id, penalty), source_scores
+        return rewards.apply_missing_eos_penalty(scores, responses, mask, self.end_token_id, penalty), source_scores
 
     def sample_scores(self, query_ids, query_mask, responses, mask, columns) -> Rollout:
         """Responses and their scores alone (after the missing-stop-token penalty), for sample tables: a

@@ -26,7 +26,7 @@ from trl_ppomax.base import metrics as M
 from trl_ppomax.base.rollout import Rollout
 from trl_ppomax.generation import generation_engine
 from trl_ppomax.models import PolicyAndCritic
-from trl_ppomax.ppo import optim, setup, update
+from trl_ppomax.ppo import checks, optim, setup, update
 from trl_ppomax.ppo.checkpoint import Checkpointer
 from trl_ppomax.ppo.config import PPOMaxConfig
 from trl_ppomax.ppo.evaluation import Evaluator
@@ -95,17 +95,22 @@ class PPOMaxTrainer(Trainer):
     ) -> None:
         reward_model = reward_funcs if reward_funcs is not None else reward_model
         args = setup.default_config(args, model)  # TRL GRPO's: a config named after the model
-        passed = dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model)
         # Arguments checked before anything expensive (each refusal names the fix), models built, prompts prepared
-        datasets = (train_dataset, eval_dataset, ptx_dataset)
-        rollouts = dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory)
-        settings = (peft_config, reward_processing_classes, rollout_metrics, rollouts)
-        built = setup.set_up(args, processing_class, passed, datasets, *settings)
-        processing_class, self.ref_model, self.reward_sources = built.tokenizer, built.ref_model, built.reward_sources
-        self.reward_model, self.stop_token_id, self.stop_id = built.reward_model, built.stop_token_id, built.stop_id
-        self.is_peft_model = models.is_peft(built.policy)
+        built = setup.set_up(
+            args=args,
+            tokenizer=processing_class,
+            models=dict(model=model, ref_model=ref_model, reward_model=reward_model, value_model=value_model),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            ptx_dataset=ptx_dataset,
+            peft_config=peft_config,
+            reward_processing_classes=reward_processing_classes,
+            rollout_metrics=rollout_metrics,
+            rollouts=dict(rollout_func=rollout_func, tools=tools, environment_factory=environment_factory),
+        )
+        processing_class = built.tokenizer
+        self._keep_setup(built, ptx_dataset)
         args.set_run_length(len(built.train_dataset))  # total_episodes, num_total_batches (trl 1.12 writes them back)
-        self.ptx_dataset, self.rollout_func, self.agent = ptx_dataset, built.rollout_func, built.agent
         self.last_rollout = None  # with log_completions: the latest training rollout, printed at each log
         self.train_started, self.train_summary = time.time(), None
         super().__init__(
@@ -118,17 +123,30 @@ class PPOMaxTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        self._assemble(processing_class, rollout_metrics)
+
+    def _assemble(self, processing_class, rollout_metrics) -> None:
+        """Once transformers' ``Trainer`` is set up: the PPO state, the prepared models and the phases' parts."""
         self.reduce_sum = process_sum(self.accelerator)  # a tensor summed over every process
         # The training-dynamics figure to the trackers; the live callback list says where TensorBoard writes
         self.add_callback(DynamicsFigureCallback(self.callback_handler.callbacks))
         # The Trainer leaves accumulation to itself (1 in accelerate); PPO's update loop lets accelerate do it.
-        self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
         # What a resume restores beyond TrainerState (moments, counters, ptx position), saved by checkpointing
-        self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, args.reward_norm))
+        self.ppo_state = PPOState(rewards.initial_reward_moments(self.reward_sources, self.args.reward_norm))
         identity = models.model_identity(self.model)  # counted before accelerator.prepare shards the models
         self._prepare_models()
         self._build_phases(processing_class, rollout_metrics, identity)
         self._offer_run_keywords()
+
+    def _keep_setup(self, built: setup.Setup, ptx_dataset: Dataset | None) -> None:
+        """The trainer's public names for what :func:`setup.set_up` built (trl 1.12's and TRL GRPO's)."""
+        self.ref_model, self.reward_sources = built.ref_model, built.reward_sources
+        self.reward_model = built.reward_model
+        self.stop_token_id = built.stop_token_id  # where generation stops (None: response_length tokens)
+        self.end_token_id = built.end_token_id  # what a finished response ends with: the stop token, else eos
+        self.is_peft_model = models.is_peft(built.policy)
+        self.ptx_dataset, self.rollout_func, self.agent = ptx_dataset, built.rollout_func, built.agent
 
     def _offer_run_keywords(self) -> None:
         """TRL's keywords for every reward function: ``trainer_state`` and ``log_metric`` (logged with the metrics)."""
@@ -140,7 +158,13 @@ class PPOMaxTrainer(Trainer):
         args, accelerator, sources, state = self.args, self.accelerator, self.reward_sources, self.ppo_state
         metrics = dict(rollout_metrics or {})
         self.experience_maker = ExperienceMaker(
-            args, state, accelerator, processing_class, sources, metrics, self.stop_id
+            args=args,
+            ppo_state=state,
+            accelerator=accelerator,
+            tokenizer=processing_class,
+            reward_sources=sources,
+            rollout_metrics=metrics,
+            end_token_id=self.end_token_id,
         )
         self.rollouts = self._rollout_phase()
         self.evaluator = self._evaluator()
@@ -172,7 +196,15 @@ class PPOMaxTrainer(Trainer):
             producer, engine = setup.lagged_rollouts(self, unwrapped.policy, engine)
         sampler = producer or engine  # whose importance_weights correct rollouts with sampler log-probs
         sources = self.reward_sources
-        scorer = Scorer(args, accelerator, tokenizer, sources, self.ref_model, sampler, self.stop_id)
+        scorer = Scorer(
+            args=args,
+            accelerator=accelerator,
+            tokenizer=tokenizer,
+            reward_sources=sources,
+            ref_model=self.ref_model,
+            generation=sampler,
+            end_token_id=self.end_token_id,
+        )
         return Rollouts(
             args=args,
             accelerator=accelerator,
@@ -306,10 +338,10 @@ class PPOMaxTrainer(Trainer):
         if enabled:
             self.model.gradient_checkpointing_enable(kwargs)
         self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        setup.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
+        checks.check_engine(self.is_fsdp_enabled, self.accelerator.distributed_type)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped
-            setup.check_deepspeed_epochs(self.args)
+            checks.check_deepspeed_epochs(self.args)
         if isinstance(self.ref_model, nn.Module):
             self.ref_model = models.prepare_frozen(self.ref_model, self.accelerator)
         self.reward_sources.prepare(lambda module: models.prepare_frozen(module, self.accelerator))
