@@ -354,7 +354,7 @@ def normalize_advantages(
     return advantages * mask
 
 
-# -- Losses (§3.2.3, App. B.3): (loss, 0-d detached stats); an empty mask gives a zero loss and gradient, NaN stats --
+# -- Sampling: the nucleus (§6.1 top-p), importance weights of another sampler -----------------------------------------
 def nucleus_threshold(probs: torch.Tensor, top_p: float, buckets: int = 1024) -> torch.Tensor:
     """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). Sorted
     descending as d₁ ≥ d₂ ≥ …, the nucleus is d₁ … d_K with ``K`` the last index whose preceding mass ``Σ_{i<K} d_i``
@@ -426,6 +426,7 @@ def truncated_importance_weights(
     return torch.where(mask.bool(), weights, torch.ones_like(weights))
 
 
+# -- Losses (§3.2.3, App. B.3): (loss, 0-d detached stats); an empty mask gives a zero loss and gradient, NaN stats --
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
