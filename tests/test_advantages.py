@@ -236,7 +236,7 @@ def test_group_advantages_sum_to_zero_within_each_prompt(tmp_path):
 @pytest.mark.parametrize("name", ["reinforce_pp", *GROUP_ESTIMATORS])
 def test_every_critic_free_estimator_resumes_bit_identically(tmp_path, name):
     """A run stopped after iteration 1 and resumed ends with the weights of the uninterrupted run (GAE's resume is
-    tested in test_trainer.py)."""
+    tested in test_ppo_trainer.py)."""
     settings = dict(advantage_estimator=name, num_samples_per_prompt=2, save_strategy="steps", save_steps=1)
     whole = make_trainer(tmp_path / "whole", **settings)
     whole.train()

@@ -16,7 +16,7 @@ from trl_ppomax.toyworld.tiny import prompt_texts
 
 # User-supplied rollout metrics: the trainer logs them (and eval_<name>) only when they are passed as
 # ``rollout_metrics`` (the toy world passes its gold reward). The figures draw them when present, so they are read
-# but not promised by the trainer; test_trainer.py checks that rollout metrics are logged under their own names.
+# but not promised by the trainer; test_ppo_trainer.py checks that rollout metrics are logged under their own names.
 USER_ROLLOUT_METRICS = {metrics.GOLD_REWARD, eval_name(metrics.GOLD_REWARD)}
 
 
