@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
+from trl_ppomax.ppo.rollouts import Rollouts
 from trl_ppomax.toyworld import WorldSettings, prepare_world
-from trl_ppomax.toyworld.tiny import ARCHITECTURES, save_tiny_models
+from trl_ppomax.toyworld.tiny import ARCHITECTURES, build_models, save_tiny_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
@@ -26,6 +27,17 @@ def tiny_dir(tmp_path_factory):
     shutil.copyfile(paths["llama"]["prompts"], data / "train.jsonl")
     paths["data"] = str(data)
     return paths
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny llama policy and reward model saved with the tokenizer, as ``sft/`` and ``reward/`` under one folder."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer, policy, reward = build_models("llama", seed=0)
+    for name, model in (("reward", reward), ("sft", policy)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +64,13 @@ def world_cache(cache_root):
 @pytest.fixture(scope="session")
 def world(world_cache):
     return prepare_world(WorldSettings(), cache_dir=world_cache)
+
+
+@pytest.fixture
+def rollout_forbidden(monkeypatch):
+    """Any rollout fails the test: an error must come before it."""
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("the first rollout started: the fault was not caught at construction")
+
+    monkeypatch.setattr(Rollouts, "written_by", forbidden)  # every scored rollout, training or sampling

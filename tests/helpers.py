@@ -19,14 +19,19 @@ from trl_ppomax import PPOMaxConfig, PPOMaxTrainer
 from trl_ppomax.toyworld.tiny import build_models, prompt_texts
 
 __all__ = [
+    "CONTEXT",
+    "CPU",
     "SMOKE",
     "TINY",
     "TINY_RUN",
+    "VOCAB",
     "PolicyVersions",
     "StopAt",
     "changed",
     "engine_name",
+    "exit_code",
     "make_trainer",
+    "no_rollout",
     "run_distributed",
     "snapshot",
     "tiny_trainer",
@@ -52,6 +57,11 @@ TINY = dict(
 )
 # Two iterations of 4 prompts: for the tests that only check a model works inside PPO.
 SMOKE = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
+
+CONTEXT = 128  # max_position_embeddings of the tiny models
+VOCAB = 49  # len(tokenizer) and the tiny models' embedding size
+#: The least a config built in a test needs (no GPU, no bf16).
+CPU = {"output_dir": "out", "bf16": False, "use_cpu": True}
 
 
 #: What every launched tiny run shares; each script sets its batch sizes, episodes and what it checks.
@@ -216,3 +226,19 @@ class PolicyVersions(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.versions.append(self.copy())
+
+
+def no_rollout(trainer, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rollout started before the fault was reported")
+
+    monkeypatch.setattr(trainer.rollouts, "written_by", refuse)  # every scored rollout, training or sampling
+    return trainer
+
+
+def exit_code(call) -> int:
+    """The status ``call()`` returns, or exits with."""
+    try:
+        return call()
+    except SystemExit as exit_:
+        return 0 if exit_.code is None else exit_.code

@@ -1,18 +1,18 @@
-"""What users type (issue 31): every command's ``--help`` renders, each command offers its own configs, whole-number
-fields refuse floats when the config is built, a YAML typo is named with the nearest field (exit 2, no traceback),
-and the shipped configs build without deprecation warnings."""
+"""What users type on the command line (``trl_ppomax.cli.arguments``, issue 31): every command's ``--help`` renders,
+each command offers its own configs, a float from YAML is refused while the command line converts, a YAML typo is named
+with the nearest field (exit 2, no traceback), and the shipped configs build without deprecation warnings. The configs'
+own refusals (whole-number fields given floats) are in ``test_ppo_config.py``."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import runpy
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from transformers import HfArgumentParser
+from helpers import exit_code
 from trl import ModelConfig
 
 from trl_ppomax import PPOMaxConfig, PPOMaxRewardConfig
@@ -20,22 +20,12 @@ from trl_ppomax.cli import TRAINING_COMMANDS, build_parser, main
 from trl_ppomax.cli.arguments import parse_script_args, read_config, shipped_configs
 from trl_ppomax.cli.ppo import PPOMaxScriptArguments
 from trl_ppomax.cli.reward import RewardScriptArguments
-from trl_ppomax.ppo.config import int_fields
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU = {"output_dir": "out", "bf16": False, "use_cpu": True}
 DATACLASSES = {
     "ppo": (PPOMaxScriptArguments, PPOMaxConfig, ModelConfig),
     "reward": (RewardScriptArguments, PPOMaxRewardConfig, ModelConfig),
 }
-
-
-def exit_code(call) -> int:
-    """The status ``call()`` returns, or exits with."""
-    try:
-        return call()
-    except SystemExit as exit_:
-        return 0 if exit_.code is None else exit_.code
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -75,15 +65,6 @@ def test_every_recipe_renders_its_help(recipe, capsys, monkeypatch):
     assert out.startswith(f"usage: {recipe}") and "--learning_rate" in out
 
 
-@pytest.mark.parametrize("config", [PPOMaxConfig, PPOMaxRewardConfig])
-def test_hf_argument_parser_renders_the_configs_help(config, capsys):
-    assert exit_code(lambda: HfArgumentParser(config).parse_args(["--help"])) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--output_dir" in out
-    if config is PPOMaxConfig:
-        assert "marks the assistant turns as generation blocks" in out  # the help that held "{% generation %}"
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # 2. each training command offers its own configs
 # ------------------------------------------------------------------------------------------------------------------
@@ -103,37 +84,6 @@ def test_each_training_command_offers_only_its_configs(capsys):
 # ------------------------------------------------------------------------------------------------------------------
 # 3. whole-number fields refuse floats (and bools) when the config is built
 # ------------------------------------------------------------------------------------------------------------------
-def test_a_float_sample_count_is_refused_when_the_config_is_built():
-    # it used to pass, and fail at iteration 1 with "manual_seed expected a long"
-    with pytest.raises(ValueError) as error:
-        PPOMaxConfig(**CPU, num_samples_per_prompt=2.0)
-    assert str(error.value) == (
-        "num_samples_per_prompt must be a whole number, got 2.0 (a float): write num_samples_per_prompt=2 (in a YAML "
-        "config `num_samples_per_prompt: 2`, without the '.0')."
-    )
-    with pytest.raises(ValueError, match=r"got 2\.5 \(a float\): write num_samples_per_prompt=2 or .*=3\.$"):
-        PPOMaxConfig(**CPU, num_samples_per_prompt=2.5)
-    with pytest.raises(ValueError, match=r"^seed must be a whole number, got True \(a bool\): write seed=1 if"):
-        PPOMaxConfig(**CPU, seed=True)
-
-
-@pytest.mark.parametrize("config", [PPOMaxConfig, PPOMaxRewardConfig])
-def test_every_int_field_refuses_a_float_and_a_bool(config):
-    names = [name for name, _ in int_fields(config)]
-    assert {"per_device_train_batch_size", "seed", "gradient_accumulation_steps"} <= set(names)
-    if config is PPOMaxConfig:
-        assert {"num_samples_per_prompt", "response_length", "num_ppo_epochs", "critic_warmup_steps"} <= set(names)
-    for name in names:
-        for value in (3.0, False):
-            with pytest.raises(ValueError, match=rf"^{name} must be a whole number.*got {value!r} .*write {name}="):
-                config(**CPU, **{name: value})
-
-
-def test_whole_numbers_still_pass_and_copies_still_build(tmp_path):
-    config = PPOMaxConfig(**CPU, num_samples_per_prompt=2, max_prompt_length=None, stop_token_id=0)
-    assert config.local_prompt_batch_size == config.local_batch_size // 2
-    dataclasses.replace(config)  # derived sizes and what transformers set are whole numbers too
-    PPOMaxRewardConfig(**CPU, max_length=64)
 
 
 def write(tmp_path: Path, text: str, name: str = "mine.yaml") -> str:
@@ -238,12 +188,3 @@ def test_every_shipped_config_builds_without_deprecation_warnings(config, tmp_pa
     text = (ROOT / "trl_ppomax" / "cli" / "configs" / f"{config}.yaml").read_text()
     assert "\ngradient_checkpointing" not in text
     assert args.activation_checkpointing == ("activation_checkpointing: true" in text)
-
-
-@pytest.mark.parametrize("config", [PPOMaxConfig, PPOMaxRewardConfig])
-def test_default_configs_build_without_deprecation_warnings(config):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        warnings.simplefilter("error", DeprecationWarning)
-        built = config(**CPU)
-    assert built.activation_checkpointing and built.gradient_checkpointing  # on, as in trl

@@ -1,5 +1,6 @@
 """Non-finite rewards and numbers during a run (``trl_ppomax.ppo.experience``, ``base.core``): dropped per sample,
-skipped per batch, stopped after ``max_skipped_iterations`` in a row; losses with nothing left to average over."""
+skipped per batch, stopped after ``max_skipped_iterations`` in a row; losses with nothing left to average over. The
+experience made of a rollout with dropped samples is in ``test_ppo_experience.py``."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StopAt, changed, make_trainer, run_distributed, snapshot
+from helpers import StopAt, changed, make_trainer, snapshot
 
 from trl_ppomax.base import core
 from trl_ppomax.base import metrics as M
-from trl_ppomax.base.rollout import Rollout
-from trl_ppomax.ppo.experience import drop_non_finite, kept_gather
 from trl_ppomax.ppo.state import PPOState
-from trl_ppomax.toyworld.tiny import (
-    build_models,
-)
+from trl_ppomax.toyworld.tiny import build_models
 
 # ==================================================================================================================
 # Faults during a run: non-finite rewards, path typos in the recipes, damaged release shards, bad preference rows.
@@ -87,35 +84,6 @@ def test_minibatch_whitening_survives_a_minibatch_with_no_sample_left(tmp_path):
     trainer.train()
     assert trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 30 and trainer.ppo_state.counters[M.SKIPPED_UPDATES] == 0
     assert changed(before, trainer.model.critic) > 0
-
-
-def first_rollout(trainer) -> Rollout:
-    batch = trainer.prompt_batches[0]
-    return trainer.rollout(batch["input_ids"], batch["attention_mask"])
-
-
-@pytest.mark.parametrize("whiten_rewards", [False, True])
-def test_dropped_samples_leave_the_same_experience_as_a_batch_without_them(tmp_path, whiten_rewards):
-    trainer = make_trainer(tmp_path, whiten_rewards=whiten_rewards, reward_norm="running")
-    rollout = first_rollout(trainer)
-    poisoned = Rollout(**{**vars(rollout), "scores": rollout.scores.clone()})
-    poisoned.scores[[1, 5]] = torch.tensor([NAN, -INF])
-    keep = torch.isfinite(poisoned.scores)
-    start = trainer.ppo_state.running_reward.state_dict()
-
-    masked, masked_metrics, _ = trainer.make_experience(poisoned)
-    moments = trainer.ppo_state.running_reward.state_dict()
-    trainer.ppo_state.running_reward.load_state_dict(start)
-    clean, clean_metrics, _ = trainer.make_experience(rollout.select(keep))
-
-    assert moments == pytest.approx(trainer.ppo_state.running_reward.state_dict())
-    assert moments["count"] == start["count"] + keep.sum().item()
-    for name in ("advantages", "returns", "raw_advantages"):
-        torch.testing.assert_close(getattr(masked, name)[keep], getattr(clean, name), msg=name)
-        assert torch.all(getattr(masked, name)[~keep] == 0), name
-    assert masked.rollout.response_mask[~keep].sum() == 0 and torch.all(masked.rollout.scores[~keep] == 0)
-    assert masked_metrics == pytest.approx(clean_metrics)
-    assert trainer.ppo_state.counters[M.SKIPPED_SAMPLES] == 2
 
 
 def test_an_all_nan_reward_stops_after_max_skipped_iterations(tmp_path):
@@ -197,54 +165,6 @@ def test_a_short_run_whose_every_iteration_is_skipped_fails(tmp_path):
     trainer = make_trainer(tmp_path, reward=nan_reward("all"), value_model=critic(), max_skipped_iterations=3)
     with pytest.raises(RuntimeError, match=r"every one of the run's 2 iterations .*max_skipped_iterations=3"):
         trainer.train()  # 2 iterations, both skipped: fewer than max_skipped_iterations, but nothing trained
-
-
-def fake_rollout(scores, values=None) -> Rollout:
-    batch = len(scores)
-    mask = torch.ones(batch, 3, dtype=torch.long)
-    return Rollout(
-        query_ids=torch.zeros(batch, 2, dtype=torch.long),
-        query_mask=torch.ones(batch, 2, dtype=torch.long),
-        response_ids=torch.ones(batch, 3, dtype=torch.long),
-        response_mask=mask,
-        logprobs=-torch.ones(batch, 3),
-        ref_logprobs=-torch.ones(batch, 3),
-        values=torch.ones(batch, 3) if values is None else torch.tensor(values),
-        scores=torch.tensor(scores),
-        policy_perplexity=torch.ones(batch),
-        ref_perplexity=torch.ones(batch),
-    )
-
-
-@pytest.mark.parametrize(
-    "rank0, rank1, dropped, problem",
-    [
-        (fake_rollout([NAN, NAN]), fake_rollout([1.0, 2.0]), 2, None),  # one process keeps nothing: masked only
-        (
-            fake_rollout([NAN, INF]),
-            fake_rollout([-INF, NAN]),
-            4,
-            "no finite reward (None, NaN or inf) for all 4 samples",
-        ),
-        (fake_rollout([1.0, NAN]), fake_rollout([1.0, 2.0], [[1, 1, 1], [1, NAN, 1]]), 1, "non-finite values (1)"),
-    ],
-    ids=["masked", "all-dropped", "bad-value"],
-)
-def test_the_masking_is_per_process_and_the_skip_decision_global(rank0, rank1, dropped, problem):
-    results = run_distributed(lambda r: drop_non_finite(rank0, r), lambda r: drop_non_finite(rank1, r))
-    for original, (rollout, keep, n, reason) in zip((rank0, rank1), results, strict=True):
-        assert (n, reason) == (dropped, problem)  # the same on every process
-        torch.testing.assert_close(keep, torch.isfinite(original.scores))
-        if problem is None:
-            assert torch.all(rollout.response_mask[~keep] == 0) and torch.all(rollout.scores[~keep] == 0)
-            assert torch.equal(rollout.response_mask[keep], original.response_mask[keep])
-            assert all(torch.isfinite(t).all() for t in (rollout.scores, rollout.logprobs, rollout.values))
-
-
-def test_kept_gather_returns_the_kept_values_of_every_process():
-    keep = torch.tensor([True, False, True])
-    gather = kept_gather(keep, lambda t: torch.cat([t, t]))  # two processes holding the same rows
-    assert gather(torch.tensor([1.0, NAN, 3.0])).tolist() == [1.0, 3.0, 1.0, 3.0]
 
 
 @pytest.mark.parametrize(

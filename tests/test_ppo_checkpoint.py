@@ -1,6 +1,7 @@
-"""Output folders, checkpoints, resume and secrets (``trl_ppomax.ppo.checkpoint``, ``checkpoint_files``,
-``data.files``): nothing a user paid for is lost or mixed; a checkpoint that cannot be resumed is refused with what
-to do."""
+"""Output folders, checkpoints, resume and secrets (``trl_ppomax.ppo.checkpoint``, and the refusals of
+``checkpoint_files`` met through a resume): nothing a user paid for is lost or mixed; a checkpoint that cannot be
+resumed is refused with what to do. What an engine-only checkpoint must hold is in ``test_ppo_checkpoint_files.py``, the
+output_dir lock in ``test_data_files.py``."""
 
 from __future__ import annotations
 
@@ -12,22 +13,19 @@ import os
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import StopAt, make_trainer
+from helpers import StopAt, make_trainer, no_rollout
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from trl_ppomax.cli import main
-from trl_ppomax.data.files import LOCK_NAME, DiskFullError, OutputDirInUse, file_problem
-from trl_ppomax.ppo.checkpoint_files import CheckpointError, required_checkpoint_files
+from trl_ppomax.data.files import DiskFullError
+from trl_ppomax.ppo.checkpoint_files import CheckpointError
 from trl_ppomax.reporting import hub
-from trl_ppomax.toyworld.tiny import (
-    prompt_texts,
-)
+from trl_ppomax.toyworld.tiny import prompt_texts
 
 # ==================================================================================================================
 # Output folders, checkpoints, resume and secrets: nothing a user paid for is lost or mixed.
@@ -44,14 +42,6 @@ class PolicyAtStart(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.params = {name: p.detach().clone() for name, p in model.policy.named_parameters()}
-
-
-def no_rollout(trainer, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rollout started before the fault was reported")
-
-    monkeypatch.setattr(trainer.rollouts, "written_by", refuse)  # every scored rollout, training or sampling
-    return trainer
 
 
 @pytest.fixture(scope="module")
@@ -155,70 +145,6 @@ def test_a_checkpoint_without_config_json_resumes_into_the_existing_models(run_d
     saved = load_file(run_dir / "checkpoint-2" / "model.safetensors")
     for name, value in start.params.items():
         assert torch.equal(value, saved[name]), name
-
-
-def engine_only_checkpoint(folder: Path) -> Path:
-    """A checkpoint of 2 processes as a ZeRO-3 run without stage3_gather_16bit_weights_on_model_save writes it: the
-    engine folder (named by ``latest``) holds the weights; configs, states, no plain weight files."""
-    engine = folder / "global_step4"
-    (folder / "critic").mkdir(parents=True)
-    engine.mkdir()
-    for name in ("config.json", "critic/config.json"):
-        (folder / name).write_text("{}")
-    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
-        torch.save({}, folder / name)
-    (folder / "latest").write_text("global_step4")
-    for rank in (0, 1):
-        for kind in ("model", "optim"):
-            torch.save({}, engine / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")
-    return folder
-
-
-@pytest.mark.parametrize("weights_only", [False, True])
-def test_an_engine_only_checkpoint_is_complete_under_deepspeed(tmp_path, weights_only):
-    """Issue 31, item 4: no consolidated weights, the engine checkpoint holds them (read even by a weights-only
-    resume): required, and its files checked for damage."""
-    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
-    args = SimpleNamespace(resume_weights_only=weights_only, world_size=2, uses_critic=True)
-    files = required_checkpoint_files(str(path), args, "deepspeed")
-    engine = sorted(str(f) for f in (path / "global_step4").iterdir())
-    assert set(engine) <= set(files) and str(path / "latest") in files
-    (path / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
-    assert file_problem(path / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")  # a truncation shows
-
-
-@pytest.mark.parametrize(
-    "missing, named",
-    [
-        ("latest", "the DeepSpeed engine checkpoint"),
-        ("global_step4", "global_step4/ that `latest` names"),
-        (
-            "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-            "global_step4/ optimizer states of process(es) [1]",
-        ),
-        ("global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt", "global_step4/ model states of process(es) [0]"),
-        ("scheduler.pt", "scheduler.pt"),
-    ],
-)
-def test_an_incomplete_engine_only_checkpoint_is_refused(tmp_path, missing, named):
-    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
-    target = path / missing
-    shutil.rmtree(target) if target.is_dir() else target.unlink()
-    with pytest.raises(CheckpointError) as caught:
-        required_checkpoint_files(
-            str(path), SimpleNamespace(resume_weights_only=False, world_size=2, uses_critic=True), "deepspeed"
-        )
-    assert "incomplete" in str(caught.value) and named in str(caught.value)
-
-
-def test_an_engine_only_checkpoint_resumed_without_deepspeed_says_how(tmp_path):
-    path = engine_only_checkpoint(tmp_path / "checkpoint-2")
-    with pytest.raises(CheckpointError) as caught:
-        required_checkpoint_files(
-            str(path), SimpleNamespace(resume_weights_only=True, world_size=2, uses_critic=True), None
-        )
-    message = str(caught.value)
-    assert "only a sharded DeepSpeed engine checkpoint" in message and "consolidate_engine_checkpoint" in message
 
 
 def truncate(path: Path) -> None:
@@ -534,50 +460,6 @@ def test_allowed_change_of_model_still_fails_clearly_when_the_weights_do_not_fit
 # Issue 26, poor cases: what was late, raw or misleading now fails early, naming the setting, file or argument
 # (the construction-time ones are in CASES, section 10)
 # ==================================================================================================================
-HOLD_LOCK = """
-import fcntl, os, socket, sys, time
-lock = open(sys.argv[1], "a+")
-fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-lock.seek(0); lock.truncate(); lock.write(f"{os.getpid()} on {socket.gethostname()}\\n"); lock.flush()
-print("locked", flush=True)
-time.sleep(120)
-"""
-
-
-def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_holder(tmp_path, monkeypatch):
-    """Two runs at once in one output_dir: the second crashed with a raw error. Now it is refused before its first
-    rollout, naming the folder and the PID holding the lock; once that process is gone, the lock is free."""
-    pytest.importorskip("fcntl")
-    import subprocess
-    import sys
-
-    out = tmp_path / "out"
-    out.mkdir()
-    command = [sys.executable, "-c", HOLD_LOCK, str(out / LOCK_NAME)]
-    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        trainer = no_rollout(make_trainer(tmp_path), monkeypatch)
-        with pytest.raises(OutputDirInUse) as caught:
-            trainer.train()
-    finally:
-        holder.kill()
-        holder.wait()
-        holder.stdout.close()
-    message = str(caught.value)
-    for text in (repr(str(out)), f"process {holder.pid} on ", LOCK_NAME, "another output_dir", "no file needs"):
-        assert text in message, text
-    with pytest.raises(AssertionError, match="a rollout started"):  # the holder is gone: the same trainer starts
-        trainer.train()
-    assert (out / LOCK_NAME).read_text().startswith(f"{os.getpid()} on ")
-    trainer.checkpointer.unlock_output_dir()
-
-
-def test_the_output_dir_lock_is_released_when_training_ends(tmp_path):
-    fcntl = pytest.importorskip("fcntl")
-    make_trainer(tmp_path, total_episodes=16).train()
-    with open(tmp_path / "out" / LOCK_NAME) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if the finished run still held it
 
 
 def _basic_ios(*args, **kwargs):
@@ -625,15 +507,3 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_saying_how_to_resume(tmp_path
     assert f"The disk is full: writing {out / 'checkpoint-1'} failed (RuntimeError: basic_ios::clear" in message
     assert "Training stopped at iteration 1" in message and "train(resume_from_checkpoint=True)" in message
     assert not list(out.glob("*checkpoint-1"))  # neither the checkpoint nor its temporary folder
-
-
-def test_save_model_onto_a_file_is_refused_naming_it(tmp_path):
-    trainer = make_trainer(tmp_path)
-    file = tmp_path / "policy.safetensors"
-    file.write_bytes(b"keep me")
-    with pytest.raises(NotADirectoryError, match=rf"^Cannot save to {re.escape(str(file))}: it is an existing file"):
-        trainer.save_model(str(file))
-    with pytest.raises(NotADirectoryError, match=rf"it is under {re.escape(str(file))}, which is an existing file"):
-        trainer.save_model(str(file / "policy"))
-    assert file.read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "policy.safetensors"]

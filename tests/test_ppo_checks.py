@@ -1,51 +1,31 @@
-"""The constructor's refusals and what they let through (``trl_ppomax.ppo.setup``, ``PPOMaxConfig``): every bad
+"""The constructor's refusals and what they let through (``trl_ppomax.ppo.checks``, ``PPOMaxConfig``): every bad
 setting or input a new user hits fails before the first rollout, naming the setting (or file) and the fix; the
-everyday setups beside each still train."""
+everyday setups beside each still train. The set-up's own tests are in ``test_ppo_setup.py``, the reward functions'
+refusals in ``test_rewards_functions.py``."""
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 
-import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
-from helpers import TINY, make_trainer, snapshot
+from helpers import CONTEXT, TINY, VOCAB
 from transformers import AutoModelForSequenceClassification
 from user_setups import build_llama_style_tokenizer
 
-from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, data, rewards
+from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
 from trl_ppomax.data import tokenize_prompt
-from trl_ppomax.ppo.rollouts import Rollouts
-from trl_ppomax.rewards import call_reward_function
 from trl_ppomax.toyworld.tiny import (
     build_models,
     llama_config,
     prompt_texts,
-    save_tiny_models,
 )
+
 
 # ==================================================================================================================
 # Bad input and settings: each fails before the first rollout, naming the setting and the fix.
 # ==================================================================================================================
-CONTEXT = 128  # max_position_embeddings of the tiny models
-
-
-VOCAB = 49  # len(tokenizer) and the tiny models' embedding size
-
-
-@pytest.fixture
-def rollout_forbidden(monkeypatch):
-    """Any rollout fails the test: an error must come before it."""
-
-    def forbidden(self, *args, **kwargs):
-        raise AssertionError("the first rollout started: the fault was not caught at construction")
-
-    monkeypatch.setattr(Rollouts, "written_by", forbidden)  # every scored rollout, training or sampling
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Builders used by the table
 # ------------------------------------------------------------------------------------------------------------------
@@ -540,16 +520,6 @@ def trainer_with_foreign_reward_model(tmp_path, saved: bool):
     return trainer, other
 
 
-def test_a_critic_warmup_as_long_as_the_run_is_said_loudly(tmp_path, caplog):
-    """Issue 26, bad 6: the policy never moved, and nothing said so."""
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo.config"):
-        make_trainer(tmp_path, critic_warmup_steps=2)
-    assert (
-        "critic_warmup_steps=2 is not below the run's 2 iterations (total_episodes=32 ÷ batch_size=16" in caplog.text
-    )
-    assert "the policy will not change" in caplog.text
-
-
 def test_a_reward_model_with_its_own_tokenizer_reads_the_policys_words_on_text_prompts(tmp_path, monkeypatch):
     """Issue 26, item 11: prompt and completion were decoded apart and joined with nothing between them; a word-level
     policy tokenizer decodes a completion without its leading space, so the last prompt word and the first
@@ -575,175 +545,6 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_policys_words_on_text_p
             torch.cat([ids[mask.bool()], response[response_mask.bool()]]), skip_special_tokens=True
         )
         assert text == words and set(text.split()) <= vocabulary, text
-
-
-def test_a_prompt_budget_of_one_token_is_accepted(tmp_path, rollout_forbidden):
-    one_token = Dataset.from_dict({"input_ids": [[5 + i % 10] for i in range(32)]})
-    trainer = make_trainer(tmp_path, response_length=CONTEXT - 1, dataset=one_token)
-    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 1
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# 4. The reward function's output
-# ------------------------------------------------------------------------------------------------------------------
-REWARD_OUTPUTS = [
-    ("dict", lambda n: {"a": 1.0, "b": 2.0}, r"did not return a sequence of scores\. It returned dict \{'a': 1.0"),
-    ("None", lambda n: None, r"did not return a sequence of scores\. It returned NoneType None"),
-    ("scalar", lambda n: 1.5, r"did not return a sequence of scores\. It returned float 1.5"),
-    ("string", lambda n: "1.0", r"did not return a sequence of scores\. It returned str '1.0'"),
-    ("too-few", lambda n: [0.0] * (n - 1), r"it returned 3 scores for 4 completions.*one number per completion"),
-    ("too-many", lambda n: np.zeros(n + 1), r"it returned 5 scores for 4 completions"),
-    ("texts", lambda n: ["good"] * n, r"must return numbers, but 4 of its 4 scores are not \(e.g. str 'good'\)"),
-    ("2-D", lambda n: torch.zeros(n, 1), r"did not return a sequence of scores\. It returned Tensor"),
-]
-
-
-@pytest.mark.parametrize(("make", "pattern"), [r[1:] for r in REWARD_OUTPUTS], ids=[r[0] for r in REWARD_OUTPUTS])
-def test_reward_function_output_is_checked(make, pattern):
-    def judge(prompts, completions):
-        return make(len(prompts))
-
-    with pytest.raises(ValueError, match=r"The reward function 'judge' is at fault: .*" + pattern):
-        call_reward_function(judge, ["p"] * 4, ["c"] * 4, torch.device("cpu"))
-
-
-@pytest.mark.parametrize(
-    "returned",
-    [[1, 2.5], (True, 0.5), np.array([1.0, 2.5]), torch.tensor([1.0, 2.5]), [torch.tensor(1.0), np.float32(2.5)]],
-    ids=["list", "tuple", "numpy", "tensor", "scalars"],
-)
-def test_reward_function_accepts_sequences_of_numbers(returned):
-    scores = call_reward_function(lambda p, c: returned, ["p"] * 2, ["c"] * 2, torch.device("cpu"))
-    assert scores.shape == (2,) and scores.dtype == torch.float32
-
-
-def test_reward_function_fault_stops_the_first_rollout_before_any_update(tmp_path):
-    """A reward function can only be judged by calling it: the first rollout calls it, and fails before any update."""
-    trainer = make_trainer(tmp_path, reward=lambda p, c: {"score": 1.0}, value_model=build_models()[2])
-    before = snapshot(trainer.model.policy)
-    with pytest.raises(ValueError, match=r"reward function '<lambda>' is at fault.*returned dict"):
-        trainer.train()
-    assert all(torch.equal(before[name], p) for name, p in trainer.model.policy.named_parameters())
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Handled: models as paths, agreeing columns, a dict of evaluation datasets, evaluation prompts within the budget
-# ------------------------------------------------------------------------------------------------------------------
-def test_models_given_as_paths_are_loaded(tmp_path, rollout_forbidden):
-    paths = save_tiny_models(tmp_path / "tiny")
-    args = PPOMaxConfig(output_dir=str(tmp_path / "out"), **TINY)
-    trainer = PPOMaxTrainer(
-        args=args,
-        processing_class=None,  # loaded from the model's path
-        model=paths["sft"],
-        ref_model=paths["sft"],
-        reward_model=paths["reward"],
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(32)}),
-        value_model=paths["reward"],
-    )
-    assert type(trainer.model.policy).__name__ == "LlamaForCausalLM"
-    assert type(trainer.ref_model).__name__ == "LlamaForCausalLM"
-    for scorer in (trainer.reward_model, trainer.model.critic):
-        assert type(scorer).__name__ == "LlamaForSequenceClassification" and scorer.config.num_labels == 1
-    assert len(trainer.processing_class) == VOCAB and trainer.processing_class.pad_token == "[PAD]"
-
-
-def test_agreeing_prompt_and_input_ids_columns_are_accepted(tmp_path, rollout_forbidden):
-    tokenizer = build_models()[0]
-    texts = prompt_texts(32)
-    ids = [tokenize_prompt(text, tokenizer) for text in texts]
-    trainer = make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": texts, "input_ids": ids}))
-    assert trainer.train_dataset.column_names == ["prompt", "input_ids"]  # prompt kept for the reward functions
-    assert trainer.train_dataset["input_ids"] == ids
-
-
-def test_a_dict_of_evaluation_datasets_is_evaluated_with_prefixes(tmp_path):
-    eval_dataset = {
-        "short": Dataset.from_dict({"prompt": prompt_texts(3)}),
-        "long": Dataset.from_dict({"prompt": [f"{p} {p}" for p in prompt_texts(2)]}),
-    }
-    trainer = make_trainer(tmp_path, eval_dataset=eval_dataset, metric_for_best_model="short_objective/scores")
-    assert set(trainer.eval_dataset) == {"short", "long"}
-    assert all(d.column_names == ["prompt", "input_ids"] for d in trainer.eval_dataset.values())
-    metrics = trainer.evaluate()
-    for name in ("short", "long"):
-        assert math.isfinite(metrics[f"eval_{name}_objective/scores"])
-        assert metrics[f"eval_{name}_response/length"] > 0
-    assert not any(key.startswith("eval_objective") for key in metrics)
-    by_name = trainer.evaluate("short", metric_key_prefix="eval_short")  # as the Trainer's own loop asks for one
-    assert {k for k in by_name if k.startswith("eval")} == {k for k in metrics if k.startswith("eval_short_")}
-    logged = {key for entry in trainer.state.log_history for key in entry}
-    assert "eval_long_objective/kl" in logged
-
-
-def test_evaluate_prepares_raw_prompts_as_training_does(tmp_path, monkeypatch):
-    """Over the prompt budget: kept whole while prompt + response fit the context, skipped beyond; never cut."""
-    trainer = make_trainer(tmp_path, max_prompt_length=10, response_length=CONTEXT - 40)
-    widths = []
-    original = Rollouts.rollout
-
-    def recording(self, query_ids, query_mask, sampling=True, **kwargs):
-        widths.append(query_ids.shape[1])
-        return original(self, query_ids, query_mask, sampling, **kwargs)
-
-    monkeypatch.setattr(Rollouts, "rollout", recording)
-    fits, too_long = " ".join(["hello"] * 30), " ".join(["hello"] * 60)  # 30 tokens ≤ 128 − 88 = 40 < 60
-    long_prompts = Dataset.from_dict({"prompt": [fits, too_long, *prompt_texts(2)]})
-    metrics = trainer.evaluate(long_prompts)
-    assert widths and max(widths) == 30  # kept whole, not cut to 10; the 60-token prompt skipped
-    assert metrics["eval_response/length"] > 0
-
-
-def test_evaluate_refuses_bad_raw_prompts_before_generating(tmp_path, monkeypatch):
-    trainer = make_trainer(tmp_path)
-    monkeypatch.setattr(Rollouts, "rollout", lambda *a, **k: pytest.fail("rollout started"))
-    with pytest.raises(ValueError, match=r"eval_dataset holds input_ids outside the policy's vocabulary"):
-        trainer.evaluate(Dataset.from_dict({"input_ids": [[1, 2, 500]]}))
-    with pytest.raises(ValueError, match=r"eval_dataset: 1 of 2 prompts are empty"):
-        trainer.evaluate(Dataset.from_dict({"prompt": ["hello", ""]}))
-    with pytest.raises(ValueError, match=r"response_length"):
-        data.check_prompt_budget(16, None, 16)
-
-
-@pytest.mark.parametrize(("total", "rounded"), [(20, True), (32, False)])
-def test_total_episodes_rounded_up_to_whole_batches_is_said(tmp_path, caplog, total, rounded):
-    with caplog.at_level(logging.WARNING, logger="trl_ppomax.ppo.config"):
-        trainer = make_trainer(tmp_path, total_episodes=total)
-    assert trainer.args.num_total_batches == 2
-    said = (
-        "total_episodes=20 is not a multiple of the rollout batch, batch_size=16 (per_device_train_batch_size × "
-        "gradient_accumulation_steps × num_mini_batches × processes): the run trains 2 iterations = 32 episodes, 12 "
-        "more than asked. Set total_episodes to a multiple of 16 (e.g. 16 or 32)"
-    )
-    assert (said in caplog.text) is rounded
-    assert ("not a multiple of the rollout batch" in caplog.text) is rounded
-
-
-@pytest.mark.parametrize(
-    "function", [lambda p, c, **k: [0.0] * len(p), lambda a: [0.0] * len(a)], ids=["p-c-kwargs", "one-argument"]
-)
-def test_a_reward_function_that_cannot_be_called_is_told_how_reward_functions_are_called(function):
-    """Old-style fn(p, c, **k) and fn(a) gave a raw TypeError naming a lambda (from inside the call)."""
-    with pytest.raises(TypeError) as caught:
-        call_reward_function(function, ["p"] * 2, ["c"] * 2, torch.device("cpu"), completion_ids=[[1], [2]])
-    message = str(caught.value)
-    assert re.match(r"The reward function '<lambda>'\(.+\) cannot be called: its parameters? .+ would get no", message)
-    assert "f(prompts=..., completions=..., completion_ids=..., **dataset columns" in message
-    assert "f(prompts, completions), and no **kwargs" in message
-
-
-def test_reward_functions_callable_either_way_are_accepted_and_their_own_type_errors_kept():
-    def solution_reward(prompts, completions, solution, **kwargs):
-        return [0.0] * len(prompts)
-
-    accepted = [solution_reward, lambda p, c: [0.0], lambda completions, **kw: [0.0], lambda prompts, x=1: [0.0]]
-    rewards.check_reward_functions(accepted, ["prompt", "input_ids", "solution"])
-
-    def buggy(prompts, completions):
-        raise TypeError("unsupported operand type(s) inside the function")
-
-    with pytest.raises(TypeError, match=r"^unsupported operand type"):  # its own error, not ours
-        call_reward_function(buggy, ["p"], ["c"], torch.device("cpu"))
 
 
 def test_extra_critic_epochs_are_refused_under_deepspeed_and_the_everyday_setups_pass(tmp_path):

@@ -12,7 +12,6 @@ from trl_ppomax.cli import main
 from trl_ppomax.moss.card import moss_model_card
 from trl_ppomax.moss.recovery import CONVERSION_INFO
 from trl_ppomax.reporting import hub
-from trl_ppomax.toyworld.tiny import build_models
 
 SENTINEL = "hf_SENTINELtokenDoNotLeak1234567890"
 MODEL_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
@@ -45,16 +44,6 @@ class FakeApi:
 
     def named(self, name):
         return [call for call in self.calls if call[0] == name]
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tokenizer, policy, reward = build_models("llama", seed=0)
-    for name, model in (("reward", reward), ("sft", policy)):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    return root
 
 
 @pytest.fixture
@@ -225,43 +214,6 @@ def test_token_never_printed_or_written(converted, fake_hfapi, monkeypatch, caps
     )
     card = str(moss_model_card(converted, "me/m"))
     assert SENTINEL not in card and "HF_TOKEN=<redacted>" in card
-
-
-def test_generic_card_for_trained_model(saved):
-    card = moss_model_card(saved / "sft", "me/ppo-max-policy")
-    text = str(card)
-    assert "agpl" not in text.lower() and card.data.license is None
-    assert card.data.pipeline_tag == "text-generation"
-    assert {"trl-ppomax", "ppo-max", "rlhf", "text-generation"} <= set(card.data.tags)
-    assert "moss-rlhf" not in card.data.tags
-    assert "AutoModelForCausalLM" in text and "2307.04964" in text and "No licence is set" in text
-
-    card = moss_model_card(saved / "reward", "me/rm")
-    assert card.data.pipeline_tag == "text-classification" and "reward-model" in card.data.tags
-    assert "agpl" not in str(card).lower() and "PPOMaxTrainer" in str(card)
-
-
-def test_explicit_arguments_override_conversion_info(saved, tmp_path):
-    folder = tmp_path / "sft"
-    shutil.copytree(saved / "sft", folder)
-    (folder / CONVERSION_INFO).write_text(json.dumps({"model_type": "reward", "lang": "en"}))
-    card = moss_model_card(folder, "me/m")
-    assert card.data.base_model == "fnlp/moss-rlhf-reward-model-7B-en"
-
-    card = moss_model_card(folder, "me/m", model_type="sft")
-    assert card.data.base_model == "fnlp/moss-rlhf-sft-model-7B-en"
-    assert card.data.pipeline_tag == "text-generation" and card.data.license == "agpl-3.0"
-    assert "--model-type sft" in str(card) and "AutoModelForCausalLM" in str(card)
-
-    card = moss_model_card(folder, "me/m", model_type="reward", lang="zh", base_model="someone/base")
-    assert card.data.base_model == "someone/base" and card.data.language == ["zh"]
-    assert "<|Human|>" in str(card) and "<|MOSS|>" in str(card)
-
-    with pytest.raises(ValueError, match="Unknown model type"):
-        moss_model_card(folder, "me/m", model_type="critic")
-    (folder / CONVERSION_INFO).write_text("{not json")
-    with pytest.raises(ValueError, match=CONVERSION_INFO):
-        moss_model_card(folder, "me/m")
 
 
 def test_create_model_card_still_works(saved):

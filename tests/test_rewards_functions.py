@@ -4,6 +4,9 @@ form."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -12,7 +15,7 @@ from transformers import AutoModelForSequenceClassification
 from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxConfig, PPOMaxTrainer, rewards
-from trl_ppomax.rewards import functions
+from trl_ppomax.rewards import call_reward_function, functions
 from trl_ppomax.toyworld.tiny import build_models, llama_config, prompt_texts
 
 SMALL = {**TINY, "gradient_accumulation_steps": 1, "num_mini_batches": 1, "total_episodes": 8}
@@ -219,3 +222,70 @@ def test_a_function_returning_none_for_every_sample_is_said_as_none(tmp_path, ca
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match=r"no finite reward \(None, NaN or inf\)"):
         trainer.train()
     assert "The reward function 'abstains' returned None for all 16 completions" in caplog.text
+
+
+REWARD_OUTPUTS = [
+    ("dict", lambda n: {"a": 1.0, "b": 2.0}, r"did not return a sequence of scores\. It returned dict \{'a': 1.0"),
+    ("None", lambda n: None, r"did not return a sequence of scores\. It returned NoneType None"),
+    ("scalar", lambda n: 1.5, r"did not return a sequence of scores\. It returned float 1.5"),
+    ("string", lambda n: "1.0", r"did not return a sequence of scores\. It returned str '1.0'"),
+    ("too-few", lambda n: [0.0] * (n - 1), r"it returned 3 scores for 4 completions.*one number per completion"),
+    ("too-many", lambda n: np.zeros(n + 1), r"it returned 5 scores for 4 completions"),
+    ("texts", lambda n: ["good"] * n, r"must return numbers, but 4 of its 4 scores are not \(e.g. str 'good'\)"),
+    ("2-D", lambda n: torch.zeros(n, 1), r"did not return a sequence of scores\. It returned Tensor"),
+]
+
+
+@pytest.mark.parametrize(("make", "pattern"), [r[1:] for r in REWARD_OUTPUTS], ids=[r[0] for r in REWARD_OUTPUTS])
+def test_reward_function_output_is_checked(make, pattern):
+    def judge(prompts, completions):
+        return make(len(prompts))
+
+    with pytest.raises(ValueError, match=r"The reward function 'judge' is at fault: .*" + pattern):
+        call_reward_function(judge, ["p"] * 4, ["c"] * 4, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [[1, 2.5], (True, 0.5), np.array([1.0, 2.5]), torch.tensor([1.0, 2.5]), [torch.tensor(1.0), np.float32(2.5)]],
+    ids=["list", "tuple", "numpy", "tensor", "scalars"],
+)
+def test_reward_function_accepts_sequences_of_numbers(returned):
+    scores = call_reward_function(lambda p, c: returned, ["p"] * 2, ["c"] * 2, torch.device("cpu"))
+    assert scores.shape == (2,) and scores.dtype == torch.float32
+
+
+def test_reward_function_fault_stops_the_first_rollout_before_any_update(tmp_path):
+    """A reward function can only be judged by calling it: the first rollout calls it, and fails before any update."""
+    trainer = make_trainer(tmp_path, reward=lambda p, c: {"score": 1.0}, value_model=build_models()[2])
+    before = snapshot(trainer.model.policy)
+    with pytest.raises(ValueError, match=r"reward function '<lambda>' is at fault.*returned dict"):
+        trainer.train()
+    assert all(torch.equal(before[name], p) for name, p in trainer.model.policy.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "function", [lambda p, c, **k: [0.0] * len(p), lambda a: [0.0] * len(a)], ids=["p-c-kwargs", "one-argument"]
+)
+def test_a_reward_function_that_cannot_be_called_is_told_how_reward_functions_are_called(function):
+    """Old-style fn(p, c, **k) and fn(a) gave a raw TypeError naming a lambda (from inside the call)."""
+    with pytest.raises(TypeError) as caught:
+        call_reward_function(function, ["p"] * 2, ["c"] * 2, torch.device("cpu"), completion_ids=[[1], [2]])
+    message = str(caught.value)
+    assert re.match(r"The reward function '<lambda>'\(.+\) cannot be called: its parameters? .+ would get no", message)
+    assert "f(prompts=..., completions=..., completion_ids=..., **dataset columns" in message
+    assert "f(prompts, completions), and no **kwargs" in message
+
+
+def test_reward_functions_callable_either_way_are_accepted_and_their_own_type_errors_kept():
+    def solution_reward(prompts, completions, solution, **kwargs):
+        return [0.0] * len(prompts)
+
+    accepted = [solution_reward, lambda p, c: [0.0], lambda completions, **kw: [0.0], lambda prompts, x=1: [0.0]]
+    rewards.check_reward_functions(accepted, ["prompt", "input_ids", "solution"])
+
+    def buggy(prompts, completions):
+        raise TypeError("unsupported operand type(s) inside the function")
+
+    with pytest.raises(TypeError, match=r"^unsupported operand type"):  # its own error, not ours
+        call_reward_function(buggy, ["p"], ["c"], torch.device("cpu"))
