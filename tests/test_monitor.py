@@ -69,7 +69,7 @@ def test_healthy_noisy_run_stays_quiet(args, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         feed(monitor, args, logs)
     assert monitor.healthy and monitor.events == [] and caplog.text == ""
-    assert monitor._logs_seen == 60
+    assert monitor.logs_seen == 60
     assert monitor.reference["response/length"] == pytest.approx(sum(e["response/length"] for e in logs[:3]) / 3)
     assert all(entry["collapse/any"] == 0.0 for entry in logs[3:])
     assert not any("collapse/any" in entry for entry in logs[:3])  # nothing is checked during the warm-up
@@ -192,7 +192,7 @@ def test_eval_and_other_logs_are_ignored(args):
     bad_eval = {f"eval_{name}": value for name, value in log(objective_kl=99.0, policy_perplexity=0.1).items()}
     logs = [*warmup(), bad_eval, {"train_runtime": 3.0}, {}, bad_eval]
     feed(monitor, args, logs)
-    assert monitor.healthy and monitor._logs_seen == 3
+    assert monitor.healthy and monitor.logs_seen == 3
     assert "collapse/any" not in bad_eval
 
 
@@ -282,7 +282,7 @@ def test_real_tiny_run_feeds_the_monitor_and_stays_quiet(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer.train()
     train_logs = [entry for entry in trainer.state.log_history if "objective/kl" in entry]
-    assert monitor._logs_seen == len(train_logs) >= 2
+    assert monitor.logs_seen == len(train_logs) >= 2
     assert monitor.healthy and monitor.reference["policy/perplexity"] > 1.0
     assert "Possible pattern collapse" not in caplog.text
     assert [entry.get("collapse/any") for entry in train_logs] == [None] + [0.0] * (len(train_logs) - 1)

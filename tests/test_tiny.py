@@ -127,7 +127,7 @@ def test_crash_leaves_nothing_half_written(tmp_path, monkeypatch):
     def boom(path, rows):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tiny, "_write_jsonl", boom)
+    monkeypatch.setattr(tiny, "write_jsonl", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         save_tiny_models(tmp_path / "tiny")
     assert list(tmp_path.iterdir()) == []

@@ -119,6 +119,11 @@ class CollapseMonitor(TrainerCallback, ExportableState):
         """True while no signal has fired."""
         return not self.events
 
+    @property
+    def logs_seen(self) -> int:
+        """How many training logs (those with ``objective/kl``) the monitor has read, the warm-up's included."""
+        return self._logs_seen
+
     def attach(self, trainer) -> CollapseMonitor:
         """Add the monitor to ``trainer`` *first* in its callback list, so that the reporting integrations (which run
         after it) also log the ``collapse/*`` keys. Returns the monitor."""

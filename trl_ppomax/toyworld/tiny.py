@@ -44,6 +44,7 @@ __all__ = [
     "preference_rows",
     "prompt_texts",
     "save_tiny_models",
+    "write_jsonl",
 ]
 
 #: The plain words of the tokenizer's vocabulary (after the specials, before the role markers).
@@ -158,7 +159,8 @@ def preference_rows(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    """Write ``rows`` to ``path`` as JSON lines, one object a line (UTF-8)."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
 
@@ -167,8 +169,8 @@ def _write_all(root: Path, arch: str, seed: int) -> None:
     for folder, model in (("sft", policy), ("reward", reward)):
         model.save_pretrained(root / folder)
         tokenizer.save_pretrained(root / folder)
-    _write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompt_texts(48)])
-    _write_jsonl(root / "preferences.jsonl", preference_rows(64, seed))
+    write_jsonl(root / "prompts.jsonl", [{"prompt": p} for p in prompt_texts(48)])
+    write_jsonl(root / "preferences.jsonl", preference_rows(64, seed))
 
 
 def save_tiny_models(
