@@ -1,10 +1,11 @@
 """The house rules of the package's layout (issues 32 and 45), checked on the code itself: a shallow root, small
-functions, no module using another module's private names, and imports that point down the layers."""
+functions, no module (and no test) using another module's private names, imports that point down the layers, and a
+test file named after each module of some size."""
 
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import transformers
@@ -16,9 +17,27 @@ def private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+#: The calls that name an attribute in a string: ``getattr(obj, "_x")``, ``monkeypatch.setattr(obj, "_x", value)``,
+#: ``monkeypatch.setattr("package.module._x", value)``.
+BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def named_in_string(node: ast.Call) -> str | None:
+    """The attribute a :data:`BY_NAME` call names in a string (the last part of a dotted path), else None."""
+    called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+    strings = [
+        arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None for arg in node.args
+    ]
+    if called not in BY_NAME or not strings:
+        return None
+    if len(strings) > 1 and strings[1] is not None:
+        return strings[1]
+    return strings[0].rsplit(".", 1)[-1] if strings[0] and "." in strings[0] else None
+
+
 def defined_and_used(tree: ast.AST) -> tuple[set[str], list[tuple[int, str]]]:
     """The private names a module defines (functions, classes, assigned names and attributes) and those it uses (an
-    attribute read or written, a name imported)."""
+    attribute read or written, a name imported, an attribute named in a string to ``getattr``/``setattr``/…)."""
     defined, used = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -31,14 +50,21 @@ def defined_and_used(tree: ast.AST) -> tuple[set[str], list[tuple[int, str]]]:
             used.append((node.lineno, node.attr))
         elif isinstance(node, ast.ImportFrom):
             used += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Call) and (name := named_in_string(node)):
+            used.append((node.lineno, name))
     return {name for name in defined if private(name)}, [(line, name) for line, name in used if private(name)]
+
+
+def theirs() -> set[str]:
+    """Names of transformers' ``Trainer`` and ``PretrainedConfig`` (which our trainers override or read): theirs, not
+    ours, though our modules define some of them too."""
+    return set(dir(transformers.Trainer)) | set(vars(transformers.PretrainedConfig()))
 
 
 def cross_module_private_uses(package: Path) -> list[str]:
     """``module:line: name`` for every private name a module uses that another module of ``package`` defines and it
-    does not. Names of transformers' ``Trainer`` and ``PretrainedConfig`` (which our trainers override or read) are
-    theirs, not ours."""
-    theirs = set(dir(transformers.Trainer)) | set(vars(transformers.PretrainedConfig()))
+    does not, leaving out :func:`theirs`."""
+    theirs_ = theirs()
     modules = {path: defined_and_used(ast.parse(path.read_text())) for path in sorted(package.rglob("*.py"))}
     owners = defaultdict(set)
     for path, (defined, _) in modules.items():
@@ -48,7 +74,7 @@ def cross_module_private_uses(package: Path) -> list[str]:
         f"{path.relative_to(package.parent)}:{line}: {name}"
         for path, (defined, used) in modules.items()
         for line, name in used
-        if owners.get(name) and name not in defined and name not in theirs
+        if owners.get(name) and name not in defined and name not in theirs_
     ]
 
 
@@ -68,6 +94,42 @@ def test_the_check_finds_a_private_name_used_across_modules(tmp_path):
     ]
 
 
+def private_uses_in_tests(package: Path, tests: Path) -> list[str]:
+    """``file:line: name`` for every private name a file under ``tests`` uses that a module of ``package`` defines
+    and the file does not (a test reaches the package through its public names), leaving out :func:`theirs`."""
+    ours = set().union(*(defined_and_used(ast.parse(path.read_text()))[0] for path in package.rglob("*.py")))
+    ours -= theirs()
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        defined, used = defined_and_used(ast.parse(path.read_text()))
+        found += [f"{path.relative_to(tests.parent)}:{line}: {name}" for line, name in used if name in ours - defined]
+    return found
+
+
+def test_no_test_uses_a_private_name_of_the_package():
+    assert private_uses_in_tests(PACKAGE, Path(__file__).resolve().parent) == []
+
+
+def test_the_check_finds_a_private_name_a_test_uses(tmp_path):
+    package, tests = tmp_path / "package", tmp_path / "tests"
+    package.mkdir(), tests.mkdir()
+    (package / "a.py").write_text(
+        "def _helper():\n    return 1\n\nclass A:\n    def __init__(self):\n        self._seen = 0\n"
+    )
+    (tests / "test_a.py").write_text(
+        "import a\n\ndef test_a(monkeypatch):\n    a.A()._seen\n"
+        '    monkeypatch.setattr(a, "_helper", lambda: 2)\n    monkeypatch.setattr("package.a._helper", None)\n'
+        '    getattr(a, "_helper")\n'
+    )
+    (tests / "test_own.py").write_text("def _helper():\n    return 2\n\ndef test_own():\n    assert _helper()\n")
+    assert private_uses_in_tests(package, tests) == [
+        "tests/test_a.py:4: _seen",
+        "tests/test_a.py:5: _helper",
+        "tests/test_a.py:6: _helper",
+        "tests/test_a.py:7: _helper",
+    ]
+
+
 def test_the_package_root_is_shallow():
     entries = [p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()]
     assert len(entries) <= 13, sorted(entries)
@@ -81,6 +143,66 @@ def test_no_function_is_over_sixty_lines():
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60
     }
     assert long == {}
+
+
+# ---- a test file per module (issue 45) -------------------------------------------------------------------------------
+#: A module this long has a test file named after it, or after its folder.
+TESTED_LINES = 120
+
+
+def acceptable_test_files(package: Path) -> dict[str, set[str]]:
+    """For each module of ``package`` (``pkg/x.py``), the names a test file of it may have: ``test_pkg_x.py``, its
+    folder's ``test_pkg.py`` (for ``pkg/__init__.py``: only that), or ``test_x.py`` where no other module or folder of
+    ``package`` is named ``x``; a root module ``x.py``: ``test_x.py``."""
+    modules = sorted(package.rglob("*.py"))
+    folders = {path.parent for path in modules if path.parent != package}
+    names = Counter([folder.name for folder in folders] + [path.stem for path in modules if path.stem != "__init__"])
+    named = {}
+    for path in modules:
+        *parents, stem = path.relative_to(package).with_suffix("").parts
+        if stem == "__init__":
+            stem = parents.pop() if parents else package.name
+        own = [*parents, stem]
+        accepted = {"_".join(own[:depth]) for depth in range(1, len(own) + 1)}  # its own name, or a folder's
+        if names[stem] == 1:
+            accepted.add(stem)
+        named[path.relative_to(package).as_posix()] = {f"test_{name}.py" for name in accepted}
+    return named
+
+
+def untested_modules(package: Path, tests: Path, min_lines: int = TESTED_LINES) -> list[str]:
+    """The modules of ``package`` of ``min_lines`` lines or more with no test file in ``tests`` named after them."""
+    present = {path.name for path in tests.glob("test_*.py")}
+    return [
+        module
+        for module, names in acceptable_test_files(package).items()
+        if len((package / module).read_text().splitlines()) >= min_lines and not names & present
+    ]
+
+
+def test_every_module_of_some_size_has_a_test_file_named_after_it():
+    assert untested_modules(PACKAGE, Path(__file__).resolve().parent) == []
+
+
+def test_the_check_finds_a_module_without_its_test_file(tmp_path):
+    package, tests = tmp_path / "package", tmp_path / "tests"
+    for folder in ("ppo", "reward", "data"):
+        (package / folder).mkdir(parents=True)
+    long = "x = 1\n" * 5
+    for module in ("ppo/trainer.py", "reward/trainer.py", "ppo/rollouts.py", "data/__init__.py", "models.py"):
+        (package / module).write_text(long)
+    (package / "ppo" / "short.py").write_text("x = 1\n")
+    tests.mkdir()
+    for name in ("test_trainer.py", "test_reward.py", "test_rollouts.py", "test_models.py"):
+        (tests / name).write_text("")
+    # test_trainer.py names neither trainer (two modules have that name); the reward folder's file covers its own
+    assert untested_modules(package, tests, min_lines=5) == ["data/__init__.py", "ppo/trainer.py"]
+    assert acceptable_test_files(package)["ppo/rollouts.py"] == {
+        "test_ppo.py",
+        "test_ppo_rollouts.py",
+        "test_rollouts.py",
+    }
+    assert acceptable_test_files(package)["data/__init__.py"] == {"test_data.py"}
 
 
 # ---- the layers (docs/architecture.md) -------------------------------------------------------------------------------
