@@ -228,7 +228,7 @@ def test_an_old_format_bin_file_still_loads(tmp_path):
 
 
 def test_moss_recover_names_a_truncated_diff_shard_and_writes_nothing(tmp_path):
-    from test_moss_recover import Release
+    from test_moss_recovery import Release
 
     release = Release(tmp_path)
     shard = sorted(release.diff_dir.glob("pytorch_model-*.bin"))[1]
@@ -240,7 +240,7 @@ def test_moss_recover_names_a_truncated_diff_shard_and_writes_nothing(tmp_path):
 
 
 def test_moss_recover_cli_reports_a_truncated_shard_in_one_line(tmp_path, capsys):
-    from test_moss_recover import Release
+    from test_moss_recovery import Release
 
     from trl_ppomax.cli import main
 
@@ -270,7 +270,7 @@ GOOD = {"prompt": "say hi", "chosen": " hi there", "rejected": " go away"}
 )
 @pytest.mark.parametrize("split", ["train", "eval"])
 def test_reward_trainer_rejects_a_row_without_a_response(tmp_path, bad_row, column, what, split):
-    from test_reward_trainer import reward_args
+    from test_reward_modeling_trainer import reward_args
 
     tokenizer, policy, _ = build_models()
     rows = [GOOD, GOOD, bad_row, GOOD]
