@@ -322,3 +322,15 @@ def test_one_iteration_is_followed_in_six_files(tmp_path):
     files = files_run_by(lambda: trainer.training_iteration(1))
     assert [name for name in files if not name.startswith(ITERATION_HELPERS)] == list(ITERATION_FILES)
     assert changed(before, trainer.model) > 0, "the iteration trained nothing"
+
+
+def test_every_public_name_of_every_package_resolves():
+    """Each package's ``__all__`` names resolve, the lazily imported ones too (a module renamed under a lazy map fails
+    here, not in a user's first import)."""
+    import importlib
+
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        name = ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        module = importlib.import_module(name)
+        missing = [item for item in getattr(module, "__all__", []) if not hasattr(module, item)]
+        assert missing == [], f"{name}: {missing}"

@@ -9,7 +9,7 @@ from typing import Any
 
 _MODULES = {
     ".base": ("ALL", "JsonlCache", "Pair"),
-    ".generation": ("GenerationSettings", "load_prompts"),
+    ".answers": ("GenerationSettings", "load_prompts"),
     ".run": ("evaluate_policy",),
     ".scored": ("FunctionJudge", "RewardModelJudge", "ScoreJudge"),
     ".llm": ("LLMJudge",),
