@@ -257,12 +257,12 @@ def test_max_staleness_with_a_vllm_server_or_a_sharded_engine_is_refused_and_eve
     assert PPOMaxConfig(**vllm).vllm_mode == "colocate"  # a colocated engine generates ahead (tests/test_vllm.py)
     zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
     with pytest.raises(ValueError, match="ZeRO-3"):
-        checks.check_lagged_engine(False, zero3)
+        checks.check_producer_engine(False, zero3)
     with pytest.raises(ValueError, match="FSDP"):
-        checks.check_lagged_engine(True, SimpleNamespace(state=SimpleNamespace()))
+        checks.check_producer_engine(True, SimpleNamespace(state=SimpleNamespace()))
     zero2 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
-    checks.check_lagged_engine(False, zero2)  # ZeRO-2 and plain processes hold the whole policy
-    checks.check_lagged_engine(False, SimpleNamespace(state=SimpleNamespace()))
+    checks.check_producer_engine(False, zero2)  # ZeRO-2 and plain processes hold the whole policy
+    checks.check_producer_engine(False, SimpleNamespace(state=SimpleNamespace()))
     with pytest.raises(ValueError, match="max_staleness must be"):
         PPOMaxConfig(output_dir=str(tmp_path), max_staleness=-1, report_to="none")
 

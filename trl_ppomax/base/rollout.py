@@ -13,7 +13,7 @@ from torch import nn
 @dataclass
 class Generated:
     """What a rollout's generation wrote, to be scored: prompts (N, L) left-padded, responses (N, T) right-padded, the
-    sampler's log-probs (N, T) when another sampler wrote them (vLLM, a lagged copy), ``env_mask`` (N, T) 0 on a
+    sampler's log-probs (N, T) when another sampler wrote them (vLLM, the producer's older copy), ``env_mask`` (N, T) 0 on a
     multi-turn trajectory's environment tokens, and ``columns``: per-row values for the reward functions (a
     ``rollout_func``'s extra keys, the agent's ``environments``)."""
 

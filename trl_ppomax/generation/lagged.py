@@ -14,7 +14,11 @@ decoupled PPO objective (AReaL, arXiv 2505.24298): the clipped ratio ``π_θ / �
 Sampling draws from a generator seeded by ``(seed, batch, process)`` (Gumbel-max over the processed scores, so no
 global random state is shared with the trainer's thread): a batch is the same whenever it is generated. A checkpoint
 holds the finished batches not yet trained on (``lagged_rollouts_<process>.pt``); the next one asked for after a resume
-needs the resumed weights."""
+needs the resumed weights.
+
+One idea, one word: the **producer** (:class:`LaggedRollouts`) writes rollouts **ahead** of the trainer, each at most
+``max_staleness`` versions **stale**; the module, the class and ``trainer.lagged`` keep their names (public, and the
+checkpoint's file names), everything else says "producer"."""
 
 from __future__ import annotations
 

@@ -342,7 +342,7 @@ def warn_agent_settings_without_an_agent(args, has_rollout_func: bool) -> None:
         )
 
 
-def check_lagged_engine(fsdp_enabled: bool, accelerator) -> None:
+def check_producer_engine(fsdp_enabled: bool, accelerator) -> None:
     """``max_staleness`` ≥ 1 copies the whole policy into the producer: refused where each process holds a shard."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if fsdp_enabled or (plugin is not None and plugin.zero_stage == 3):

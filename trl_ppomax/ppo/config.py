@@ -717,7 +717,7 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         self._validate_sampling_and_packing()
         self._validate_estimator()
         self._validate_policy_loss_and_kl()
-        self._validate_lagged_vllm()
+        self._validate_producer_vllm()
         if self.use_vllm and self.use_transformers_continuous_batching:
             raise ValueError(
                 "use_vllm=True and use_transformers_continuous_batching=True name two generation engines: keep one."
@@ -740,7 +740,7 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
 
-    def _validate_lagged_vllm(self) -> None:
+    def _validate_producer_vllm(self) -> None:
         """max_staleness ≥ 1 with vLLM: a colocated engine of one GPU, awake, owned by the producer thread."""
         if not (self.max_staleness and self.use_vllm):
             return

@@ -68,7 +68,7 @@ class Scorer:
         policy_logits = models.response_logits(wrapper.policy, inputs, width)
         logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
         weights = None
-        if sampler_logprobs is not None:  # another sampler (vLLM, a lagged copy): the gap to the policy's forward
+        if sampler_logprobs is not None:  # another sampler (vLLM, the producer's older copy): the gap to the policy's forward
             sampler = sampler_logprobs[:, :width]
             weights = self.generation.importance_weights(policy_logits, logprobs, responses, policy_mask, sampler)
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
@@ -107,7 +107,7 @@ class Scorer:
 
 def policy_logprobs(model: nn.Module, query_ids, query_mask, responses, mask, args) -> torch.Tensor:
     """Masked log-probs (B, T) of ``responses`` under ``model`` at the scoring temperature, as :class:`Scorer`'s
-    forwards compute them (for a lagged rollout's behaviour policy)."""
+    forwards compute them (for the behaviour policy of a rollout the producer generated ahead)."""
     inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, args), responses, mask)
     logits = models.response_logits(model, inputs, responses.shape[1])
     return selective_log_softmax(logits, responses, temperature=args.effective_logprob_temperature) * mask

@@ -201,7 +201,7 @@ def prepare_eval_prompts(trainer, dataset: Dataset, name: str = "eval_dataset") 
     return prepared_prompts(trainer.args, trainer.processing_class, policy, dataset, name)
 
 
-def lagged_rollouts(trainer, policy: nn.Module, engine):
+def rollout_producer(trainer, policy: nn.Module, engine):
     """The ``max_staleness`` ≥ 1 producer (:class:`~trl_ppomax.generation.lagged.LaggedRollouts`) of a trainer's
     rollout batches, sampled by a copy of its unwrapped ``policy``, or by the colocated vLLM ``engine``
     (``use_vllm``), which then becomes the producer's: returns the producer and the trainer's engine for evaluation
@@ -211,7 +211,7 @@ def lagged_rollouts(trainer, policy: nn.Module, engine):
     from trl_ppomax.generation.lagged import LaggedRollouts, PolicyCopy
     from trl_ppomax.ppo.scoring import policy_logprobs
 
-    checks.check_lagged_engine(trainer.is_fsdp_enabled, trainer.accelerator)
+    checks.check_producer_engine(trainer.is_fsdp_enabled, trainer.accelerator)
     accelerator, args = trainer.accelerator, trainer.args
 
     def prompts(batch: int):

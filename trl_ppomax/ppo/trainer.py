@@ -193,7 +193,7 @@ class PPOMaxTrainer(Trainer):
         engine = generation_engine(args, accelerator, generator, tokenizer, self.stop_token_id)
         producer = None  # max_staleness ≥ 1: the producer generating ahead (the vLLM engine becomes its own)
         if args.max_staleness:
-            producer, engine = setup.lagged_rollouts(self, unwrapped.policy, engine)
+            producer, engine = setup.rollout_producer(self, unwrapped.policy, engine)
         sampler = producer or engine  # whose importance_weights correct rollouts with sampler log-probs
         sources = self.reward_sources
         scorer = Scorer(
