@@ -78,22 +78,23 @@ def tokenizer_with_unresized_pad(_):
     return tokenizer
 
 
-def scorer_with_vocab(size: int):
+def with_vocab(which: int, size: int):
+    """One of :func:`build_models`' models (1: the causal LM, 2: the scorer) resized to ``size`` embedding rows."""
+
     def build(_):
-        model = build_models()[2]
+        model = build_models()[which]
         model.resize_token_embeddings(size)
         return model
 
     return lazy(build)
+
+
+def scorer_with_vocab(size: int):
+    return with_vocab(2, size)
 
 
 def causal_with_vocab(size: int):
-    def build(_):
-        model = build_models()[1]
-        model.resize_token_embeddings(size)
-        return model
-
-    return lazy(build)
+    return with_vocab(1, size)
 
 
 def prompts(*special: tuple[int, object], n: int = 32, column: str = "prompt"):
