@@ -32,10 +32,12 @@ from trl_ppomax.base.core import (
     masked_sum_and_count,
     masked_var,
     masked_whiten,
+    next_token_loss,
     normalize_advantages,
     normalize_scores,
     response_mask_from_stop,
     sequence_perplexity,
+    token_logprobs,
     token_rewards,
 )
 
@@ -1076,6 +1078,8 @@ def test_public_api_is_covered():
         "response_mask_from_stop",
         "sequence_perplexity",
         "token_rewards",
+        "token_logprobs",
+        "next_token_loss",
     }
     assert public == tested, f"untested public names: {sorted(public - tested)}; gone: {sorted(tested - public)}"
 
@@ -1287,3 +1291,70 @@ def test_explained_variance_by_hand():
     # residuals (0.5, 0, −0.5): Var 1/6 against Var(R) 2/3
     values = torch.tensor([[0.5, 2.0, 3.5, 0.0]])
     assert core.explained_variance(values, returns, mask).item() == pytest.approx(1 - (1 / 6) / (2 / 3))
+
+
+# -- Log-probs in chunks through the LM head --------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64, None])
+@pytest.mark.parametrize("trains_entropy", [False, True])
+def test_token_logprobs_in_chunks_equal_the_whole_logits_in_values_and_gradients(
+    temperature, chunk_size, trains_entropy
+):
+    """float32, several chunk sizes (one position, an uneven split, more than the positions, off), a masked loss:
+    log-probs, entropy and the gradients of the hidden states and of the head equal trl's ``selective_log_softmax``
+    and ``entropy_from_logits`` on the whole (B, T, V) logits to 1e-6."""
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden = torch.randn(3, 7, 16, requires_grad=True)
+    tokens, mask = torch.randint(0, 50, (3, 7)), torch.ones(3, 7)
+    mask[1, 4:], mask[2, 1:] = 0, 0  # padded responses
+    advantages, entropy_weights = torch.randn(3, 7), torch.randn(3, 7)
+
+    def loss_and_grads(logprobs, entropy):
+        loss = masked_mean(logprobs * advantages, mask)
+        if trains_entropy:
+            loss = loss + masked_mean(entropy * entropy_weights, mask)
+        grads = torch.autograd.grad(loss, [hidden, head.weight, head.bias])
+        return [logprobs, entropy, *grads]
+
+    expected = loss_and_grads(
+        *selective_log_softmax_and_entropy(head(hidden), tokens, trains_entropy, temperature=temperature)
+    )
+    options = dict(temperature=temperature, chunk_size=chunk_size, entropy=True, entropy_grad=trains_entropy)
+    logprobs, entropy = token_logprobs(hidden, head, tokens, **options)
+    assert entropy.requires_grad == trains_entropy
+    for got, want in zip(loss_and_grads(logprobs, entropy), expected, strict=True):
+        assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_token_logprobs_hold_one_chunks_logits_at_a_time():
+    """The head sees ``chunk_size`` positions per call, and under autograd again in backward (recomputed, not held)."""
+    torch.manual_seed(0)
+    linear, seen = torch.nn.Linear(8, 30), []
+
+    def head(h):
+        seen.append(len(h))
+        return linear(h)
+
+    hidden, tokens = torch.randn(2, 5, 8, requires_grad=True), torch.randint(0, 30, (2, 5))
+    logprobs, entropy = token_logprobs(hidden, head, tokens, chunk_size=4)
+    assert entropy is None and seen == [4, 4, 2]
+    logprobs.sum().backward()
+    assert sorted(seen) == [2, 2, 4, 4, 4, 4]  # each chunk's logits recomputed in backward
+    seen.clear()
+    with torch.no_grad():
+        token_logprobs(hidden, head, tokens, chunk_size=None)
+    assert seen == [10]
+
+
+def test_next_token_loss_is_the_lm_loss_of_the_label_log_probs():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    loss, stats = lm_loss(logits, labels, mask)
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, labels[:, 1:, None]).squeeze(-1)
+    same, same_stats = next_token_loss(logprobs, mask[:, 1:])
+    assert_close(same, loss)
+    assert_close(same_stats["perplexity"], stats["perplexity"])

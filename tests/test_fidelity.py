@@ -173,13 +173,13 @@ def test_ptx_loss_mask_reaches_the_loss(tmp_path, monkeypatch):
         ptx_dataset=Dataset.from_dict({"messages": dialogues}),
     )
     masks = []
-    original = core.lm_loss
+    original = core.next_token_loss
 
-    def spy(logits, labels, mask):
+    def spy(logprobs, mask):
         masks.append(mask)
-        return original(logits, labels, mask)
+        return original(logprobs, mask)
 
-    monkeypatch.setattr(core, "lm_loss", spy)
+    monkeypatch.setattr(core, "next_token_loss", spy)
     trainer.train()
     assert masks and all(0 < m.sum() < m.numel() for m in masks)  # only the assistant's tokens count
     ptx_losses = [entry[metrics.PTX_LOSS] for entry in trainer.state.log_history if metrics.PTX_LOSS in entry]

@@ -8,6 +8,8 @@ chosen response.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from datasets import Dataset
@@ -15,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from user_setups import build_llama_style_tokenizer
 
 from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
-from trl_ppomax.models import score_position, sequence_inputs, sequence_scores
+from trl_ppomax.models import plain_head, response_logprobs, score_position, sequence_inputs, sequence_scores
 from trl_ppomax.toyworld.tiny import (
     ARCHITECTURES,
     build_tokenizer,
@@ -188,3 +190,49 @@ def test_implicit_prompt_falls_back_to_the_common_prefix(tmp_path):
     example = trainer.train_dataset[0]
     shared = len(tokenizer("tell me about the cat the cat is")["input_ids"])
     assert example["response_start"] == shared  # documented: shared leading response words count as prompt
+
+
+def causal_lm(config_class, **extra):
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    return AutoModelForCausalLM.from_config(config_class(**sizes, num_key_value_heads=1, head_dim=8, **extra)).eval()
+
+
+@pytest.mark.parametrize(
+    ("arch", "plain"),
+    [("llama", True), ("qwen2", True), ("gemma2", False)],  # Gemma 2 soft-caps its logits
+)
+def test_response_logprobs_from_the_head_in_chunks_equal_the_models_own_logits(arch, plain):
+    """A causal LM whose logits are ``lm_head(last hidden state)`` goes through its head in chunks; one whose logits
+    are more (a soft cap, a scale) keeps its own logits. Either way the log-probs are those of ``model(...).logits``."""
+    from transformers import Gemma2Config, LlamaConfig, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config}[arch]
+    model = causal_lm(config_class, **({"final_logit_softcapping": 2.0} if arch == "gemma2" else {}))
+    assert (plain_head(model) is not None) == plain
+    query_ids, query_mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    responses, mask = torch.tensor([[10, 11, 12, 13], [14, 15, 0, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    inputs = sequence_inputs(query_ids, query_mask, responses, mask)
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, -5:-1]
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, responses[..., None]).squeeze(-1)
+        got, _ = response_logprobs(model, inputs, responses, temperature=0.7, chunk_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_use_liger_kernel_patches_every_model_with_the_layer_kernels_only(tmp_path, monkeypatch):
+    """TRL's ``use_liger_kernel``: Liger's kernels go into the policy, the reference and the critic (transformers'
+    ``apply_liger_kernel``), its fused linear cross-entropy off; without ``liger-kernel`` the trainer says so."""
+    from helpers import make_trainer
+    from transformers.integrations import liger
+
+    patched = []
+    monkeypatch.setattr(liger, "apply_liger_kernel", lambda model, config: patched.append((model, config)))
+    trainer = make_trainer(tmp_path, use_liger_kernel=True, liger_kernel_config={"rms_norm": True})
+    models_patched = [model for model, _ in patched]
+    assert trainer.model.policy in models_patched and trainer.model.critic in models_patched and len(patched) == 3
+    assert all(config == {"rms_norm": True, "fused_linear_cross_entropy": False} for _, config in patched)
+    monkeypatch.undo()
+    if importlib.util.find_spec("liger_kernel") is None:
+        with pytest.raises(ImportError, match="liger-kernel"):
+            make_trainer(tmp_path / "without", use_liger_kernel=True)

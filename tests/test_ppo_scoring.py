@@ -5,10 +5,12 @@ update, the same), and the missing-stop-token penalty taken from the unfinished 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import make_trainer
+from torch import nn
 
 from trl_ppomax import models
 from trl_ppomax.ppo.scoring import logprobs_and_perplexity, policy_logprobs
@@ -22,12 +24,13 @@ def trainer(tmp_path_factory):
 def test_logprobs_at_the_temperature_and_perplexity_at_one_over_the_real_tokens():
     logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]])  # one response of two tokens, a vocabulary of 3
     responses, mask = torch.tensor([[0, 2]]), torch.tensor([[1, 0]])  # the second token is padding
-    logprobs, perplexity = logprobs_and_perplexity(logits, responses, mask, temperature=2.0)
+    at = {t: SimpleNamespace(effective_logprob_temperature=t, logprob_chunk_size=1) for t in (1.0, 2.0)}
+    logprobs, perplexity = logprobs_and_perplexity(logits, nn.Identity(), responses, mask, at[2.0])
     at_two = 1.0 - math.log(math.exp(1.0) + math.exp(0.0) + math.exp(-0.5))  # logits / 2
     at_one = 2.0 - math.log(math.exp(2.0) + math.exp(0.0) + math.exp(-1.0))
     assert logprobs[0].tolist() == pytest.approx([at_two, 0.0])
     assert perplexity.tolist() == pytest.approx([math.exp(-at_one)])
-    same, _ = logprobs_and_perplexity(logits, responses, mask, temperature=1.0)
+    same, _ = logprobs_and_perplexity(logits, nn.Identity(), responses, mask, at[1.0])
     assert same[0].tolist() == pytest.approx([at_one, 0.0])
 
 

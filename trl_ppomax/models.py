@@ -22,7 +22,7 @@ from transformers.trainer_utils import load_sharded_checkpoint
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from trl.trainer.utils import disable_dropout_in_model
 
-from trl_ppomax.base import compat
+from trl_ppomax.base import compat, core
 from trl_ppomax.data.files import ADAPTER_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ SCORE_HEAD_NAMES = ("score", "classifier")
 
 class PolicyAndCritic(nn.Module):
     """Policy and critic behind one ``forward`` so that one ``accelerator.prepare`` (DDP, DeepSpeed) wraps both:
-    it returns the response logits (B, T, V), the values (B, T; None without a critic) and the policy's logits on
+    it returns the policy's log-probs of the responses (computed from its last hidden states in chunks, the whole
+    (B, T, V) logits never held), the values (B, T; None without a critic) and the policy's log-probs on
     ``ptx_inputs`` when given. trl 1.12's names ``policy`` and ``value_model`` both work."""
 
     def __init__(self, policy: nn.Module, critic: nn.Module | None) -> None:
@@ -60,11 +61,18 @@ class PolicyAndCritic(nn.Module):
         it here, so a test patching ``trainer.model.generate`` scripts them."""
         return self.policy.generate(*args, **kwargs)
 
-    def forward(self, inputs: dict, response_width: int, ptx_inputs: dict | None = None):
-        logits = response_logits(self.policy, inputs, response_width)
-        values = token_values(self.critic, inputs, response_width) if self.critic is not None else None
-        ptx_logits = self.policy(**ptx_inputs, use_cache=False).logits if ptx_inputs is not None else None
-        return logits, values, ptx_logits
+    def forward(self, inputs: dict, responses: torch.Tensor, ptx_inputs: dict | None = None, **logprob_options):
+        """``(log-probs, entropy, values, ptx log-probs)``: the policy's :func:`response_logprobs` of ``responses``
+        (B, T) with ``logprob_options``, the critic's values (B, T; None without one) and the log-probs of the next
+        tokens of ``ptx_inputs`` (B, L − 1; None without)."""
+        logprobs, entropy = response_logprobs(self.policy, inputs, responses, **logprob_options)
+        width = responses.shape[1]
+        values = token_values(self.critic, inputs, width) if self.critic is not None else None
+        ptx = None
+        if ptx_inputs is not None:
+            chunk_size = logprob_options.get("chunk_size")
+            ptx = core.token_logprobs(*next_token_features(self.policy, ptx_inputs), chunk_size=chunk_size)[0]
+        return logprobs, entropy, values, ptx
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         kwargs = gradient_checkpointing_kwargs or {"use_reentrant": False}
@@ -104,6 +112,82 @@ def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_
     extra = {"logits_to_keep": response_width + 1} if accepts else {}
     logits = model(**inputs, use_cache=False, **extra).logits
     return logits[:, -response_width - 1 : -1]
+
+
+#: Config fields of a causal LM whose logits are more than ``lm_head(last hidden state)`` (a scale, a soft cap): its
+#: log-probs come from its own logits, whole (TRL's ``add_fused_lm_head`` reads the same fields).
+LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
+
+
+def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(backbone, lm_head)`` of a causal LM (PEFT-wrapped or not) whose logits are ``lm_head(backbone(...)
+    .last_hidden_state)``, or None (no such parts, a logit transform of :data:`LOGIT_TRANSFORMS`, a PEFT prompt
+    adapter)."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and peft_config.is_prompt_learning:
+        return None
+    base = _base(model)
+    config = getattr(base, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is None or any(getattr(text_config, name, None) is not None for name in LOGIT_TRANSFORMS):
+        return None
+    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    return (backbone, head) if isinstance(backbone, nn.Module) and isinstance(head, nn.Module) else None
+
+
+def response_features(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int):
+    """``(features (B, T, F), head)`` with ``head(features)`` the logits predicting each response token (positions
+    ``L − 1 … L + T − 2``): the last hidden states and the LM head when the model has a :func:`plain_head`, else the
+    logits themselves (:func:`response_logits`) and the identity."""
+    parts = plain_head(model)
+    if parts is None:
+        return response_logits(model, inputs, response_width), nn.Identity()
+    backbone, head = parts
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state
+    return hidden[:, -response_width - 1 : -1], head
+
+
+def next_token_features(model: nn.Module, inputs: dict[str, torch.Tensor]):
+    """``(features (B, L − 1, F), head, next tokens (B, L − 1))`` of a language-modelling batch (PPO-ptx): as
+    :func:`response_features`, every position predicting the next input token."""
+    parts = plain_head(model)
+    if parts is None:
+        features, head = model(**inputs, use_cache=False).logits, nn.Identity()
+    else:
+        features, head = parts[0](**inputs, use_cache=False).last_hidden_state, parts[1]
+    return features[:, :-1], head, inputs["input_ids"][:, 1:]
+
+
+def logprob_options(args) -> dict:
+    """How the update and the scoring forwards compute log-probs: at the log-prob temperature, ``logprob_chunk_size``
+    positions through the LM head at a time."""
+    return dict(temperature=args.effective_logprob_temperature, chunk_size=args.logprob_chunk_size)
+
+
+def response_logprobs(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    responses: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, T) of ``responses`` under ``model`` at ``temperature``, and the entropy (B, T) with ``entropy``:
+    :func:`~trl_ppomax.base.core.token_logprobs` of :func:`response_features`, ``chunk_size`` positions through the
+    head at a time (None: all at once)."""
+    features, head = response_features(model, inputs, responses.shape[1])
+    options = dict(temperature=temperature, chunk_size=chunk_size, entropy=entropy, entropy_grad=entropy_grad)
+    return core.token_logprobs(features, head, responses, **options)
 
 
 def score_head(model: nn.Module) -> nn.Module | None:
@@ -264,7 +348,21 @@ def build_models(args, model, ref_model, reward_model, value_model, peft_config)
         disable_dropout_in_model(module)
     for scorer in (reward_model, critic):
         check_single_label(scorer)
+    if args.use_liger_kernel:
+        apply_liger_kernels(args, policy, reference, critic)
     return policy, reference, critic
+
+
+def apply_liger_kernels(args, *modules: nn.Module | None) -> None:
+    """``use_liger_kernel``: Liger's layer kernels (RMSNorm, SwiGLU, RoPE; ``liger_kernel_config``) patched into each
+    model, as TRL's trainers do; its fused linear cross-entropy stays off, since the log-probs never go through the
+    model's ``forward`` (:func:`response_features`). transformers' ``apply_liger_kernel`` raises, naming the
+    package, when ``liger-kernel`` is not installed."""
+    from transformers.integrations.liger import apply_liger_kernel
+
+    config = {**(args.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
+    for module in (m for m in modules if m is not None):
+        apply_liger_kernel(module, config)
 
 
 def prepare_frozen(module: nn.Module, accelerator) -> nn.Module:

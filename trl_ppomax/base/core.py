@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -177,6 +178,76 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
         p = torch.softmax(z, dim=-1)
         rows.append(torch.logsumexp(z, dim=-1) - torch.where(p > 0, p * z, 0.0).sum(-1))  # 0·(−inf) counts as 0
     return torch.stack(rows)
+
+
+class _ChosenLogProb(torch.autograd.Function):
+    """``log softmax(z / τ)[y]`` (N,) and the entropy ``H`` (N,) of ``softmax(z / τ)`` from logits ``z`` (N, V), with
+    the gradient written out: ``∂ log p_y / ∂z = (1[v = y] − p) / τ`` and ``∂H / ∂z = −p·(log p + H) / τ``. It saves
+    the float32 logits and the two (N,) statistics; its backward needs at most two (N, V) buffers."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature: float, entropy: bool, entropy_grad: bool):
+        z = logits.float() / temperature if temperature != 1.0 else logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        logprobs = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+        ent = None
+        if entropy:  # H = lse − Σ p·z, one (N, V) buffer; 0·(−inf) counts as 0
+            ent = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).nansum(-1)
+        ctx.save_for_backward(z, tokens, lse, ent)
+        ctx.temperature, ctx.logits_dtype = temperature, logits.dtype
+        ctx.set_materialize_grads(False)
+        if entropy and not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logprobs, ent
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        z, tokens, lse, ent = ctx.saved_tensors
+        log_p = z - lse.unsqueeze(-1)
+        if grad_entropy is None:  # −p·g_y
+            grad = log_p.exp_().mul_(-grad_logprobs.unsqueeze(-1))
+        else:  # −p·(log p + H)·g_H − p·g_y
+            p = log_p.exp()
+            grad = log_p.add_(ent.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
+            if grad_logprobs is not None:
+                grad.sub_(p.mul_(grad_logprobs.unsqueeze(-1)))
+        if grad_logprobs is not None:
+            grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``log softmax(head(h) / τ)[y]`` (B, T) of ``tokens`` (B, T) and, with ``entropy``, the entropy (B, T)
+    of the same distribution, from ``hidden`` (B, T, H) and the LM ``head`` ((N, H) → (N, V) logits), in float32.
+
+    With ``chunk_size`` the B·T positions go through the head ``chunk_size`` at a time and, under autograd, each chunk
+    is recomputed in backward (``torch.utils.checkpoint``): at most one chunk's (c, V) logits are alive, instead of
+    the whole (B, T, V) tensor. ``None``: one chunk, no recomputation. The values and gradients are the same either
+    way. ``entropy_grad``: the entropy carries a gradient (it trains), else it comes back detached."""
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+
+    def chunk(h, y):
+        return _ChosenLogProb.apply(head(h), y, temperature, entropy, entropy_grad)
+
+    size = chunk_size or max(len(flat_tokens), 1)
+    recompute = chunk_size is not None and torch.is_grad_enabled()
+    parts = [
+        checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
+        for h, y in zip(flat_hidden.split(size), flat_tokens.split(size), strict=True)
+    ]
+    logprobs = torch.cat([lp for lp, _ in parts]).view(tokens.shape)
+    return logprobs, torch.cat([ent for _, ent in parts]).view(tokens.shape) if entropy else None
 
 
 def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
@@ -554,12 +625,18 @@ def lm_loss(
     """Next-token cross-entropy (PPO-ptx §3.2.3 eq. 17; the reward model's imitation loss §3.1 eq. 2): logits
     (B, L, V) at position ``i`` predict ``labels[:, i+1]``; ``mask`` (B, L) marks the label tokens that count.
     Stats: ``perplexity`` = ``exp(loss)`` and ``accuracy`` (share of label tokens that are the argmax)."""
-    logprobs = logprobs_from_logits(logits[:, :-1], labels[:, 1:])
-    loss = -masked_mean(logprobs, mask[:, 1:])
+    loss, stats = next_token_loss(logprobs_from_logits(logits[:, :-1], labels[:, 1:]), mask[:, 1:])
     with torch.no_grad():
-        correct = (logits[:, :-1].argmax(-1) == labels[:, 1:]).to(logprobs.dtype)
-        stats = {"perplexity": torch.exp(loss.detach()), "accuracy": masked_mean(correct, mask[:, 1:])}
+        correct = (logits[:, :-1].argmax(-1) == labels[:, 1:]).float()
+        stats["accuracy"] = masked_mean(correct, mask[:, 1:])
     return loss, stats
+
+
+def next_token_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The cross-entropy of :func:`lm_loss` from the label tokens' log-probs (B, L − 1) and their ``mask``:
+    ``−mean(log p)``, with ``perplexity`` = ``exp(loss)``."""
+    loss = -masked_mean(logprobs, mask)
+    return loss, {"perplexity": torch.exp(loss.detach())}
 
 
 def sequence_perplexity(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,11 @@ def eval_name(name: str, prefix: str = "eval") -> str:
 
 
 # -- Computing them (``reduce`` sums a tensor over processes, ``gather`` concatenates) --------------------------------
+#: The per-response metrics that read the policy's log-probs of its own responses (the KL, the rewards with its
+#: penalty, the perplexity): logged after the update when that computes them (``old_logprobs_from_update``).
+FROM_POLICY_LOGPROBS = (KL, NON_SCORE_REWARD, RLHF_REWARD, POLICY_PERPLEXITY)
+
+
 def response_metrics(rollout, scores, kl, kl_coef: float, stop_token_id: int) -> dict[str, torch.Tensor]:
     """The :data:`PER_RESPONSE` values (B,) of one rollout — the collapse signals of §5.2. ``scores`` (B,) are the
     normalised scores, ``kl`` (B, T) the per-token KL."""

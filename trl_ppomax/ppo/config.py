@@ -169,6 +169,7 @@ _RANGE_RULES: tuple[tuple[str, str, str], ...] = (
     ("local_rollout_forward_batch_size", "≥ 1", "Rows per process in each no-grad forward and generation call."),
     ("num_samples_per_prompt", "≥ 1", "Responses sampled per prompt; 1 samples each prompt once."),
     ("max_tokens_per_microbatch", "≥ 1, or None", "None splits micro-batches by rows."),
+    ("logprob_chunk_size", "≥ 1, or None", "None computes log-probs from the whole logits at once."),
     ("max_prompt_length", "≥ 1, or None", "None: the policy's context minus response_length."),
     ("num_ppo_epochs", "≥ 1", "Passes over each rollout batch."),
     ("num_critic_epochs", "≥ 1, or None", "None uses num_ppo_epochs."),
@@ -296,6 +297,12 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         "Token budget (rows × padded prompt + response width, per process) of each no-grad forward and update "
         "micro-batch: sequences are sorted by length and packed under it; a longer sequence goes alone. The update's "
         "loss and gradients are those of the row split (per-token weights). None: split by rows.",
+    )
+    logprob_chunk_size: int | None = _field(
+        256,
+        "Token positions per pass through the LM head when computing log-probs and entropy (update and scoring): "
+        "the policy's and reference's (B, T, V) logits are never held whole, each chunk's are recomputed in "
+        "backward; values and gradients equal the unchunked ones. None: all positions at once (the whole logits).",
     )
     num_sample_generations: int = _field(10, "Number of `generate_completions` sample tables printed during training.")
     response_length: int = _field(53, "Maximum number of generated response tokens.")
@@ -875,6 +882,23 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
     def uses_critic(self) -> bool:
         """Whether the ``advantage_estimator`` needs a critic (else none is built, trained or saved)."""
         return advantages.ESTIMATORS[self.advantage_estimator].needs_critic
+
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether log π_old is the update's own forward, detached (TRL GRPO's shortcut), so that scoring runs no
+        policy forward: the update is one optimizer step (one epoch, one minibatch) on the policy that just generated,
+        and nothing before it reads the policy's log-probs (no KL in the reward, the ratio over the old policy, the
+        policy's own sampler, log-probs at temperature 1 as the logged perplexity has them). A batch whose sampler
+        wrote its own log-probs (a ``rollout_func``) is scored as always."""
+        return (
+            self.update_epochs == 1
+            and self.num_mini_batches == 1
+            and (self.kl_placement == "loss" or self.kl_coef == 0)
+            and self.importance_sampling == "old_policy"
+            and self.effective_logprob_temperature == 1.0
+            and not self.use_vllm
+            and self.max_staleness == 0
+        )
 
     @property
     def effective_logprob_temperature(self) -> float:

@@ -4,7 +4,9 @@ an :class:`Experience`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,9 @@ class Experience:
     advantages: torch.Tensor  # (B, T) normalised / clipped over the batch (raw when normalised per minibatch)
     returns: torch.Tensor  # (B, T)
     raw_advantages: torch.Tensor  # (B, T) GAE advantages before normalisation
+    #: With ``old_logprobs_from_update``: ``old_logprobs`` is a buffer the update's forward fills (π_old is the
+    #: policy itself, detached), and this returns the metrics that read them once it has (else None).
+    policy_metrics: Callable[[], dict[str, float]] | None = None
 
 
 # -- Non-finite samples: the experience phase's guard ------------------------------------------------------------------
@@ -39,6 +44,7 @@ def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Te
     log-prob or value), else None. One reduction; ``dropped`` and ``problem`` agree on every process."""
     keep = torch.isfinite(rollout.scores)
     checked = {"policy log-probs": rollout.logprobs, "reference log-probs": rollout.ref_logprobs}
+    checked = {name: tensor for name, tensor in checked.items() if tensor is not None}  # None: the update's to come
     checked["values"] = rollout.values
     local = [(~keep).sum(), torch.tensor(keep.numel(), device=keep.device)]
     local += [(~torch.isfinite(tensor)).sum() for tensor in checked.values()]
@@ -50,7 +56,8 @@ def drop_non_finite(rollout: Rollout, reduce: Reduce) -> tuple[Rollout, torch.Te
         logger.warning("Dropped %d of %d samples from the batch: their rewards were None, NaN or inf.", dropped, total)
     if problem is None and not keep.all():
         row = keep[:, None]
-        zeroed = {f: torch.where(row, getattr(rollout, f), 0.0) for f in ("logprobs", "ref_logprobs", "values")}
+        fields = [f for f in ("logprobs", "ref_logprobs", "values") if getattr(rollout, f) is not None]
+        zeroed = {f: torch.where(row, getattr(rollout, f), 0.0) for f in fields}
         mask = rollout.response_mask * row.to(rollout.response_mask.dtype)
         scores = torch.where(keep, rollout.scores, 0.0)
         rollout = dataclasses.replace(rollout, **zeroed, scores=scores, response_mask=mask)
@@ -119,7 +126,24 @@ class ExperienceMaker:
         old = rollout.ref_logprobs if self.args.importance_sampling == "reference" else rollout.logprobs
         trained = self.without_truncated(rollout) if self.args.mask_truncated_completions else rollout
         experience = Experience(trained, old, normalised, estimate.returns, raw_advantages=estimate.advantages)
-        return experience, self._logged(rollout, keep, scores, kl, estimate), None
+        logged = self._logged(rollout, keep, scores, kl, estimate)
+        if rollout.logprobs is None:  # old_logprobs_from_update: the update's forward writes π_old
+            experience.old_logprobs = torch.zeros_like(rollout.ref_logprobs)
+            experience.policy_metrics = functools.partial(self.policy_metrics, experience, rollout, keep, scores)
+            logged = {name: value for name, value in logged.items() if name not in M.FROM_POLICY_LOGPROBS}
+        return experience, logged, None
+
+    def policy_metrics(self, experience: Experience, rollout: Rollout, keep, scores) -> dict[str, float]:
+        """The metrics of :data:`~trl_ppomax.base.metrics.FROM_POLICY_LOGPROBS` of a batch whose π_old the update
+        wrote into ``experience.old_logprobs`` (``old_logprobs_from_update``): those :meth:`make` logs otherwise."""
+        logprobs = experience.old_logprobs
+        perplexity = core.sequence_perplexity(logprobs, rollout.response_mask)  # at temperature 1, as scoring's
+        rollout = dataclasses.replace(rollout, logprobs=logprobs, policy_perplexity=perplexity)
+        _, kl = self.shape_scores(rollout)
+        per_response = M.response_metrics(
+            rollout.select(keep), scores[keep], kl[keep], self.args.kl_coef, self.end_token_id
+        )
+        return {name: M.global_mean(per_response[name], self.reduce) for name in M.FROM_POLICY_LOGPROBS}
 
     def without_truncated(self, rollout: Rollout) -> Rollout:
         """TRL GRPO's ``mask_truncated_completions``: a response whose last token is not the stop token (cut by the
@@ -136,6 +160,8 @@ class ExperienceMaker:
         args, moments = self.args, self.ppo_state.running_reward
         raw = self.winsorized(rollout.scores)
         scores = core.normalize_scores(raw, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+        if rollout.logprobs is None:  # old_logprobs_from_update: nothing before the update reads the KL
+            return scores, torch.zeros_like(rollout.ref_logprobs)
         kl = core.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, args.kl_clamp)
         kl = kl * rollout.policy_mask
         return scores, kl
@@ -181,7 +207,9 @@ class ExperienceMaker:
     def _logged(self, rollout: Rollout, keep, scores, kl, estimate) -> dict[str, float]:
         """The kept samples' per-response metrics averaged over every process, and the batch's."""
         per_response = self.response_metrics(rollout.select(keep), scores[keep], kl[keep])
-        metrics = {name: M.global_mean(value, self.reduce) for name, value in per_response.items()}
+        metrics = {
+            name: M.global_mean(value, self.reduce) for name, value in per_response.items() if value is not None
+        }
         moments, gather = self.ppo_state.running_reward, kept_gather(keep, self.gather)
         metrics.update(M.batch_metrics(rollout, estimate.advantages, estimate.returns, moments, self.reduce, gather))
         metrics.update(self.source_spreads(rollout, keep))

@@ -5,6 +5,7 @@ written by the user's ``rollout_func``, then scored with the trainer's forwards 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -98,7 +99,10 @@ class Rollouts:
         ``rollout_func``), or (``max_staleness`` ≥ 1) taken from the producer, which sampled it with an older copy (its
         log-probs the behaviour policy's), and scored now."""
         prompts = None if self.producer is not None else self.prompt_batch(iteration)
-        return self.written_by(self.training_source, prompts, iteration=iteration, n=self.args.num_samples_per_prompt)
+        n, from_update = self.args.num_samples_per_prompt, self.args.old_logprobs_from_update
+        return self.written_by(
+            self.training_source, prompts, iteration=iteration, n=n, policy_logprobs=not from_update
+        )
 
     def prompt_batch(self, iteration: int) -> PromptBatch:
         """The prompts of training batch ``iteration``, on this process's device."""
@@ -122,15 +126,24 @@ class Rollouts:
         return self.written_by(self.sampling_source, prompts, sampling=sampling, n=samples_per_prompt)
 
     def written_by(
-        self, source: RolloutSource, prompts: PromptBatch | None, *, iteration=None, sampling=True, n=1
+        self,
+        source: RolloutSource,
+        prompts: PromptBatch | None,
+        *,
+        iteration=None,
+        sampling=True,
+        n=1,
+        policy_logprobs: bool = True,
     ) -> Rollout:
         """The rollout ``source`` writes for ``prompts`` (``n`` samples each), scored (:meth:`score`)."""
-        return self.score(lambda: source.generate(prompts, iteration=iteration, sampling=sampling, n=n))
+        generate = functools.partial(source.generate, prompts, iteration=iteration, sampling=sampling, n=n)
+        return self.score(generate, policy_logprobs=policy_logprobs)
 
     @torch.no_grad()
-    def score(self, generate: Callable[[], Generated]) -> Rollout:
+    def score(self, generate: Callable[[], Generated], policy_logprobs: bool = True) -> Rollout:
         """The rollout of ``generate()``'s :class:`~trl_ppomax.base.rollout.Generated` (called where the policy is
-        ready to generate): the policy's and reference's log-probs, the values and the scores."""
+        ready to generate): the policy's and reference's log-probs, the values and the scores. Without
+        ``policy_logprobs`` the policy's are left to the update (``old_logprobs_from_update``: None here)."""
         unwrapped = self.accelerator.unwrap_model(self.model)
         unwrapped.eval()
         with self.context():
@@ -138,7 +151,9 @@ class Rollouts:
                 out = generate()
                 env_mask = None if self.args.train_on_env_tokens else out.env_mask
                 written = (out.response_ids, out.response_mask, out.sampler_logprobs, env_mask)
-                parts, real = self.scorer.log_probs(wrapper, out.query_ids, out.query_mask, *written)
+                parts, real = self.scorer.log_probs(
+                    wrapper, out.query_ids, out.query_mask, *written, policy=policy_logprobs
+                )
             rollout = self.scorer.values_and_rewards(unwrapped.critic, parts, real, out.columns)
         unwrapped.train()
         return rollout

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from trl.trainer.utils import selective_log_softmax
 
 from trl_ppomax import data, models, rewards
-from trl_ppomax.base.core import sequence_perplexity
+from trl_ppomax.base import core
 from trl_ppomax.base.rollout import Rollout, merge_rollouts, take_rows
 from trl_ppomax.ppo.batching import forward_groups, forward_queries
 
@@ -36,18 +35,20 @@ class Scorer:
         self.generation, self.end_token_id = generation, end_token_id
 
     def log_probs(
-        self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask=None
+        self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask=None, policy: bool = True
     ) -> tuple[list, int]:
         """The policy's and reference's log-probs of every forward micro-batch: ``(parts, real)``, a ``(rows, fields)``
         pair per forward (:class:`Rollout` fields) and how many are real: every process runs as many forwards as
         the busiest (ZeRO-3 gathers parameters in each), the others repeating a row. ``env_mask`` (B, T): 0 on a
-        multi-turn trajectory's environment tokens (kept in the rollout, see :attr:`Rollout.policy_mask`)."""
+        multi-turn trajectory's environment tokens (kept in the rollout, see :attr:`Rollout.policy_mask`). Without
+        ``policy`` the policy's forward is left to the update (its log-probs and perplexity None), unless the sampler
+        wrote log-probs of its own to compare them with."""
         groups, count = forward_groups(query_mask, mask, self.args, self.accelerator)
         padded = groups + [groups[0][:1]] * (count - len(groups))
         rows, extra = (query_ids, query_mask, responses, mask), (sampler_logprobs, env_mask)
         parts = []
         for g in padded:
-            fields = self._log_probs(wrapper, *(t[g] for t in rows), *(take_rows(t, g) for t in extra))
+            fields = self._log_probs(wrapper, *(t[g] for t in rows), *(take_rows(t, g) for t in extra), policy)
             parts.append((g, fields))
         return parts, len(groups)
 
@@ -58,22 +59,22 @@ class Scorer:
         groups = [g for g, _ in parts[:real]]
         return merge_rollouts(scored[:real], groups, self.tokenizer.pad_token_id)
 
-    def _log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask) -> dict:
+    def _log_probs(self, wrapper, query_ids, query_mask, responses, mask, sampler_logprobs, env_mask, policy) -> dict:
         width = max(int(mask.sum(1).max()), 1)  # the responses trimmed to this micro-batch's longest
         responses, mask = responses[:, :width], mask[:, :width]
         env_mask = None if env_mask is None else env_mask[:, :width]
         policy_mask = mask if env_mask is None else mask * env_mask  # the sampler wrote these
         inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, self.args), responses, mask)
-        temperature = self.args.effective_logprob_temperature
-        policy_logits = models.response_logits(wrapper.policy, inputs, width)
-        logprobs, policy_perplexity = logprobs_and_perplexity(policy_logits, responses, mask, temperature)
-        weights = None
-        if sampler_logprobs is not None:  # another sampler (vLLM, the producer's older copy): the gap to the policy's forward
-            sampler = sampler_logprobs[:, :width]
+        logprobs = policy_perplexity = weights = None
+        if policy or sampler_logprobs is not None:
+            features, head = models.response_features(wrapper.policy, inputs, width)
+            logprobs, policy_perplexity = logprobs_and_perplexity(features, head, responses, mask, self.args)
+        if sampler_logprobs is not None:  # another sampler (vLLM, the producer's older copy): the gap to the policy's
+            sampler, policy_logits = sampler_logprobs[:, :width], head(features)  # its nucleus needs the whole logits
             weights = self.generation.importance_weights(policy_logits, logprobs, responses, policy_mask, sampler)
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
-            ref_logits = models.response_logits(reference, inputs, width)
-            ref_logprobs, ref_perplexity = logprobs_and_perplexity(ref_logits, responses, mask, temperature)
+            features, head = models.response_features(reference, inputs, width)
+            ref_logprobs, ref_perplexity = logprobs_and_perplexity(features, head, responses, mask, self.args)
         fields = dict(query_ids=query_ids, query_mask=query_mask, response_ids=responses, response_mask=mask)
         fields.update(env_mask=env_mask)
         fields.update(logprobs=logprobs, ref_logprobs=ref_logprobs, sampling_weights=weights)
@@ -85,7 +86,7 @@ class Scorer:
         inputs = models.sequence_inputs(query_ids, query_mask, responses, mask)
         scores, source_scores = self._scores(inputs, query_mask, responses, mask, columns)
         if critic is None:  # a critic-free estimator
-            values = torch.zeros_like(fields["logprobs"])
+            values = torch.zeros_like(fields["ref_logprobs"])
         else:
             values = models.token_values(critic, inputs, mask.shape[1]) * mask
         return Rollout(**fields, source_scores=source_scores, values=values, scores=scores)
@@ -109,15 +110,20 @@ def policy_logprobs(model: nn.Module, query_ids, query_mask, responses, mask, ar
     """Masked log-probs (B, T) of ``responses`` under ``model`` at the scoring temperature, as :class:`Scorer`'s
     forwards compute them (for the behaviour policy of a rollout the producer generated ahead)."""
     inputs = models.sequence_inputs(*forward_queries(query_ids, query_mask, args), responses, mask)
-    logits = models.response_logits(model, inputs, responses.shape[1])
-    return selective_log_softmax(logits, responses, temperature=args.effective_logprob_temperature) * mask
+    return models.response_logprobs(model, inputs, responses, **models.logprob_options(args))[0] * mask
 
 
 def logprobs_and_perplexity(
-    logits: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor, temperature: float
+    features: torch.Tensor, head, responses: torch.Tensor, mask: torch.Tensor, args
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked log-probs (B, T) of ``responses`` at ``temperature`` and the perplexity (B,) at temperature 1, with trl's
-    fused (GPU) or row-wise ``selective_log_softmax``; one pass when ``temperature`` is 1."""
-    logprobs = selective_log_softmax(logits, responses, temperature=temperature)
-    at_one = logprobs if temperature == 1 else selective_log_softmax(logits, responses)
-    return logprobs * mask, sequence_perplexity(at_one, mask)
+    """Masked log-probs (B, T) of ``responses`` at the log-prob temperature and the perplexity (B,) at temperature 1,
+    from ``head(features)`` (:func:`~trl_ppomax.models.response_features`) in ``logprob_chunk_size`` chunks; the
+    head runs twice when the temperature is not 1."""
+    options = models.logprob_options(args)
+    logprobs, _ = core.token_logprobs(features, head, responses, **options)
+    at_one = (
+        logprobs
+        if options["temperature"] == 1
+        else core.token_logprobs(features, head, responses, **options | {"temperature": 1.0})[0]
+    )
+    return logprobs * mask, core.sequence_perplexity(at_one, mask)

@@ -435,6 +435,8 @@ class PPOMaxTrainer(Trainer):
             start = time.perf_counter()
             update_metrics, problem = self._update_and_sync(experience, iteration)
             metrics.update(update_metrics, **{M.UPDATE_SECONDS: time.perf_counter() - start})
+            if experience.policy_metrics is not None:  # π_old's log-probs came from the update
+                metrics.update(experience.policy_metrics())
         self.ppo_state.count_iteration(problem, iteration, self.num_total_batches, args.max_skipped_iterations)
         counters = {name: float(value) for name, value in self.ppo_state.counters.items()}
         engines = [e for e in (self.generation, self.lagged, self.agent, self.reward_log) if e is not None]

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
 
 from trl_ppomax import models
 from trl_ppomax.base import core
@@ -194,9 +193,13 @@ def micro_batch_loss(
     queries = forward_queries(rollout.query_ids, rollout.query_mask, args)
     inputs = models.sequence_inputs(*queries, responses, attended)
     ptx_mask = ptx_inputs.pop("loss_mask", ptx_inputs["attention_mask"]) if ptx_inputs is not None else None
-    logits, values, ptx_logits = model(inputs, width, ptx_inputs=ptx_inputs)
-    logprobs, entropy = _logprobs_and_entropy(logits, responses, args, log_entropy)
+    trains_entropy = args.entropy_coef > 0  # else the entropy is logged (when asked) without a gradient
+    options = dict(entropy=trains_entropy or log_entropy, entropy_grad=trains_entropy, **models.logprob_options(args))
+    logprobs, entropy, values, ptx_logprobs = model(inputs, responses, ptx_inputs=ptx_inputs, **options)
     old, advantages = experience.old_logprobs[rows, :width], experience.advantages[rows, :width]
+    if experience.policy_metrics is not None:  # old_logprobs_from_update: π_old is this very forward, detached
+        old = logprobs.detach() * attended
+        experience.old_logprobs[rows, :width] = old
     sampling = None if rollout.sampling_weights is None else rollout.sampling_weights[:, :width]
     policy_loss, stats = _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args)
     if args.kl_placement == "loss":
@@ -204,8 +207,8 @@ def micro_batch_loss(
         weighted = old if args.kl_loss_importance_weighted else None
         kl = core.kl_loss(logprobs, ref, mask, args.kl_estimator, weights, clamp=args.kl_clamp, old_logprobs=weighted)
         policy_loss, stats[M.KL_LOSS] = policy_loss + args.kl_coef * kl, kl.detach()
-    if ptx_logits is not None:
-        ptx_loss, ptx_stats = core.lm_loss(ptx_logits, ptx_inputs["input_ids"], ptx_mask)
+    if ptx_logprobs is not None:
+        ptx_loss, ptx_stats = core.next_token_loss(ptx_logprobs, ptx_mask[:, 1:])
         policy_loss = policy_loss + args.ptx_coef * ptx_loss
         stats.update({M.PTX_LOSS: ptx_loss.detach(), M.PTX_PERPLEXITY: ptx_stats["perplexity"]})
     if values is None:  # a critic-free estimator: the policy alone
@@ -214,17 +217,6 @@ def micro_batch_loss(
     vf_loss, vf_stats = core.clipped_value_loss(values, old_values, returns, mask, args.cliprange_value, weights)
     stats |= {M.VALUE_LOSS: vf_loss.detach(), M.VF_CLIPFRAC: vf_stats["clipfrac"], M.VALUE_ERROR: vf_stats["error"]}
     return (0.0 if critic_only else 1.0) * policy_loss + args.vf_coef * vf_loss, stats
-
-
-def _logprobs_and_entropy(logits, responses, args, log_entropy: bool):
-    """log π (B, T) at the log-prob temperature, and the entropy (B, T) in the same pass when it trains or is logged
-    (else None)."""
-    temperature, trains_entropy = args.effective_logprob_temperature, args.entropy_coef > 0
-    if trains_entropy or log_entropy:
-        return selective_log_softmax_and_entropy(
-            logits, responses, entropy_requires_grad=trains_entropy, temperature=temperature
-        )
-    return selective_log_softmax(logits, responses, temperature=temperature), None
 
 
 def _policy_terms(logprobs, entropy, old, advantages, sampling, mask, weights, args) -> tuple[torch.Tensor, dict]:
