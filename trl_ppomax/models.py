@@ -108,8 +108,7 @@ def _base(model: nn.Module) -> nn.Module:
 def response_logits(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int) -> torch.Tensor:
     """Logits (B, T, V) predicting each response token: positions ``L − 1 … L + T − 2`` (only the last ``T + 1``
     asked for, ``logits_to_keep``, when the model supports it)."""
-    accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
-    extra = {"logits_to_keep": response_width + 1} if accepts else {}
+    extra = {"logits_to_keep": response_width + 1} if takes_logits_to_keep(model) else {}
     logits = model(**inputs, use_cache=False, **extra).logits
     return logits[:, -response_width - 1 : -1]
 
@@ -128,7 +127,7 @@ LOGIT_TRANSFORMS = (
 def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """``(backbone, lm_head)`` of a causal LM (PEFT-wrapped or not) whose logits are ``lm_head(backbone(...)
     .last_hidden_state)``, or None (no such parts, a logit transform of :data:`LOGIT_TRANSFORMS`, a PEFT prompt
-    adapter)."""
+    adapter, a head sharded by FSDP2)."""
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and peft_config.is_prompt_learning:
         return None
@@ -140,7 +139,17 @@ def plain_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
-    return (backbone, head) if isinstance(backbone, nn.Module) and isinstance(head, nn.Module) else None
+    if not (isinstance(backbone, nn.Module) and isinstance(head, nn.Module)) or sharded_outside_forward(head):
+        return None
+    return backbone, head
+
+
+def sharded_outside_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are DTensor shards (FSDP2, tensor parallelism), whole only inside the forward
+    of the unit that owns them: its log-probs then come from the model's own logits."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in module.parameters())
 
 
 def response_features(model: nn.Module, inputs: dict[str, torch.Tensor], response_width: int):
@@ -151,8 +160,7 @@ def response_features(model: nn.Module, inputs: dict[str, torch.Tensor], respons
     if parts is None:
         return response_logits(model, inputs, response_width), nn.Identity()
     backbone, head = parts
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state
-    return hidden[:, -response_width - 1 : -1], head
+    return last_hidden_state(model, backbone, inputs)[:, -response_width - 1 : -1], head
 
 
 def next_token_features(model: nn.Module, inputs: dict[str, torch.Tensor]):
@@ -162,8 +170,27 @@ def next_token_features(model: nn.Module, inputs: dict[str, torch.Tensor]):
     if parts is None:
         features, head = model(**inputs, use_cache=False).logits, nn.Identity()
     else:
-        features, head = parts[0](**inputs, use_cache=False).last_hidden_state, parts[1]
+        features, head = last_hidden_state(model, parts[0], inputs), parts[1]
     return features[:, :-1], head, inputs["input_ids"][:, 1:]
+
+
+def last_hidden_state(model: nn.Module, backbone: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``backbone``'s last hidden states (B, S, H), read by a forward hook while ``model`` runs its own forward
+    (so that what wraps it runs as usual: FSDP2 gathers, PEFT adapters), the logits asked for at one position only
+    (``logits_to_keep``, where the model takes it)."""
+    captured = []
+    handle = backbone.register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        model(**inputs, use_cache=False, **({"logits_to_keep": 1} if takes_logits_to_keep(model) else {}))
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the causal LM inside ``model`` (PEFT-wrapped or not) computes only the last ``logits_to_keep``
+    positions' logits."""
+    return "logits_to_keep" in inspect.signature(_base(model).forward).parameters
 
 
 def logprob_options(args) -> dict:

@@ -70,6 +70,25 @@ PEAK_BF16_FLOPS = (
     ("L40S", 362e12),
     ("B200", 2250e12),
 )
+#: Issue 46's rows, run first, each a driver of its own in ``benchmarks/`` writing a JSON that joins this one:
+#: name → (script and its GPU arguments, its dry-run arguments, the seconds it may take at most on the GPU).
+#: ``head_to_head``: TRL's GRPOTrainer (its fused log-prob head, Triton on the GPU), the same with a plain head, and
+#: ours with ``advantage_estimator="grpo"``, at Qwen2-0.5B's width and vocabulary, bf16, 512 tokens per completion.
+#: ``vocab_memory``: a PPO-max iteration at that shape with the log-probs in chunks (256, 1,024) and whole (0).
+QWEN_05B = "--hidden 896 --layers 24 --heads 14 --intermediate 4864 --vocab-size 151936"
+SECTIONS = {
+    "head_to_head": (
+        f"head_to_head.py --device cuda --bf16 {QWEN_05B} --completion-length 512 --prompts 16 --generations 4 "
+        "--micro-batch 16 --steps 3 --runs 1 --impls trl_grpo ppomax_grpo trl_grpo_plain",
+        "head_to_head.py --quick --impls trl_grpo ppomax_grpo",
+        240.0,
+    ),
+    "vocab_memory": (
+        "vocab_memory.py --gpu --runs 1 --rows 8 --response-length 512 --iterations 2 --chunk-sizes 0,256,1024",
+        "vocab_memory.py --runs 1 --rows 2 --response-length 8 --iterations 1",
+        150.0,
+    ),
+}
 #: Optional runs after the first: (name, cost as a multiple of the first run's wall time, extra start-up seconds).
 EXTRA_RUNS = (("ppomax+staleness1", 1.0, 0.0), ("ppomax+vllm", 1.0, 150.0), ("trl112", 1.2, 0.0))
 #: Fields of :data:`SIZES` that are trainer config fields (the same in both trainers).
@@ -381,11 +400,47 @@ def launch(name: str, python: str, args, timeout: float) -> tuple[dict | None, s
     return json.loads(lines[-1].removeprefix("RESULT ")), None, seconds
 
 
+def run_section(name: str, args, left: float) -> tuple[dict | None, str | None]:
+    """Issue 46's row ``name`` (:data:`SECTIONS`): its driver in a fresh process, stopped at ``left`` seconds;
+    ``(its JSON, None)`` or ``(None, why)``."""
+    gpu_command, dry_command, most = SECTIONS[name]
+    argv = (dry_command if args.dry_run else gpu_command).split()
+    timeout = min(most, left)
+    if timeout < 30:
+        return None, f"time guard: {max(left, 0):.0f} s left of the {args.budget_s:.0f} s budget"
+    output = Path(args.output).with_name(f"{Path(args.output).stem}_{name}.json")
+    command = [sys.executable, str(HERE.parent / argv[0]), *argv[1:], "--output", str(output)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        stdout, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        return None, f"stopped by the time guard after {timeout:.0f} s; output tail: {stdout[-1500:]}"
+    if process.returncode != 0 or not output.exists():
+        return None, f"exit code {process.returncode}; output tail: {stdout[-3000:]}"
+    return json.loads(output.read_text()), None
+
+
 def orchestrate(args) -> int:
-    """Run ppomax, then the optional runs while the budget allows; write one JSON file."""
+    """Issue 46's rows (:data:`SECTIONS`), then ppomax, then the optional runs while the budget allows; write one
+    JSON file."""
     start = time.monotonic()
     report = {"dry_run": args.dry_run, "budget_seconds": args.budget_s, "runs": {}, "skipped": [], "failed": []}
-    result, error, first_seconds = launch("ppomax", sys.executable, args, args.budget_s - MARGIN_S)
+    for name in args.sections:
+        left = args.budget_s - MARGIN_S - (time.monotonic() - start)
+        section_start = time.monotonic()
+        result, error = run_section(name, args, left)
+        if result is None:
+            report["failed"].append({"run": name, "error": error, "process_seconds": time.monotonic() - section_start})
+        else:
+            report[name] = {**result, "process_seconds": time.monotonic() - section_start}
+    left = args.budget_s - MARGIN_S - (time.monotonic() - start)
+    result, error, first_seconds = launch("ppomax", sys.executable, args, left)
     record_run(report, "ppomax", result, error, first_seconds)
     for name, factor, startup in EXTRA_RUNS:
         left = args.budget_s - MARGIN_S - (time.monotonic() - start)
@@ -434,6 +489,10 @@ def add_comparison(report: dict) -> None:
 
 def print_summary(report: dict, output: str) -> None:
     print(f"device: {report.get('device')}; parameters: {report.get('parameters')}")
+    for name in SECTIONS:
+        if name in report:
+            summary = report[name].get("ratios") or report[name].get("by_chunk_size")
+            print(f"{name} ({report[name]['process_seconds']:.0f} s): {json.dumps(summary)[:1500]}")
     for name, run in report["runs"].items():
         mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
         print(
@@ -453,6 +512,9 @@ def parse_args(argv=None):
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for the MFU")
     parser.add_argument("--trl112-python", default=None, help="a python with trl==1.12.0: also run its PPOTrainer")
     parser.add_argument("--budget-s", type=float, default=450.0, help="stop adding runs beyond this many seconds")
+    parser.add_argument(
+        "--sections", nargs="*", default=list(SECTIONS), choices=list(SECTIONS), help="issue 46's rows to run first"
+    )
     parser.add_argument(
         "--impl", choices=["ppomax", "ppomax+staleness1", "ppomax+vllm", "trl112"], help=argparse.SUPPRESS
     )
