@@ -108,6 +108,7 @@ def worker(args) -> None:
             response_length=args.response_length,
             stop_token=None,
             logprob_chunk_size=chunk_size,
+            use_liger_kernel=args.use_liger_kernel,
             gradient_checkpointing=False,
             bf16=cuda,
             use_cpu=not cuda,
@@ -139,6 +140,8 @@ def worker(args) -> None:
         "update_seconds": update,
         "phases": dict(speed_worker.PHASES),
         "policy_changed": bool((policy.lm_head.weight.detach() != before).any()),
+        "use_liger_kernel": args.use_liger_kernel,
+        "liger_patched_modules": sum("liger" in getattr(m.forward, "__module__", "") for m in policy.modules()),
         "iterations": trainer.state.global_step,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
     }
@@ -150,6 +153,7 @@ def launch(args, vocab_size: int, chunk_size: int) -> dict:
     command += ["--rows", str(args.rows), "--response-length", str(args.response_length)]
     command += ["--prompt-length", str(args.prompt_length), "--iterations", str(args.iterations)]
     command += ["--gpu"] if args.gpu else []
+    command += ["--use-liger-kernel"] if args.use_liger_kernel else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -195,6 +199,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--chunk-sizes", default="0,256", help="logprob_chunk_size values; 0 = None (whole logits)")
+    parser.add_argument("--no-baseline", action="store_true", help="only the listed chunk sizes, no ratios")
+    parser.add_argument("--use-liger-kernel", action="store_true", help="Liger's layer kernels (a GPU path)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vocab-size", type=int, default=QWEN_VOCAB, help=argparse.SUPPRESS)
     parser.add_argument("--chunk-size", type=int, default=256, help=argparse.SUPPRESS)
@@ -203,11 +209,12 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
-    if 0 not in chunk_sizes:
+    if 0 not in chunk_sizes and not args.no_baseline:
         chunk_sizes.insert(0, 0)
     start, runs = time.monotonic(), []
     for round_ in range(args.runs):
-        order = [(BASELINE_VOCAB, 0)] + [(QWEN_VOCAB, c) for c in chunk_sizes]
+        order = [] if args.no_baseline else [(BASELINE_VOCAB, 0)]
+        order += [(QWEN_VOCAB, c) for c in chunk_sizes]
         for vocab, chunk in order if round_ % 2 == 0 else order[::-1]:
             run = launch(args, vocab, chunk)
             runs.append(run)
@@ -218,11 +225,12 @@ def main(argv=None) -> int:
             )
     settings = {k: getattr(args, k) for k in ("gpu", "runs", "rows", "response_length", "prompt_length", "iterations")}
     report = {"settings": {**settings, "shape": SHAPES["gpu" if args.gpu else "cpu"]}, "runs": runs}
-    report |= summarise(runs, chunk_sizes)
+    if not args.no_baseline:
+        report |= summarise(runs, chunk_sizes)
     report["wall_seconds"] = time.monotonic() - start
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["by_chunk_size"], indent=2))
+    print(json.dumps(report.get("by_chunk_size", runs), indent=2))
     return 0
 
 
