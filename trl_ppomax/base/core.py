@@ -183,25 +183,28 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 class _ChosenLogProb(torch.autograd.Function):
     """``log softmax(z / τ)[y]`` (N,) and the entropy ``H`` (N,) of ``softmax(z / τ)`` from logits ``z`` (N, V), with
     the gradient written out: ``∂ log p_y / ∂z = (1[v = y] − p) / τ`` and ``∂H / ∂z = −p·(log p + H) / τ``. It saves
-    the float32 logits and the two (N,) statistics; its backward needs at most two (N, V) buffers."""
+    the float32 logits and the two (N,) statistics; its backward needs at most two (N, V) buffers. Returns
+    ``(log p_y, H or None, lse)``, ``lse = logsumexp(z / τ)`` without a gradient; ``known = (lse, H)`` of these very
+    logits (a recomputation) skips the reductions."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature: float, entropy: bool, entropy_grad: bool):
+    def forward(ctx, logits, tokens, temperature: float, entropy: bool, entropy_grad: bool, known: tuple = ()):
         z = logits.float() / temperature if temperature != 1.0 else logits.float()
-        lse = torch.logsumexp(z, dim=-1)
+        if known:
+            lse, ent = (None if t is None else t.clone() for t in known)
+        else:
+            lse, ent = torch.logsumexp(z, dim=-1), None
+            if entropy:  # H = lse − Σ p·z, one (N, V) buffer; 0·(−inf) counts as 0
+                ent = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).nansum(-1)
         logprobs = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
-        ent = None
-        if entropy:  # H = lse − Σ p·z, one (N, V) buffer; 0·(−inf) counts as 0
-            ent = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).nansum(-1)
-        ctx.save_for_backward(z, tokens, lse, ent)
+        ctx.save_for_backward(z, tokens, lse, ent if entropy_grad else None)
         ctx.temperature, ctx.logits_dtype = temperature, logits.dtype
         ctx.set_materialize_grads(False)
-        if entropy and not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return logprobs, ent
+        ctx.mark_non_differentiable(lse, *([ent] if ent is not None and not entropy_grad else []))
+        return logprobs, ent, lse
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, _):
         z, tokens, lse, ent = ctx.saved_tensors
         log_p = z - lse.unsqueeze(-1)
         if grad_entropy is None:  # −p·g_y
@@ -215,7 +218,7 @@ class _ChosenLogProb(torch.autograd.Function):
             grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad.to(ctx.logits_dtype), None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
 def token_logprobs(
@@ -237,13 +240,17 @@ def token_logprobs(
     way. ``entropy_grad``: the entropy carries a gradient (it trains), else it comes back detached."""
     flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
 
-    def chunk(h, y):
-        return _ChosenLogProb.apply(head(h), y, temperature, entropy, entropy_grad)
+    def chunk(h, y, kept: list):
+        # a second call, the recomputation in backward, recomputes the logits alone: their reductions are kept
+        logprobs, ent, lse = _ChosenLogProb.apply(head(h), y, temperature, entropy, entropy_grad, tuple(kept))
+        if not kept:
+            kept += [lse.detach(), None if ent is None else ent.detach()]
+        return logprobs, ent
 
     size = chunk_size or max(len(flat_tokens), 1)
     recompute = chunk_size is not None and torch.is_grad_enabled()
     parts = [
-        checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y)
+        checkpoint(chunk, h, y, [], use_reentrant=False) if recompute else chunk(h, y, [])
         for h, y in zip(flat_hidden.split(size), flat_tokens.split(size), strict=True)
     ]
     logprobs = torch.cat([lp for lp, _ in parts]).view(tokens.shape)
