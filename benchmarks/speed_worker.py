@@ -64,7 +64,10 @@ def instrument(impl: str) -> None:
 
             wrap(engine.VLLMEngine, "generate", "generation")  # includes the weight sync, timed apart too
             wrap(engine.VLLMEngine, "sync", "weight_sync")
-        for owner, name in ((modeling, "response_logits"), (modeling, "token_values"), (rewards, "sequence_scores")):
+        from trl_ppomax.ppo.scoring import Scorer
+
+        # the policy's and reference's log-prob forwards (their LM heads in chunks), the values, the scores
+        for owner, name in ((Scorer, "log_probs"), (modeling, "token_values"), (rewards, "sequence_scores")):
             wrap(owner, name, "scoring_forwards", no_grad_only=True)
 
 

@@ -84,6 +84,19 @@ def test_dry_run_records_the_runs_it_skipped(report):
     assert reasons == {"trl112": "no --trl112-python given", "ppomax+vllm": "dry run: the vLLM run needs a GPU"}
 
 
+@pytest.mark.slow  # the dry run: 17 s of the default suite's cold time (.ci/run runs it)
+def test_dry_run_runs_issue_46s_rows_first_into_the_same_json(report):
+    """The head-to-head (identical work, ours without the no-grad policy forward, as TRL's GRPO), the vocabulary's
+    memory share with the log-probs whole and in chunks, and the Liger row, each in the JSON."""
+    head_to_head = report["head_to_head"]
+    assert head_to_head["work_equal"] and set(head_to_head["medians"]) == {"trl_grpo", "ppomax_grpo"}
+    assert {run["policy_no_grad_forward_rows"] for run in head_to_head["forwards_by_design"].values()} == {0}
+    by_chunk_size = report["vocab_memory"]["by_chunk_size"]
+    assert set(by_chunk_size) == {"None", "256"} and by_chunk_size["None"]["vocabulary_share_mib"] > 0
+    (liger,) = report["liger"]["runs"]
+    assert liger["policy_changed"] and liger["logprob_chunk_size"] == 256
+
+
 def test_peak_table_and_time_guard():
     script = load_script()
     assert script.peak_flops("NVIDIA H100 80GB HBM3", None) == script.peak_flops("NVIDIA H200", None) == 989e12

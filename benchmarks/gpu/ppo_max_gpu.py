@@ -71,28 +71,30 @@ PEAK_BF16_FLOPS = (
     ("B200", 2250e12),
 )
 #: Issue 46's rows, run first, each a driver of its own in ``benchmarks/`` writing a JSON that joins this one:
-#: name → (script and its GPU arguments, its dry-run arguments, the seconds it may take at most on the GPU).
-#: ``head_to_head``: TRL's GRPOTrainer (its fused log-prob head, Triton on the GPU), the same with a plain head, and
-#: ours with ``advantage_estimator="grpo"``, at Qwen2-0.5B's width and vocabulary, bf16, 384 tokens per completion.
-#: ``vocab_memory``: a PPO-max iteration at that shape, 8 × 512 tokens, the log-probs in chunks (256) and whole (0).
+#: name → (script and its GPU arguments, its dry-run arguments, the seconds it may take at most on the GPU). Sized
+#: from the first H200 run (2026-12-04): HF ``generate`` at this shape takes about 80 ms a step at 64 rows.
+#: ``head_to_head``: ours with ``advantage_estimator="grpo"``, TRL's GRPOTrainer (its fused log-prob head, Triton on
+#: the GPU) and the same with a plain head, at Qwen2-0.5B's width and vocabulary, bf16, 64 tokens per completion.
+#: ``vocab_memory``: a PPO-max iteration at that shape, 4 × 384 tokens, the log-probs in chunks (256) and whole (0).
+#: ``liger``: ``use_liger_kernel=True`` trains (Liger's layer kernels in the models) where liger-kernel is installed.
 QWEN_05B = "--hidden 896 --layers 24 --heads 14 --intermediate 4864 --vocab-size 151936"
 SECTIONS = {
     "head_to_head": (
-        f"head_to_head.py --device cuda --bf16 {QWEN_05B} --completion-length 384 --prompts 16 --generations 4 "
-        "--micro-batch 16 --steps 2 --runs 1 --impls trl_grpo ppomax_grpo trl_grpo_plain",
+        f"head_to_head.py --device cuda --bf16 {QWEN_05B} --completion-length 64 --prompts 16 --generations 4 "
+        "--micro-batch 16 --steps 2 --runs 1 --impls ppomax_grpo trl_grpo trl_grpo_plain",
         "head_to_head.py --quick --impls trl_grpo ppomax_grpo",
-        240.0,
+        170.0,
     ),
     "vocab_memory": (
-        "vocab_memory.py --gpu --runs 1 --rows 8 --response-length 512 --iterations 1 --chunk-sizes 0,256",
+        "vocab_memory.py --gpu --runs 1 --rows 4 --response-length 384 --iterations 1 --chunk-sizes 0,256",
         "vocab_memory.py --runs 1 --rows 2 --response-length 8 --iterations 1",
-        150.0,
+        190.0,
     ),
-    "liger": (  # use_liger_kernel=True trains (Liger's layer kernels in the models) where liger-kernel is installed
+    "liger": (
         "vocab_memory.py --gpu --runs 1 --rows 8 --response-length 128 --iterations 1 --chunk-sizes 256 "
         "--no-baseline --use-liger-kernel",
         "vocab_memory.py --runs 1 --rows 2 --response-length 8 --iterations 1 --chunk-sizes 256 --no-baseline",
-        90.0,
+        60.0,
     ),
 }
 #: Optional runs after the first: (name, cost as a multiple of the first run's wall time, extra start-up seconds).

@@ -299,7 +299,7 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
         "loss and gradients are those of the row split (per-token weights). None: split by rows.",
     )
     logprob_chunk_size: int | None = _field(
-        256,
+        128,
         "Token positions per pass through the LM head when computing log-probs and entropy (update and scoring): "
         "the policy's and reference's (B, T, V) logits are never held whole, each chunk's are recomputed in "
         "backward; values and gradients equal the unchunked ones. None: all positions at once (the whole logits).",
