@@ -38,6 +38,7 @@ from trl_ppomax.base.core import (
     response_mask_from_stop,
     sequence_perplexity,
     token_logprobs,
+    token_logprobs_at,
     token_rewards,
 )
 
@@ -1079,6 +1080,7 @@ def test_public_api_is_covered():
         "sequence_perplexity",
         "token_rewards",
         "token_logprobs",
+        "token_logprobs_at",
         "next_token_loss",
     }
     assert public == tested, f"untested public names: {sorted(public - tested)}; gone: {sorted(tested - public)}"
@@ -1358,3 +1360,20 @@ def test_next_token_loss_is_the_lm_loss_of_the_label_log_probs():
     same, same_stats = next_token_loss(logprobs, mask[:, 1:])
     assert_close(same, loss)
     assert_close(same_stats["perplexity"], stats["perplexity"])
+
+
+def test_token_logprobs_at_several_temperatures_run_the_head_once_per_chunk():
+    torch.manual_seed(0)
+    linear, calls = torch.nn.Linear(8, 30), []
+
+    def head(h):
+        calls.append(len(h))
+        return linear(h)
+
+    hidden, tokens = torch.randn(2, 5, 8), torch.randint(0, 30, (2, 5))
+    at_07, at_1 = token_logprobs_at(hidden, head, tokens, (0.7, 1.0), chunk_size=4)
+    assert calls == [4, 4, 2]
+    for got, temperature in ((at_07, 0.7), (at_1, 1.0)):
+        with torch.no_grad():
+            expected = torch.log_softmax(linear(hidden) / temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+        assert_close(got, expected, atol=1e-6, rtol=1e-6)

@@ -257,6 +257,25 @@ def token_logprobs(
     return logprobs, torch.cat([ent for _, ent in parts]).view(tokens.shape) if entropy else None
 
 
+@torch.no_grad()
+def token_logprobs_at(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    temperatures: tuple[float, ...],
+    chunk_size: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`token_logprobs` (B, T) at each of ``temperatures``, without a gradient, the head run once per chunk."""
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    size = chunk_size or max(len(flat_tokens), 1)
+    parts = [[] for _ in temperatures]
+    for h, y in zip(flat_hidden.split(size), flat_tokens.split(size), strict=True):
+        logits = head(h)
+        for part, temperature in zip(parts, temperatures, strict=True):
+            part.append(_ChosenLogProb.apply(logits, y, temperature, False, False)[0])
+    return [torch.cat(part).view(tokens.shape) for part in parts]
+
+
 def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
     """Mask (B, T) of real response tokens: everything up to and including the first ``stop_token_id`` (every token
     with ``stop_token_id=None``)."""

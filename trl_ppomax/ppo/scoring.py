@@ -117,13 +117,10 @@ def logprobs_and_perplexity(
     features: torch.Tensor, head, responses: torch.Tensor, mask: torch.Tensor, args
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked log-probs (B, T) of ``responses`` at the log-prob temperature and the perplexity (B,) at temperature 1,
-    from ``head(features)`` (:func:`~trl_ppomax.models.response_features`) in ``logprob_chunk_size`` chunks; the
-    head runs twice when the temperature is not 1."""
+    from ``head(features)`` (:func:`~trl_ppomax.models.response_features`) in ``logprob_chunk_size`` chunks, the
+    head run once per chunk for both."""
     options = models.logprob_options(args)
-    logprobs, _ = core.token_logprobs(features, head, responses, **options)
-    at_one = (
-        logprobs
-        if options["temperature"] == 1
-        else core.token_logprobs(features, head, responses, **options | {"temperature": 1.0})[0]
-    )
+    temperatures = (options["temperature"], 1.0) if options["temperature"] != 1 else (1.0,)
+    logprobs, *rest = core.token_logprobs_at(features, head, responses, temperatures, options["chunk_size"])
+    at_one = rest[0] if rest else logprobs
     return logprobs * mask, core.sequence_perplexity(at_one, mask)
