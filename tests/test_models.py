@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from user_setups import build_llama_style_tokenizer
 
-from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer
+from trl_ppomax import PPOMaxRewardConfig, PPOMaxRewardTrainer, models
 from trl_ppomax.models import plain_head, response_logprobs, score_position, sequence_inputs, sequence_scores
 from trl_ppomax.toyworld.tiny import (
     ARCHITECTURES,
@@ -192,6 +192,13 @@ def test_implicit_prompt_falls_back_to_the_common_prefix(tmp_path):
     assert example["response_start"] == shared  # documented: shared leading response words count as prompt
 
 
+def causal_lm_of_vocab(vocab_size: int):
+    from transformers import LlamaConfig
+
+    sizes = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=vocab_size, **sizes))
+
+
 def causal_lm(config_class, **extra):
     torch.manual_seed(0)
     sizes = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
@@ -202,11 +209,12 @@ def causal_lm(config_class, **extra):
     ("arch", "plain"),
     [("llama", True), ("qwen2", True), ("gemma2", False)],  # Gemma 2 soft-caps its logits
 )
-def test_response_logprobs_from_the_head_in_chunks_equal_the_models_own_logits(arch, plain):
+def test_response_logprobs_from_the_head_in_chunks_equal_the_models_own_logits(arch, plain, monkeypatch):
     """A causal LM whose logits are ``lm_head(last hidden state)`` goes through its head in chunks; one whose logits
     are more (a soft cap, a scale) keeps its own logits. Either way the log-probs are those of ``model(...).logits``."""
     from transformers import Gemma2Config, LlamaConfig, Qwen2Config
 
+    monkeypatch.setattr(models, "CHUNK_VOCABULARY", 1)  # chunk_size in positions at this tiny vocabulary
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config}[arch]
     model = causal_lm(config_class, **({"final_logit_softcapping": 2.0} if arch == "gemma2" else {}))
     assert (plain_head(model) is not None) == plain
@@ -236,3 +244,10 @@ def test_use_liger_kernel_patches_every_model_with_the_layer_kernels_only(tmp_pa
     if importlib.util.find_spec("liger_kernel") is None:
         with pytest.raises(ImportError, match="liger-kernel"):
             make_trainer(tmp_path / "without", use_liger_kernel=True)
+
+
+def test_a_chunk_holds_as_many_logits_at_any_vocabulary():
+    """``logprob_chunk_size`` counts positions at Qwen's vocabulary; a smaller one takes proportionally more."""
+    qwen, small = causal_lm_of_vocab(151_936), causal_lm_of_vocab(32_000)
+    assert models.chunk_positions(128, qwen) == 128 and models.chunk_positions(128, small) == 128 * 151_936 // 32_000
+    assert models.chunk_positions(None, small) is None

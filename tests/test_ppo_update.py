@@ -102,7 +102,7 @@ def test_bad_clip_values_are_refused(tmp_path, name):
 
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
-def test_log_probs_in_chunks_give_the_update_the_same_loss_and_gradients(tmp_path, entropy_coef):
+def test_log_probs_in_chunks_give_the_update_the_same_loss_and_gradients(tmp_path, monkeypatch, entropy_coef):
     """One micro-batch of padded responses with a PPO-ptx batch (its own mask), a trained entropy or a logged one:
     the loss, its statistics and every parameter's gradient equal, to 1e-6 in float32, whatever ``logprob_chunk_size``
     (one position, an uneven split, more than the positions, off)."""
@@ -124,6 +124,7 @@ def test_log_probs_in_chunks_give_the_update_the_same_loss_and_gradients(tmp_pat
     experience, _, _ = trainer.make_experience(dataclasses.replace(rollout, response_mask=mask))
     ptx = trainer.updater.next_ptx_batch()
     assert ptx["attention_mask"].min() == 0
+    monkeypatch.setattr(models, "CHUNK_VOCABULARY", 1)  # logprob_chunk_size in positions at the tiny vocabulary
     parameters = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def loss_and_grads(chunk_size):

@@ -70,7 +70,7 @@ class PolicyAndCritic(nn.Module):
         values = token_values(self.critic, inputs, width) if self.critic is not None else None
         ptx = None
         if ptx_inputs is not None:
-            chunk_size = logprob_options.get("chunk_size")
+            chunk_size = chunk_positions(logprob_options.get("chunk_size"), self.policy)
             ptx = core.token_logprobs(*next_token_features(self.policy, ptx_inputs), chunk_size=chunk_size)[0]
         return logprobs, entropy, values, ptx
 
@@ -193,6 +193,18 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(_base(model).forward).parameters
 
 
+#: ``logprob_chunk_size`` counts positions at this vocabulary (Qwen's): a smaller one takes proportionally more.
+CHUNK_VOCABULARY = 151_936
+
+
+def chunk_positions(chunk_size: int | None, model: nn.Module) -> int | None:
+    """Positions per pass through ``model``'s LM head: ``logprob_chunk_size`` at a vocabulary of 151,936, and in
+    proportion more for a smaller one, so that a chunk's logits stay the same size (128 × 151,936 float32, 74 MiB, by
+    default); None: off."""
+    vocabulary = embedding_size(model) or CHUNK_VOCABULARY
+    return None if chunk_size is None else max(chunk_size, chunk_size * CHUNK_VOCABULARY // vocabulary)
+
+
 def logprob_options(args) -> dict:
     """How the update and the scoring forwards compute log-probs: at the log-prob temperature, ``logprob_chunk_size``
     positions through the LM head at a time."""
@@ -213,6 +225,7 @@ def response_logprobs(
     :func:`~trl_ppomax.base.core.token_logprobs` of :func:`response_features`, ``chunk_size`` positions through the
     head at a time (None: all at once)."""
     features, head = response_features(model, inputs, responses.shape[1])
+    chunk_size = chunk_positions(chunk_size, model)
     options = dict(temperature=temperature, chunk_size=chunk_size, entropy=entropy, entropy_grad=entropy_grad)
     return core.token_logprobs(features, head, responses, **options)
 

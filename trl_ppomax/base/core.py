@@ -248,7 +248,7 @@ def token_logprobs(
         return logprobs, ent
 
     size = chunk_size or max(len(flat_tokens), 1)
-    recompute = chunk_size is not None and torch.is_grad_enabled()
+    recompute = chunk_size is not None and torch.is_grad_enabled() and len(flat_tokens) > size  # one chunk: as is
     parts = [
         checkpoint(chunk, h, y, [], use_reentrant=False) if recompute else chunk(h, y, [])
         for h, y in zip(flat_hidden.split(size), flat_tokens.split(size), strict=True)
