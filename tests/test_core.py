@@ -1174,6 +1174,18 @@ def test_nucleus_threshold_cuts_a_crowded_band_again_and_keeps_leading_dimension
         assert torch.equal(core.nucleus_threshold(probs, 0.9, buckets), sorted_nucleus_threshold(probs, 0.9))
 
 
+def test_nucleus_threshold_takes_peaked_rows_from_the_top_and_the_others_by_bands():
+    """A batch mixing peaked rows (their nucleus within the ``leading`` largest probabilities: read from ``topk``) and
+    flat ones (wider: found by bands) gives the full sort's thresholds row by row, whatever ``leading`` is."""
+    peaked, flat = _random_probs(8, 8192, seed=1, scale=8.0), _random_probs(8, 8192, seed=2, scale=0.5)
+    probs = torch.stack([peaked, flat], dim=1).reshape(16, 8192)  # alternating rows
+    expected = sorted_nucleus_threshold(probs, 0.9)
+    for leading in (1, 8, 64, 8192):
+        assert torch.equal(core.nucleus_threshold(probs, 0.9, leading=leading), expected)
+    top_holds = probs.topk(64, dim=-1).values.double().sum(-1) >= 0.9
+    assert top_holds[::2].all() and not top_holds[1::2].any()  # both paths ran
+
+
 def test_nucleus_threshold_keeps_ties_at_the_boundary():
     """[0.3, 0.3, 0.2, 0.1, 0.1] with top_p 0.65: the mass before the sorted values is 0, 0.3, 0.6, 0.8 — the first
     three are kept, τ = 0.2. With top_p 0.85 the fourth (mass before 0.8) is kept, τ = 0.1, and its tie with the

@@ -452,16 +452,30 @@ def normalize_advantages(
 
 
 # -- Sampling: the nucleus (§6.1 top-p), importance weights of another sampler -----------------------------------------
-def nucleus_threshold(probs: torch.Tensor, top_p: float, buckets: int = 1024) -> torch.Tensor:
+def nucleus_threshold(probs: torch.Tensor, top_p: float, buckets: int = 1024, leading: int = 64) -> torch.Tensor:
     """The smallest probability nucleus (top-p) sampling keeps, per row: ``probs`` (..., V) → (...). Sorted
     descending as d₁ ≥ d₂ ≥ …, the nucleus is d₁ … d_K with ``K`` the last index whose preceding mass ``Σ_{i<K} d_i``
     is below ``top_p``, and every token tied with ``τ = d_K`` (what a full sort keeps; masses summed in float64).
 
-    Without sorting the vocabulary: τ is the smallest probability ``t`` with ``Σ_{p>t} p < top_p``, so the row's
-    range is cut into ``buckets`` bands (one scatter of the masses), the band holding τ is found from the masses above
-    each band, and only that band's tokens are sorted (a few per row; cut again while a band holds more than 256)."""
+    Without sorting the vocabulary: a row whose ``leading`` largest probabilities (``topk``) hold ``top_p`` has its
+    ``K`` among them (a trained policy's row, nearly always). The other rows' τ is the smallest probability ``t`` with
+    ``Σ_{p>t} p < top_p``: their range is cut into ``buckets`` bands (one scatter of the masses), the band holding τ
+    is found from the masses above each band, and only that band's tokens are sorted (cut again while it holds more
+    than 256)."""
     shape, vocab = probs.shape[:-1], probs.shape[-1]
     rows = probs.reshape(-1, vocab)
+    top = rows.topk(min(leading, vocab), dim=-1).values  # descending
+    mass = top.double()
+    before = mass.cumsum(-1) - mass
+    threshold = top.gather(-1, (before < top_p).sum(-1, keepdim=True) - 1).squeeze(-1)
+    beyond = (before[:, -1] + mass[:, -1] < top_p).nonzero().squeeze(-1)  # rows whose nucleus is wider than the top
+    if len(beyond):
+        threshold[beyond] = _threshold_by_bands(rows[beyond], top_p, buckets)
+    return threshold.reshape(shape)
+
+
+def _threshold_by_bands(rows: torch.Tensor, top_p: float, buckets: int) -> torch.Tensor:
+    """:func:`nucleus_threshold` of rows (N, V) by value bands (:func:`_nucleus_band`), the band's tokens sorted."""
     band, above = _nucleus_band(rows, top_p, buckets)
     row, column = band.nonzero(as_tuple=True)
     values = rows[row, column]
@@ -473,7 +487,7 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float, buckets: int = 1024) ->
     first = counts.cumsum(0) - counts  # each row's first band entry
     kept = above[row] + before - before[first][row] < top_p
     threshold = torch.full((len(rows),), float("inf"), dtype=rows.dtype, device=rows.device)
-    return threshold.scatter_reduce_(0, row[kept], values[kept], reduce="amin").reshape(shape)
+    return threshold.scatter_reduce_(0, row[kept], values[kept], reduce="amin")
 
 
 def _nucleus_band(rows: torch.Tensor, top_p: float, buckets: int, rounds: int = 3, most: int = 256):
