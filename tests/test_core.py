@@ -1311,16 +1311,19 @@ def test_explained_variance_by_hand():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64, None])
 @pytest.mark.parametrize("trains_entropy", [False, True])
+@pytest.mark.parametrize("head_kind", ["linear", "callable"])
 def test_token_logprobs_in_chunks_equal_the_whole_logits_in_values_and_gradients(
-    temperature, chunk_size, trains_entropy
+    temperature, chunk_size, trains_entropy, head_kind
 ):
     """float32, several chunk sizes (one position, an uneven split, more than the positions, off), a masked loss:
     log-probs, entropy and the gradients of the hidden states and of the head equal trl's ``selective_log_softmax``
-    and ``entropy_from_logits`` on the whole (B, T, V) logits to 1e-6."""
+    and ``entropy_from_logits`` on the whole (B, T, V) logits to 1e-6; for an ``nn.Linear`` head (its chunks written
+    out, sharing buffers) and for any other callable (a checkpoint per chunk)."""
     from trl.trainer.utils import selective_log_softmax_and_entropy
 
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50)
+    linear = torch.nn.Linear(16, 50)
+    head = linear if head_kind == "linear" else lambda h: linear(h)
     hidden = torch.randn(3, 7, 16, requires_grad=True)
     tokens, mask = torch.randint(0, 50, (3, 7)), torch.ones(3, 7)
     mask[1, 4:], mask[2, 1:] = 0, 0  # padded responses
@@ -1330,7 +1333,7 @@ def test_token_logprobs_in_chunks_equal_the_whole_logits_in_values_and_gradients
         loss = masked_mean(logprobs * advantages, mask)
         if trains_entropy:
             loss = loss + masked_mean(entropy * entropy_weights, mask)
-        grads = torch.autograd.grad(loss, [hidden, head.weight, head.bias])
+        grads = torch.autograd.grad(loss, [hidden, linear.weight, linear.bias])
         return [logprobs, entropy, *grads]
 
     expected = loss_and_grads(
@@ -1361,6 +1364,59 @@ def test_token_logprobs_hold_one_chunks_logits_at_a_time():
     with torch.no_grad():
         token_logprobs(hidden, head, tokens, chunk_size=None)
     assert seen == [10]
+
+
+def chunk_sized_allocations(head, positions: int, chunk_size: int, vocab: int) -> int:
+    """How many allocations of at least one chunk's logits a forward and backward of ``token_logprobs`` makes."""
+    from torch.profiler import profile
+
+    hidden, tokens = torch.randn(positions, 8, requires_grad=True), torch.randint(0, vocab, (positions,))
+    with profile(profile_memory=True) as profiler:
+        token_logprobs(hidden, head, tokens, chunk_size=chunk_size, entropy=True)[0].sum().backward()
+    events = profiler.events()
+    return sum(e.name.startswith("aten::") and e.cpu_memory_usage >= chunk_size * vocab * 4 for e in events)
+
+
+def test_a_linear_heads_chunks_share_their_buffers_any_other_head_allocates_per_chunk():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 1000)
+    shared = [chunk_sized_allocations(linear, positions, 4, 1000) for positions in (32, 128)]
+    assert shared[0] == shared[1] < 32  # a few buffers per call (nested ops count too), however many chunks
+    per_chunk = [chunk_sized_allocations(lambda h: linear(h), positions, 4, 1000) for positions in (32, 128)]
+    assert per_chunk[1] >= 4 * 32 > shared[1]  # ≥ one per chunk of 128 positions
+
+
+@pytest.mark.parametrize("setup", ["frozen_head", "no_bias", "hooked", "bf16_autocast"])
+def test_token_logprobs_of_a_linear_head_equal_its_calls_chunk_by_chunk(setup):
+    """Where the head is a plain ``nn.Linear`` its chunks are written out; they equal the head called chunk by chunk
+    (a checkpoint each) with a frozen head, without a bias, under bf16 autocast (where the head's gradient is summed
+    over the chunks in float32, autocast's in bf16: equal to bf16's precision); a head with a forward hook (ZeRO-3's
+    gathering, accelerate's offload) is called for every chunk."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 300, bias=setup != "no_bias")
+    linear.requires_grad_(setup != "frozen_head")
+    calls = []
+    if setup == "hooked":
+        linear.register_forward_pre_hook(lambda module, args: calls.append(len(args[0])))
+    hidden, tokens, weights = (
+        torch.randn(2, 9, 16, requires_grad=True),
+        torch.randint(0, 300, (2, 9)),
+        torch.randn(2, 9),
+    )
+    parameters = [hidden] + [p for p in linear.parameters() if p.requires_grad]
+
+    def outputs(head):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup == "bf16_autocast"):
+            logprobs, entropy = token_logprobs(hidden, head, tokens, chunk_size=4, entropy=True, entropy_grad=True)
+        loss = (logprobs * weights).sum() + entropy.mean()
+        return [logprobs, entropy, *torch.autograd.grad(loss, parameters)]
+
+    got = outputs(linear)
+    if setup == "hooked":
+        assert sorted(calls) == [2, 2] + [4] * 8  # forward, and each chunk again in backward
+    for index, (got_one, want) in enumerate(zip(got, outputs(lambda h: linear(h)), strict=True)):
+        bf16_sum = setup == "bf16_autocast" and index > 2  # the head's parameters
+        assert_close(got_one, want, atol=3e-2 if bf16_sum else 1e-6, rtol=1.6e-2 if bf16_sum else 1e-6)
 
 
 def test_next_token_loss_is_the_lm_loss_of_the_label_log_probs():

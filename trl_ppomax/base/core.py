@@ -180,12 +180,39 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return torch.stack(rows)
 
 
+def _softmax_statistics(z: torch.Tensor, entropy: bool, scratch: torch.Tensor | None = None):
+    """``(lse, H or None)`` (N,) of logits ``z`` (N, V): ``lse = logsumexp(z)`` (as ``torch.logsumexp``: the row's
+    maximum taken out) and ``H = lse − Σ p·z`` (0·(−inf) counts as 0), through one (N, V) ``scratch`` (a new one if
+    None)."""
+    top = z.amax(-1, keepdim=True)
+    top.masked_fill_(top.abs() == math.inf, 0.0)
+    scratch = torch.sub(z, top, out=scratch).exp_()
+    lse = scratch.sum(-1).log_().add_(top.squeeze(-1))
+    ent = lse - torch.sub(z, lse.unsqueeze(-1), out=scratch).exp_().mul_(z).nansum(-1) if entropy else None
+    return lse, ent
+
+
+def _logit_gradient(log_p, tokens, ent, grad_logprobs, grad_entropy, temperature: float, scratch=None):
+    """∂/∂z of ``Σ g_y·log p_y + Σ g_H·H`` with ``p = softmax(z / τ)``, written into ``log_p`` (N, V) (``z / τ −
+    lse``): ``∂ log p_y / ∂z = (1[v = y] − p) / τ``, ``∂H / ∂z = −p·(log p + H) / τ``; ``scratch`` (N, V) holds p
+    when the entropy has a gradient (a new one if None)."""
+    if grad_entropy is None:  # −p·g_y
+        grad = log_p.exp_().mul_(-grad_logprobs.unsqueeze(-1))
+    else:  # −p·(log p + H)·g_H − p·g_y
+        p = torch.exp(log_p, out=scratch)
+        grad = log_p.add_(ent.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
+        if grad_logprobs is not None:
+            grad.sub_(p.mul_(grad_logprobs.unsqueeze(-1)))
+    if grad_logprobs is not None:
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+    return grad.div_(temperature) if temperature != 1.0 else grad
+
+
 class _ChosenLogProb(torch.autograd.Function):
     """``log softmax(z / τ)[y]`` (N,) and the entropy ``H`` (N,) of ``softmax(z / τ)`` from logits ``z`` (N, V), with
-    the gradient written out: ``∂ log p_y / ∂z = (1[v = y] − p) / τ`` and ``∂H / ∂z = −p·(log p + H) / τ``. It saves
-    the float32 logits and the two (N,) statistics; its backward needs at most two (N, V) buffers. Returns
-    ``(log p_y, H or None, lse)``, ``lse = logsumexp(z / τ)`` without a gradient; ``known = (lse, H)`` of these very
-    logits (a recomputation) skips the reductions."""
+    the gradient written out (:func:`_logit_gradient`). It saves the float32 logits and the two (N,) statistics; its
+    backward needs at most two (N, V) buffers. Returns ``(log p_y, H or None, lse)``, ``lse = logsumexp(z / τ)``
+    without a gradient; ``known = (lse, H)`` of these very logits (a recomputation) skips the reductions."""
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float, entropy: bool, entropy_grad: bool, known: tuple = ()):
@@ -193,9 +220,7 @@ class _ChosenLogProb(torch.autograd.Function):
         if known:
             lse, ent = (None if t is None else t.clone() for t in known)
         else:
-            lse, ent = torch.logsumexp(z, dim=-1), None
-            if entropy:  # H = lse − Σ p·z, one (N, V) buffer; 0·(−inf) counts as 0
-                ent = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).nansum(-1)
+            lse, ent = _softmax_statistics(z, entropy)
         logprobs = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
         ctx.save_for_backward(z, tokens, lse, ent if entropy_grad else None)
         ctx.temperature, ctx.logits_dtype = temperature, logits.dtype
@@ -206,19 +231,118 @@ class _ChosenLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, _):
         z, tokens, lse, ent = ctx.saved_tensors
-        log_p = z - lse.unsqueeze(-1)
-        if grad_entropy is None:  # −p·g_y
-            grad = log_p.exp_().mul_(-grad_logprobs.unsqueeze(-1))
-        else:  # −p·(log p + H)·g_H − p·g_y
-            p = log_p.exp()
-            grad = log_p.add_(ent.unsqueeze(-1)).mul_(p).mul_(-grad_entropy.unsqueeze(-1))
-            if grad_logprobs is not None:
-                grad.sub_(p.mul_(grad_logprobs.unsqueeze(-1)))
-        if grad_logprobs is not None:
-            grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
+        grad = _logit_gradient(z - lse.unsqueeze(-1), tokens, ent, grad_logprobs, grad_entropy, ctx.temperature)
         return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+class _LinearHeadLogProbs(torch.autograd.Function):
+    """:class:`_ChosenLogProb` through a linear head, ``z = (h Wᵀ + b) / τ`` for hidden states ``h`` (N, H), weight
+    ``W`` (V, H) and bias ``b`` (V,) or None, ``chunk_size`` positions at a time and written out: the forward keeps
+    ``lse`` and ``H`` (N,), the backward recomputes each chunk's logits and adds ``∂h = ∂z·W``, ``∂W += ∂zᵀ·h`` and
+    ``∂b += Σ ∂z``. Every chunk goes through the same (c, V) buffers, allocated once per call (two in float32, one
+    in the matmul's precision below it): :func:`token_logprobs` with a checkpoint per chunk, without allocating a
+    chunk's logits, their gradient and ``∂W`` again for every chunk. The matmul runs at autocast's precision when
+    autocast is on, as ``nn.Linear`` would. Returns ``(log p_y, H or None)`` (N,)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk_size: int, entropy, entropy_grad):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        logprobs = hidden.new_empty(len(hidden), dtype=torch.float32)
+        lse, ent = torch.empty_like(logprobs), torch.empty_like(logprobs) if entropy else None
+        with torch.autocast(device, enabled=False):
+            head = _ChunkedLinear(hidden, weight, bias, dtype, chunk_size)
+            for rows, z in head.logits(temperature):
+                lse[rows], chunk_ent = _softmax_statistics(z, entropy, head.scratch[: len(z)])
+                logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+                if entropy:
+                    ent[rows] = chunk_ent
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent if entropy_grad else None)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        ctx.set_materialize_grads(False)
+        if entropy and not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logprobs, ent
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 8
+        with torch.autocast(hidden.device.type, enabled=False):
+            head = _ChunkedLinear(hidden, weight, bias, ctx.dtype, ctx.chunk_size)
+            grad_hidden = torch.empty_like(head.hidden) if needs_hidden else None
+            grad_weight = torch.zeros_like(weight) if needs_weight else None
+            grad_bias = torch.zeros_like(bias) if needs_bias else None
+            low_weight_grad = None  # ∂W of a chunk at the matmul's precision when below the weight's (autocast)
+            for rows, z in head.logits(ctx.temperature):
+                ent_rows, lse_rows = None if ent is None else ent[rows], lse[rows].unsqueeze(-1)
+                grad_y = None if grad_logprobs is None else grad_logprobs[rows]
+                grad_h = None if grad_entropy is None else grad_entropy[rows]
+                scratch = head.scratch[: len(z)]
+                grad = _logit_gradient(
+                    z.sub_(lse_rows), tokens[rows], ent_rows, grad_y, grad_h, ctx.temperature, scratch
+                )
+                grad = head.at_matmul_precision(grad)
+                if needs_hidden:
+                    torch.mm(grad, head.weight, out=grad_hidden[rows])
+                if needs_weight and ctx.dtype == weight.dtype:
+                    grad_weight.addmm_(grad.t(), head.hidden[rows])
+                elif needs_weight:
+                    low_weight_grad = torch.mm(grad.t(), head.hidden[rows], out=low_weight_grad)
+                    grad_weight.add_(low_weight_grad)
+                if needs_bias:
+                    grad_bias.add_(grad.sum(0))
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+class _ChunkedLinear:
+    """A linear head's logits ``z = (h Wᵀ + b) / τ`` (c, V) in float32, chunk by chunk through one reused buffer,
+    the matmul at ``dtype`` (as ``F.linear`` of ``h``, ``W``, ``b`` cast to it); ``scratch`` (c, V) float32 is
+    the callers' to use within a chunk."""
+
+    def __init__(self, hidden, weight, bias, dtype: torch.dtype, chunk_size: int) -> None:
+        self.hidden, self.weight = hidden.to(dtype), weight.to(dtype)
+        self.bias = None if bias is None else bias.to(dtype)
+        self.chunk_size = chunk_size
+        shape = (min(chunk_size, len(hidden)), len(weight))
+        self.z = hidden.new_empty(shape, dtype=torch.float32)
+        self.scratch = torch.empty_like(self.z)
+        self.low = None if dtype == torch.float32 else hidden.new_empty(shape, dtype=dtype)
+
+    def logits(self, temperature: float):
+        """``(rows, z)`` for each chunk of positions: a slice of them and its logits (a view of the buffer, valid
+        until the next chunk)."""
+        for start in range(0, len(self.hidden), self.chunk_size):
+            rows = slice(start, start + self.chunk_size)
+            h = self.hidden[rows]
+            z = self.z[: len(h)]
+            out = z if self.low is None else self.low[: len(h)]
+            if self.bias is None:
+                torch.mm(h, self.weight.t(), out=out)
+            else:
+                torch.addmm(self.bias, h, self.weight.t(), out=out)
+            if self.low is not None:
+                z.copy_(out)
+            yield rows, z.div_(temperature) if temperature != 1.0 else z
+
+    def at_matmul_precision(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (c, V) float32 at the matmul's precision (in the low-precision buffer when below float32)."""
+        return grad if self.low is None else self.low[: len(grad)].copy_(grad)
+
+
+def _plain_linear(head) -> bool:
+    """Whether calling ``head`` is ``F.linear`` with its own whole, local parameters and nothing more: an
+    ``nn.Linear`` without hooks (ZeRO-3's gathering, accelerate's offload) nor a replaced ``forward``, its weight
+    neither a partition (ZeRO-3) nor a DTensor shard."""
+    return (
+        type(head) is torch.nn.Linear
+        and not (head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head))
+        and type(head.weight.data) is torch.Tensor
+        and tuple(head.weight.shape) == (head.out_features, head.in_features)
+    )
 
 
 def token_logprobs(
@@ -249,6 +373,10 @@ def token_logprobs(
 
     size = chunk_size or max(len(flat_tokens), 1)
     recompute = chunk_size is not None and torch.is_grad_enabled() and len(flat_tokens) > size  # one chunk: as is
+    if recompute and _plain_linear(head):  # the same, written out: the chunks share their buffers
+        options = (temperature, size, entropy, entropy_grad)
+        logprobs, ent = _LinearHeadLogProbs.apply(flat_hidden, head.weight, head.bias, flat_tokens, *options)
+        return logprobs.view(tokens.shape), None if ent is None else ent.view(tokens.shape)
     parts = [
         checkpoint(chunk, h, y, [], use_reentrant=False) if recompute else chunk(h, y, [])
         for h, y in zip(flat_hidden.split(size), flat_tokens.split(size), strict=True)
