@@ -1,5 +1,5 @@
 """Peak memory of a PPO-max iteration at Qwen's vocabulary (151,936), with the log-probs computed in chunks through
-the LM head (``logprob_chunk_size``, the default 256) and from the whole logits (``None``), and the vocabulary's share
+the LM head (``logprob_chunk_size``, the default 128) and from the whole logits (``None``), and the vocabulary's share
 of it: the same run at a vocabulary of 1,024 is the baseline.
 
     python benchmarks/vocab_memory.py --output benchmarks/results/vocab_memory.json           # CPU, tiny llama
