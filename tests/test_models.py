@@ -246,8 +246,11 @@ def test_use_liger_kernel_patches_every_model_with_the_layer_kernels_only(tmp_pa
             make_trainer(tmp_path / "without", use_liger_kernel=True)
 
 
-def test_a_chunk_holds_as_many_logits_at_any_vocabulary():
-    """``logprob_chunk_size`` counts positions at Qwen's vocabulary; a smaller one takes proportionally more."""
+def test_a_chunk_holds_as_many_logits_at_any_vocabulary_under_autograd_and_as_many_positions_without():
+    """Under autograd ``logprob_chunk_size`` counts positions at Qwen's vocabulary, a smaller one takes
+    proportionally more; without it, positions at any vocabulary."""
     qwen, small = causal_lm_of_vocab(151_936), causal_lm_of_vocab(32_000)
     assert models.chunk_positions(128, qwen) == 128 and models.chunk_positions(128, small) == 128 * 151_936 // 32_000
     assert models.chunk_positions(None, small) is None
+    with torch.no_grad():  # nothing recomputed: a chunk more costs a loop step only
+        assert models.chunk_positions(128, small) == 128 and models.chunk_positions(None, small) is None

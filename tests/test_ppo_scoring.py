@@ -50,6 +50,24 @@ def test_the_scorers_log_probs_are_the_policys_forward_and_the_references_before
     assert torch.all(rollout.logprobs[rollout.response_mask == 0] == 0)
 
 
+def test_the_scoring_forwards_take_logprob_chunk_size_positions_at_any_vocabulary(tmp_path):
+    """No gradient, nothing to recompute: the scoring forwards' chunks are ``logprob_chunk_size`` positions even at
+    a small vocabulary, where the update's grow (``models.chunk_positions``) — the least memory at no recomputation."""
+    trainer = make_trainer(tmp_path, logprob_chunk_size=4)
+    assert models.chunk_positions(4, trainer.model.policy) > 100  # the update's chunk at the tiny vocabulary
+    rows = []
+    heads = {trainer.model.policy.get_output_embeddings(), trainer.ref_model.get_output_embeddings()}
+    hooks = [head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape)) for head in heads]
+    try:
+        rollout = trainer.rollouts.training(1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    chunks = [shape[0] for shape in rows if len(shape) == 2]  # the model's own calls keep (B, 1, H)
+    assert chunks and max(chunks) == 4
+    assert sum(chunks) >= int(rollout.response_mask.shape[0])  # every scored position went through a chunk
+
+
 def test_the_missing_stop_token_penalty_is_taken_from_unfinished_responses_only(trainer):
     scorer, prompts = trainer.rollouts.scorer, trainer.rollouts.prompt_batch(1)
     query_ids, query_mask = prompts.query_ids[:2], prompts.query_mask[:2]

@@ -193,16 +193,20 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(_base(model).forward).parameters
 
 
-#: ``logprob_chunk_size`` counts positions at this vocabulary (Qwen's): a smaller one takes proportionally more.
+#: Under autograd ``logprob_chunk_size`` counts positions at this vocabulary (Qwen's): a smaller one takes
+#: proportionally more.
 CHUNK_VOCABULARY = 151_936
 
 
 def chunk_positions(chunk_size: int | None, model: nn.Module) -> int | None:
-    """Positions per pass through ``model``'s LM head: ``logprob_chunk_size`` at a vocabulary of 151,936, and in
-    proportion more for a smaller one, so that a chunk's logits stay the same size (128 × 151,936 float32, 74 MiB, by
-    default); None: off."""
+    """Positions per pass through ``model``'s LM head under autograd: ``logprob_chunk_size`` at a vocabulary of
+    151,936, and in proportion more for a smaller one, so that a chunk's logits stay the same size (128 × 151,936
+    float32, 74 MiB, by default) and few chunks are recomputed in backward. Without autograd nothing is recomputed
+    and a chunk more costs a loop step only: ``logprob_chunk_size`` at any vocabulary. None: off."""
+    if chunk_size is None or not torch.is_grad_enabled():
+        return chunk_size
     vocabulary = embedding_size(model) or CHUNK_VOCABULARY
-    return None if chunk_size is None else max(chunk_size, chunk_size * CHUNK_VOCABULARY // vocabulary)
+    return max(chunk_size, chunk_size * CHUNK_VOCABULARY // vocabulary)
 
 
 def logprob_options(args) -> dict:

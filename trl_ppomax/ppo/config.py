@@ -300,10 +300,11 @@ class PPOMaxConfig(GRPOArguments, TrainingArguments):
     )
     logprob_chunk_size: int | None = _field(
         128,
-        "Token positions per pass through the LM head when computing log-probs and entropy (update and scoring), at "
-        "a vocabulary of 151,936 (a smaller one takes proportionally more, each chunk's logits the same size): the "
+        "Token positions per pass through the LM head when computing log-probs and entropy (update and scoring): the "
         "policy's and reference's (B, T, V) logits are never held whole, each chunk's are recomputed in backward; "
-        "values and gradients equal the unchunked ones. None: all positions at once (the whole logits).",
+        "values and gradients equal the unchunked ones. Under autograd the count is at a vocabulary of 151,936 (a "
+        "smaller one takes proportionally more, each chunk's logits the same size); no-grad forwards (scoring) take "
+        "it at any vocabulary. None: all positions at once (the whole logits).",
     )
     num_sample_generations: int = _field(10, "Number of `generate_completions` sample tables printed during training.")
     response_length: int = _field(53, "Maximum number of generated response tokens.")

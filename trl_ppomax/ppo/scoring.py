@@ -68,15 +68,13 @@ class Scorer:
         logprobs = policy_perplexity = weights = None
         if policy or sampler_logprobs is not None:
             features, head = models.response_features(wrapper.policy, inputs, width)
-            logprobs, policy_perplexity = logprobs_and_perplexity(features, head, responses, mask, self.args, policy)
+            logprobs, policy_perplexity = logprobs_and_perplexity(features, head, responses, mask, self.args)
         if sampler_logprobs is not None:  # another sampler (vLLM, the producer's older copy): the gap to the policy's
             sampler, policy_logits = sampler_logprobs[:, :width], head(features)  # its nucleus needs the whole logits
             weights = self.generation.importance_weights(policy_logits, logprobs, responses, policy_mask, sampler)
         with models.reference_policy(self.ref_model, wrapper.policy, self.args.ref_adapter_name) as reference:
             features, head = models.response_features(reference, inputs, width)
-            ref_logprobs, ref_perplexity = logprobs_and_perplexity(
-                features, head, responses, mask, self.args, reference
-            )
+            ref_logprobs, ref_perplexity = logprobs_and_perplexity(features, head, responses, mask, self.args)
         fields = dict(query_ids=query_ids, query_mask=query_mask, response_ids=responses, response_mask=mask)
         fields.update(env_mask=env_mask)
         fields.update(logprobs=logprobs, ref_logprobs=ref_logprobs, sampling_weights=weights)
@@ -116,14 +114,14 @@ def policy_logprobs(model: nn.Module, query_ids, query_mask, responses, mask, ar
 
 
 def logprobs_and_perplexity(
-    features: torch.Tensor, head, responses: torch.Tensor, mask: torch.Tensor, args, model: nn.Module | None = None
+    features: torch.Tensor, head, responses: torch.Tensor, mask: torch.Tensor, args
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked log-probs (B, T) of ``responses`` at the log-prob temperature and the perplexity (B,) at temperature 1,
-    from ``head(features)`` (:func:`~trl_ppomax.models.response_features`) in chunks (``model``'s
-    :func:`~trl_ppomax.models.chunk_positions`, else ``logprob_chunk_size``), the head run once per chunk for both."""
+    from ``head(features)`` (:func:`~trl_ppomax.models.response_features`), the head run once per chunk for both.
+    A chunk is ``logprob_chunk_size`` positions at any vocabulary, as :func:`~trl_ppomax.models.chunk_positions`
+    takes it without a gradient."""
     options = models.logprob_options(args)
     temperatures = (options["temperature"], 1.0) if options["temperature"] != 1 else (1.0,)
-    chunk_size = options["chunk_size"] if model is None else models.chunk_positions(options["chunk_size"], model)
-    logprobs, *rest = core.token_logprobs_at(features, head, responses, temperatures, chunk_size)
+    logprobs, *rest = core.token_logprobs_at(features, head, responses, temperatures, options["chunk_size"])
     at_one = rest[0] if rest else logprobs
     return logprobs * mask, core.sequence_perplexity(at_one, mask)
