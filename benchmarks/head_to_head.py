@@ -57,6 +57,8 @@ KEYS = [
     "reward_seconds",
     "update_and_rest_seconds",
     "peak_memory_gb",
+    "peak_memory_before_train_gb",
+    "peak_memory_growth_in_train_gb",
 ]
 #: Ours against TRL's: (ours, theirs).
 PAIRS = [
@@ -253,7 +255,8 @@ def print_table(medians: dict, ratios: dict, forwards: dict) -> None:
     for name, values in ratios.items():
         print(
             f"{name:<34} train {values['train_seconds']:5.2f}  process {values['process_seconds']:5.2f}  "
-            f"peak memory {values['peak_memory_gb']:5.2f}  generation {values['generation_seconds']:5.2f}  "
+            f"peak memory {values['peak_memory_gb']:5.2f} (growth in train "
+            f"{values['peak_memory_growth_in_train_gb'] or 0:5.2f})  generation {values['generation_seconds']:5.2f}  "
             f"update+rest {values['update_and_rest_seconds']:5.2f}"
         )
 

@@ -3,7 +3,8 @@ log-prob head, or with a plain completion-only log-softmax head) or ``PPOMaxTrai
 on identical work, in a fresh process.
 
 Prints one line ``RESULT {json}`` at the end: the process's and ``train()``'s wall time, the time split by phase
-(generation; the no-grad scoring forwards; the reward function; the update and the rest), the peak memory, and the
+(generation; the no-grad scoring forwards; the reward function; the update and the rest), the peak memory (and
+its value when ``train()`` began: the libraries, the models and the trainer built), and the
 work proof: what each trainer logged (optimizer steps, mean completion length) and what wrapping counted (generate
 calls, completions, generated tokens, the rows of every forward by model and by grad mode, optimizer steps).
 
@@ -520,10 +521,12 @@ def main() -> None:
     PHASES.clear()
     COUNTS.clear()
     _sync()
+    peak_before_train = peak_memory_bytes(args.device)
     start = time.perf_counter()
     trainer.train()
     _sync()
     train_seconds = time.perf_counter() - start
+    peak = peak_memory_bytes(args.device)
     changed = [name for name, p in policy.named_parameters() if not torch.equal(before[name], p.detach())]
     assert changed, f"{args.impl}: no policy parameter changed in train()"
     counts = dict(COUNTS)
@@ -538,7 +541,9 @@ def main() -> None:
         "train_seconds": train_seconds,
         "process_seconds": time.perf_counter() - PROCESS_START,
         **phases,
-        "peak_memory_gb": peak_memory_bytes(args.device) / 1e9,
+        "peak_memory_gb": peak / 1e9,
+        "peak_memory_before_train_gb": peak_before_train / 1e9,
+        "peak_memory_growth_in_train_gb": (peak - peak_before_train) / 1e9,
         "peak_memory_kind": "cuda max_memory_allocated" if args.device == "cuda" else "VmHWM (peak RSS)",
         "global_step": trainer.state.global_step,
         "completions": rows,

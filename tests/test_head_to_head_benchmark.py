@@ -55,6 +55,10 @@ def test_quick_run_has_every_impl_on_the_same_work(report):
             split = ("generation_seconds", "scoring_forwards_seconds", "reward_seconds", "update_and_rest_seconds")
             assert sum(run[name] for name in split) == pytest.approx(run["train_seconds"], rel=1e-6), impl
             assert run["peak_memory_gb"] > 0, impl
+            assert 0 < run["peak_memory_before_train_gb"] <= run["peak_memory_gb"], impl
+            assert run["peak_memory_growth_in_train_gb"] == pytest.approx(
+                run["peak_memory_gb"] - run["peak_memory_before_train_gb"]
+            ), impl
     # TRL's own token count (prompt + completion tokens) is what the wrappers counted
     for impl in ("trl_grpo", "trl_rloo"):
         run = report["runs"][impl][0]
