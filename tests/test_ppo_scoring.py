@@ -65,7 +65,8 @@ def test_the_scoring_forwards_take_logprob_chunk_size_positions_at_any_vocabular
             hook.remove()
     chunks = [shape[0] for shape in rows if len(shape) == 2]  # the model's own calls keep (B, 1, H)
     assert chunks and max(chunks) == 4
-    assert sum(chunks) >= int(rollout.response_mask.shape[0])  # every scored position went through a chunk
+    # every response position once through each head, the policy's and the reference's
+    assert sum(chunks) == 2 * rollout.response_ids.numel()
 
 
 def test_the_missing_stop_token_penalty_is_taken_from_unfinished_responses_only(trainer):
